@@ -1,0 +1,89 @@
+"""The `lora-ppo` command line: parsing and wiring only; the work lives in the modules."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from lora_ppo.errors import RecipeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="RLHF with PPO on one 4-bit backbone.")
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _quiet_libraries() -> None:
+    # Library progress bars and warnings would bury the run's own output.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+@app.command()
+def train(
+    recipe: Path = typer.Argument(..., help="YAML recipe file."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="Overrides like ppo.kl_coef=0.1 train.steps=20."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="Print a log line per step instead of a bar."),
+) -> None:
+    """Run PPO as the recipe says."""
+    from lora_ppo.config import load_recipe
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        cfg = load_recipe(recipe, overrides or [])
+    except RecipeError as err:
+        _fail(str(err))
+    _quiet_libraries()
+    from lora_ppo.trainer import PPOTrainer, format_summary
+    from lora_ppo.rewards import RewardError
+
+    try:
+        trainer = PPOTrainer(cfg, progress=not no_progress and sys.stderr.isatty())
+        typer.echo(
+            f"training {cfg.model.name} ({cfg.model.quantization}) for {cfg.train.steps} steps "
+            f"on {len(trainer.train_prompts.prompts)} prompts -> {cfg.train.output_dir}",
+            err=True,
+        )
+        summary = trainer.train()
+    except RecipeError as err:
+        _fail(str(err))
+    except RewardError as err:
+        _fail(str(err), code=1)
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_INTERRUPTED)
+    typer.echo(format_summary(summary))
+
+
+@app.command()
+def validate(recipe: Path = typer.Argument(..., help="YAML recipe file."),
+             overrides: Optional[List[str]] = typer.Argument(None, help="Overrides like ppo.kl_coef=0.1.")) -> None:
+    """Check a recipe without loading anything; print the resolved recipe."""
+    from lora_ppo.config import load_recipe, recipe_to_yaml
+
+    try:
+        cfg = load_recipe(recipe, overrides or [])
+    except RecipeError as err:
+        _fail(str(err))
+    typer.echo(recipe_to_yaml(cfg), nl=False)
+
+
+if __name__ == "__main__":
+    app()

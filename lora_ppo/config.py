@@ -1,0 +1,246 @@
+"""The recipe schema: one pydantic model per YAML section, cross-field checks, derived sizes.
+
+A recipe is validated once and never written back at run time. Every bad value becomes a
+one-line `RecipeError` naming the field path and the value.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from lora_ppo.errors import RecipeError
+
+Quantization = Literal["4bit", "8bit", "none"]
+
+
+class Section(BaseModel):
+    # Unknown keys are errors: a typo in a recipe must not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelConfig(Section):
+    name: str = "builtin:smollm2-135m-instruct"
+    quantization: Quantization = "4bit"
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = True
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+
+
+class LoraSettings(Section):
+    r: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)
+    target_modules: Union[Literal["all-linear"], list[str]] = "all-linear"
+    # A PEFT adapter folder to start from (e.g. an SFT adapter) instead of a fresh LoRA.
+    init_from: Optional[str] = None
+
+
+class AdaptersConfig(Section):
+    policy: LoraSettings = LoraSettings()
+    value: LoraSettings = LoraSettings()
+    # "auto": the policy's init_from adapter, frozen, when there is one, else adapters disabled.
+    # "disable": the bare base model. Anything else: a PEFT adapter folder, loaded frozen.
+    reference: str = "auto"
+
+    @property
+    def reference_adapter_path(self) -> Optional[str]:
+        """The adapter folder the reference role uses, or None for adapters disabled."""
+        if self.reference == "disable":
+            return None
+        if self.reference == "auto":
+            return self.policy.init_from
+        return self.reference
+
+
+class RewardConfig(Section):
+    kind: Literal["vader", "function", "classifier"] = "vader"
+    # kind=function: "package.module:function" taking (prompts, completions) -> list[float].
+    function: Optional[str] = None
+    # kind=classifier: a Hugging Face sequence-classification model (folder or hub id).
+    model: Optional[str] = None
+    # Which classifier logit is the score; default: the last one (the "positive" class).
+    label: Optional[int] = None
+    batch_size: int = Field(16, gt=0)
+    max_length: int = Field(512, gt=0)
+    # Independent scores logged beside the reward (never optimised) so reward hacking shows.
+    also_log: list[Literal["vader", "textblob"]] = []
+
+    @model_validator(mode="after")
+    def _source_fields(self) -> "RewardConfig":
+        if self.kind == "function" and not self.function:
+            raise ValueError("reward.function is required when reward.kind is 'function'")
+        if self.kind == "function" and ":" not in (self.function or ""):
+            raise ValueError(f"reward.function must look like 'module:function', got {self.function!r}")
+        if self.kind == "classifier" and not self.model:
+            raise ValueError("reward.model is required when reward.kind is 'classifier'")
+        return self
+
+
+class DataConfig(Section):
+    # A local .jsonl/.json/.csv/.parquet/.txt file, a Hugging Face dataset id, or builtin:<name>.
+    source: str = "builtin:movie_review_openers"
+    split: str = "train"
+    prompt_column: str = "prompt"
+    chat_template: bool = False
+    max_prompt_tokens: int = Field(64, gt=0)
+    # Held-out prompts: from eval_source when given, else eval_size prompts split off source.
+    eval_source: Optional[str] = "builtin:movie_review_openers_heldout"
+    eval_split: str = "train"
+    eval_size: int = Field(64, ge=0)
+
+
+class RolloutConfig(Section):
+    batch_size: int = Field(16, gt=0)
+    max_new_tokens: int = Field(24, gt=0)
+    temperature: float = Field(1.0, gt=0.0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # "eos": the tokenizer's eos token; any other string: that token; null: never stop early.
+    stop_token: Optional[str] = "eos"
+    missing_eos_penalty: Optional[float] = None
+    # Rows per forward pass when scoring a rollout (old/ref logprobs, values).
+    forward_batch_size: int = Field(16, gt=0)
+
+
+class PPOConfig(Section):
+    num_epochs: int = Field(4, gt=0)
+    num_minibatches: int = Field(1, gt=0)
+    grad_accum_steps: int = Field(1, gt=0)
+    clip_eps: float = Field(0.2, gt=0.0)
+    value_clip_eps: float = Field(0.2, gt=0.0)
+    vf_coef: float = Field(0.1, ge=0.0)
+    kl_coef: float = Field(0.05, ge=0.0)
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    whiten_rewards: bool = False
+    whiten_advantages: bool = True
+    entropy_coef: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    learning_rate: float = Field(1e-4, gt=0.0)
+    # The value adapter and head; default: learning_rate.
+    value_learning_rate: Optional[float] = Field(None, gt=0.0)
+    lr_schedule: Literal["constant", "linear"] = "constant"
+
+
+class TrainConfig(Section):
+    steps: int = Field(100, gt=0)
+    seed: int = 0
+    output_dir: str = "runs/ppo"
+    overwrite: bool = False
+    # 0 turns a periodic action off.
+    save_every: int = Field(0, ge=0)
+    log_every: int = Field(1, gt=0)
+    sample_every: int = Field(10, ge=0)
+    eval: bool = True
+
+
+class Recipe(Section):
+    model: ModelConfig = ModelConfig()
+    adapters: AdaptersConfig = AdaptersConfig()
+    reward: RewardConfig = RewardConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    ppo: PPOConfig = PPOConfig()
+    train: TrainConfig = TrainConfig()
+
+    @model_validator(mode="after")
+    def _batch_split(self) -> "Recipe":
+        parts = self.ppo.num_minibatches * self.ppo.grad_accum_steps
+        if self.rollout.batch_size % parts:
+            raise ValueError(
+                f"rollout.batch_size ({self.rollout.batch_size}) must be divisible by "
+                f"ppo.num_minibatches * ppo.grad_accum_steps ({parts})"
+            )
+        return self
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.rollout.batch_size // self.ppo.num_minibatches
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.minibatch_size // self.ppo.grad_accum_steps
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    path = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        line = f"{path}: unknown field (check the spelling)"
+    elif first["type"] == "missing":
+        line = f"{path}: required field is missing"
+    elif path:
+        line = f"{path}: {msg} (got {first.get('input')!r})"
+    else:
+        line = msg
+    more = len(err.errors()) - 1
+    return line + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.field=value` overrides; values are parsed as YAML (`3`, `true`, `[a, b]`)."""
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override {item!r}: expected key.path=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise RecipeError(f"override {item!r}: empty name in the key path")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise RecipeError(f"override {item!r}: {part} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def recipe_from_dict(data: dict[str, Any], overrides: list[str] = ()) -> Recipe:
+    """Validate a recipe given as a dict (e.g. from Python), with optional overrides."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe: expected a mapping of sections, got {type(data).__name__}")
+    import copy
+
+    data = apply_overrides(copy.deepcopy(data), list(overrides))
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        raise RecipeError(_format_validation_error(err)) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read and validate a YAML recipe file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(f"recipe file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise RecipeError(f"recipe file {path} cannot be read: {err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "invalid YAML"
+        raise RecipeError(f"recipe {path}: {problem}{where}") from None
+    if data is None:
+        data = {}
+    return recipe_from_dict(data, overrides)
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The fully resolved recipe (every default filled in) as YAML."""
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

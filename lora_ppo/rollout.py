@@ -1,0 +1,243 @@
+"""Collect a rollout: generate with the policy, truncate at the stop token, then score it
+under no_grad (old logprobs, reference logprobs, values, rewards) into a frozen `Rollout`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from lora_ppo.config import RolloutConfig
+from lora_ppo.rewards import RewardFn, score_completions
+from lora_ppo.roles import POLICY, REFERENCE, VALUE, RoleModel
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One batch of experience. Per-token tensors are [B, T_resp]; `response_mask` is True on
+    real response tokens (the stop token included)."""
+
+    prompts: list[str]
+    completions: list[str]
+    query_ids: torch.Tensor  # [B, P] left-padded
+    query_mask: torch.Tensor  # [B, P]
+    response_ids: torch.Tensor  # [B, T_resp], pad after the stop token
+    response_mask: torch.Tensor  # [B, T_resp] bool
+    old_logprobs: torch.Tensor  # [B, T_resp]
+    ref_logprobs: torch.Tensor  # [B, T_resp]
+    values: Optional[torch.Tensor]  # [B, T_resp]
+    raw_scores: torch.Tensor  # [B] what the reward source said
+    scores: torch.Tensor  # [B] after missing_eos_penalty
+    stopped: torch.Tensor  # [B] bool: the response ended with the stop token
+    side_scores: dict[str, list[float]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.query_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.query_mask, self.response_mask.to(self.query_mask.dtype)], dim=1)
+
+    @property
+    def response_start(self) -> int:
+        return self.query_ids.shape[1]
+
+
+def stop_token_id(tokenizer, stop_token: Optional[str]) -> Optional[int]:
+    """The token id that ends a response: the eos for "eos", a named token, or None."""
+    if stop_token is None:
+        return None
+    if stop_token == "eos":
+        return tokenizer.eos_token_id
+    token_id = tokenizer.convert_tokens_to_ids(stop_token)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        ids = tokenizer(stop_token, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            from lora_ppo.errors import RecipeError
+
+            raise RecipeError(f"rollout.stop_token: {stop_token!r} is not a single token of this tokenizer")
+        token_id = ids[0]
+    return token_id
+
+
+def truncate_at_stop(
+    response_ids: torch.Tensor, stop_id: Optional[int], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cut each response after its first stop token.
+
+    The stop token itself is a real token (it has a logprob and carries the score), even when
+    pad == eos; only what follows it is padding.
+    Returns:
+        (response_ids with pad after the stop, response_mask [B, T] bool, stopped [B] bool),
+        trimmed to the longest real response.
+    """
+    B, T = response_ids.shape
+    positions = torch.arange(T, device=response_ids.device).expand(B, T)
+    if stop_id is None:
+        stopped = torch.zeros(B, dtype=torch.bool, device=response_ids.device)
+        length = torch.full((B,), T, device=response_ids.device)
+    else:
+        is_stop = response_ids == stop_id
+        stopped = is_stop.any(dim=1)
+        first_stop = torch.where(stopped, is_stop.float().argmax(dim=1), torch.full_like(stopped, T, dtype=torch.long))
+        length = torch.where(stopped, first_stop + 1, torch.full_like(first_stop, T))
+    response_mask = positions < length.unsqueeze(1)
+    response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, pad_id))
+    keep = int(length.max().item()) if B else 0
+    return response_ids[:, :keep], response_mask[:, :keep], stopped
+
+
+def generation_config(cfg: RolloutConfig, tokenizer, stop_id: Optional[int]):
+    """Sampling settings built from the recipe alone: a model's own generation_config
+    (repetition penalty, top_k=50, ...) would silently change the sampling distribution."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=True,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=stop_id,
+        use_cache=True,
+    )
+
+
+def tokenize_prompts(tokenizer, prompts: Sequence[str], chat_template: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    # A chat-formatted prompt already holds its special tokens.
+    enc = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=not chat_template)
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+@torch.no_grad()
+def generate(roles: RoleModel, query_ids: torch.Tensor, query_mask: torch.Tensor, gen_config) -> torch.Tensor:
+    """Sample responses with the policy; returns the new tokens only, [B, T_gen]."""
+    with roles.as_role(POLICY):
+        out = roles.peft.generate(input_ids=query_ids, attention_mask=query_mask, generation_config=gen_config)
+    return out[:, query_ids.shape[1] :]
+
+
+@torch.no_grad()
+def score_passes(
+    roles: RoleModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_start: int,
+    temperature: float,
+    forward_batch_size: int,
+    with_values: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Old logprobs (policy), reference logprobs and values, in micro-batches."""
+    old, ref, vals = [], [], []
+    for start in range(0, input_ids.shape[0], forward_batch_size):
+        ids = input_ids[start : start + forward_batch_size]
+        mask = attention_mask[start : start + forward_batch_size]
+        with roles.as_role(POLICY):
+            old.append(roles.response_logprobs(ids, mask, response_start, temperature)[0])
+        with roles.as_role(REFERENCE):
+            ref.append(roles.response_logprobs(ids, mask, response_start, temperature)[0])
+        if with_values:
+            with roles.as_role(VALUE):
+                vals.append(roles.values(ids, mask, response_start))
+    return torch.cat(old), torch.cat(ref), (torch.cat(vals) if with_values else None)
+
+
+def collect_rollout(
+    roles: RoleModel,
+    tokenizer,
+    prompts: Sequence[str],
+    cfg: RolloutConfig,
+    reward_fn: RewardFn,
+    side_metrics: dict[str, RewardFn],
+    chat_template: bool,
+) -> Rollout:
+    """Generate responses to `prompts` and score them; everything under no_grad."""
+    device = roles.lm_head.weight.device
+    stop_id = stop_token_id(tokenizer, cfg.stop_token)
+    timings: dict[str, float] = {}
+
+    # 1. Generate with the policy (left-padded prompts, KV cache).
+    t0 = time.perf_counter()
+    query_ids, query_mask = tokenize_prompts(tokenizer, prompts, chat_template, device)
+    raw_response = generate(roles, query_ids, query_mask, generation_config(cfg, tokenizer, stop_id))
+    # 2. Truncate after the stop token; everything after it is padding.
+    response_ids, response_mask, stopped = truncate_at_stop(raw_response, stop_id, tokenizer.pad_token_id)
+    timings["generate"] = time.perf_counter() - t0
+
+    # 3. Old logprobs, reference logprobs and values on the exact tokens sampled.
+    t0 = time.perf_counter()
+    input_ids = torch.cat([query_ids, response_ids], dim=1)
+    attention_mask = torch.cat([query_mask, response_mask.to(query_mask.dtype)], dim=1)
+    old_logprobs, ref_logprobs, values = score_passes(
+        roles, input_ids, attention_mask, query_ids.shape[1], cfg.temperature, cfg.forward_batch_size
+    )
+    timings["score_forward"] = time.perf_counter() - t0
+
+    # 4. Scores from the reward source, on decoded text (its own tokenizer may differ).
+    t0 = time.perf_counter()
+    completions = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+    raw_scores = torch.tensor(score_completions(reward_fn, prompts, completions), dtype=torch.float32, device=device)
+    scores = raw_scores
+    if cfg.missing_eos_penalty is not None and stop_id is not None:
+        scores = raw_scores - cfg.missing_eos_penalty * (~stopped).float()
+    side = {name: score_completions(fn, prompts, completions) for name, fn in side_metrics.items()}
+    timings["reward"] = time.perf_counter() - t0
+
+    return Rollout(
+        prompts=list(prompts),
+        completions=completions,
+        query_ids=query_ids,
+        query_mask=query_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+        values=values,
+        raw_scores=raw_scores,
+        scores=scores,
+        stopped=stopped,
+        side_scores=side,
+        timings=timings,
+    )
+
+
+@torch.no_grad()
+def evaluate_prompts(
+    roles: RoleModel,
+    tokenizer,
+    prompts: Sequence[str],
+    cfg: RolloutConfig,
+    reward_fn: RewardFn,
+    side_metrics: dict[str, RewardFn],
+    chat_template: bool,
+    seed: int,
+) -> dict[str, float]:
+    """Mean reward (and side scores) of policy samples on `prompts`.
+
+    Sampling uses a fixed seed inside a forked RNG, so the same policy gets the same
+    completions and the training RNG stream is left untouched.
+    """
+    device = roles.lm_head.weight.device
+    stop_id = stop_token_id(tokenizer, cfg.stop_token)
+    gen_config = generation_config(cfg, tokenizer, stop_id)
+    totals: dict[str, float] = {"score": 0.0, **{name: 0.0 for name in side_metrics}}
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        for start in range(0, len(prompts), cfg.batch_size):
+            batch = list(prompts[start : start + cfg.batch_size])
+            query_ids, query_mask = tokenize_prompts(tokenizer, batch, chat_template, device)
+            response_ids, response_mask, _ = truncate_at_stop(
+                generate(roles, query_ids, query_mask, gen_config), stop_id, tokenizer.pad_token_id
+            )
+            completions = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+            totals["score"] += sum(score_completions(reward_fn, batch, completions))
+            for name, fn in side_metrics.items():
+                totals[name] += sum(score_completions(fn, batch, completions))
+    return {name: total / max(1, len(prompts)) for name, total in totals.items()}

@@ -1,0 +1,97 @@
+"""Shared fixtures: a tiny random Llama and its tokenizer, built from configs and saved to a
+temp folder, so every test loads them through the real loading path (4-bit included)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never reach a hub; the builtin model cache stays out of the user's home.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "This movie was great and the acting was wonderful.",
+    "I hated the plot, the pacing was terrible and boring.",
+    "The film is a masterpiece of light and sound.",
+    "A dull sequel with bad dialogue and worse jokes.",
+    "My family loved the comedy, we laughed all night.",
+    "The ending made no sense but the music was lovely.",
+]
+
+
+def build_tiny_tokenizer(folder: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|im_end|>", bos_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def build_tiny_llama(folder: Path, vocab_size: int, seed: int = 0):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        pad_token_id=2,
+        bos_token_id=0,
+        initializer_range=0.2,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A folder holding a tiny random Llama (about 100k parameters) and its tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = build_tiny_tokenizer(folder)
+    build_tiny_llama(folder, len(tokenizer))
+    return folder
+
+
+def tiny_recipe_dict(model_dir: Path, output_dir: Path, **sections) -> dict:
+    """A recipe for the tiny model that runs a PPO step in seconds."""
+    recipe = {
+        "model": {"name": str(model_dir), "quantization": "4bit"},
+        "adapters": {"policy": {"r": 4, "alpha": 8}, "value": {"r": 4, "alpha": 8}},
+        "reward": {"kind": "function", "function": "tests.reward_fns:count_letter_e"},
+        "data": {"source": "builtin:movie_review_openers", "eval_source": None, "eval_size": 4,
+                 "max_prompt_tokens": 64},
+        "rollout": {"batch_size": 4, "max_new_tokens": 6, "forward_batch_size": 2},
+        "ppo": {"num_epochs": 1, "num_minibatches": 2, "learning_rate": 1e-2},
+        "train": {"steps": 2, "output_dir": str(output_dir), "sample_every": 1},
+    }
+    for name, values in sections.items():
+        recipe.setdefault(name, {}).update(values)
+    return recipe
