@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from lora_ppo.config import ModelConfig
 from lora_ppo.errors import RecipeError
@@ -154,7 +155,28 @@ def load_base_model(cfg: ModelConfig):
     )
     model.requires_grad_(False)
     model.config.use_cache = True
+    keep_4bit_weights_differentiable(model)
     return model
+
+
+def keep_4bit_weights_differentiable(model: nn.Module) -> None:
+    """Stop bitsandbytes from repacking 4-bit weights for its CPU inference kernel.
+
+    On CPUs with AVX512-BF16, a Linear4bit in eval mode that sees an input without grad
+    repacks its weight for `gemv_4bit`, and from then on every call (training ones too) goes
+    through that kernel, which has no backward: gradients to earlier layers silently vanish.
+    That kernel also rounds differently (logprobs off by ~0.02 on a tiny model), so every
+    load goes through here and all passes share one kernel. The flag only gates that
+    repacking (these modules have no dropout), so keep it set.
+    """
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.training = True
+
 
 
 def _has_safetensors(path: str) -> bool | None:

@@ -14,6 +14,7 @@ from torch import nn
 from lora_ppo.config import AdaptersConfig, LoraSettings
 from lora_ppo.errors import RecipeError
 from lora_ppo.logprobs import token_logprobs
+from lora_ppo.model import keep_4bit_weights_differentiable
 
 Role = Literal["policy", "value", "reference", "reward"]
 POLICY: Role = "policy"
@@ -81,6 +82,7 @@ class RoleModel:
         # Eval mode for good: dropout anywhere would make the PPO ratio differ from 1 before
         # any update, and the rollout logprobs would not be those of the policy being trained.
         self.peft.eval()
+        keep_4bit_weights_differentiable(self.peft)  # eval() reset it; see its docstring
         base = self.peft.get_base_model()
         self.decoder = base.get_decoder()
         self.lm_head = base.get_output_embeddings()
