@@ -31,6 +31,9 @@ def _quiet_libraries() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # bitsandbytes warns at import that an optional hub-downloaded CPU kernel is missing;
+    # it falls back to its own kernel, and the hub is off limits anyway.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning)

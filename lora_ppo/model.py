@@ -94,7 +94,16 @@ def resolve_model_path(name: str) -> str:
     """A local folder or hub id that `from_pretrained` accepts."""
     if name.startswith(BUILTIN_PREFIX):
         return str(resolve_builtin(name))
-    return name
+    # A hub id is "name" or "org/name"; anything else is meant as a local folder.
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
+    if looks_local and not Path(name).expanduser().is_dir():
+        raise RecipeError(f"model.name: folder not found: {name}")
+    return str(Path(name).expanduser()) if looks_local else name
+
+
+def _load_error(name: str, err: Exception) -> RecipeError:
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return RecipeError(f"model.name: cannot load {name!r}: {first_line}")
 
 
 def compute_dtype(cfg: ModelConfig) -> torch.dtype:
@@ -131,7 +140,10 @@ def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
     path = resolve_model_path(cfg.name)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _load_error(cfg.name, err) from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -145,14 +157,17 @@ def load_base_model(cfg: ModelConfig):
     path = resolve_model_path(cfg.name)
     dtype = compute_dtype(cfg)
     dev = device()
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=dtype,
-        quantization_config=quantization_config(cfg),
-        device_map={"": dev.index if dev.type == "cuda" else "cpu"},
-        trust_remote_code=cfg.trust_remote_code,
-        use_safetensors=_has_safetensors(path),
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=dtype,
+            quantization_config=quantization_config(cfg),
+            device_map={"": dev.index if dev.type == "cuda" else "cpu"},
+            trust_remote_code=cfg.trust_remote_code,
+            use_safetensors=_has_safetensors(path),
+        )
+    except (OSError, ValueError) as err:
+        raise _load_error(cfg.name, err) from None
     model.requires_grad_(False)
     model.config.use_cache = True
     keep_4bit_weights_differentiable(model)

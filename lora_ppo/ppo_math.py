@@ -124,8 +124,9 @@ def gae(
         (advantages, returns), both [B, T_resp] and 0 on padding; returns = advantages + values.
     """
     mask = response_mask.to(values.dtype)
-    values = values * mask
-    rewards = rewards * mask
+    # where, not a product with the mask: NaN * 0 is NaN, and it would flow back into the episode.
+    values = torch.where(response_mask, values, torch.zeros_like(values))
+    rewards = torch.where(response_mask, rewards, torch.zeros_like(rewards))
     T = values.shape[1]
     next_value = torch.zeros_like(values[:, 0])
     next_advantage = torch.zeros_like(values[:, 0])
@@ -161,7 +162,10 @@ def policy_loss(
     """
     if token_count is None:
         token_count = response_mask.sum()
-    log_ratio = new_logprobs - old_logprobs
+    # Padding is zeroed before any arithmetic: masking only the sum would still send a NaN
+    # gradient (0 * inf, 0 * NaN) back to padded positions, and from there into the model.
+    log_ratio = torch.where(response_mask, new_logprobs - old_logprobs, torch.zeros_like(new_logprobs))
+    advantages = torch.where(response_mask, advantages, torch.zeros_like(advantages))
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
@@ -191,6 +195,10 @@ def value_loss(
     """
     if token_count is None:
         token_count = response_mask.sum()
+    # Zero the padding first, as in `policy_loss`, so that no NaN gradient reaches it.
+    new_values = torch.where(response_mask, new_values, torch.zeros_like(new_values))
+    old_values = torch.where(response_mask, old_values, torch.zeros_like(old_values))
+    returns = torch.where(response_mask, returns, torch.zeros_like(returns))
     clipped_values = old_values + torch.clamp(new_values - old_values, -value_clip_eps, value_clip_eps)
     unclipped_sq = (new_values - returns) ** 2
     clipped_sq = (clipped_values - returns) ** 2

@@ -1,0 +1,690 @@
+"""Merge-and-export: turn a trained checkpoint into a standard Hugging Face model folder (policy
+adapter merged into the base, checked for parity against adapter-on-base), or copy out one adapter.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+
+from lora_ppo.errors import RecipeError
+
+log = logging.getLogger(__name__)
+
+RECIPE_FILE = "recipe.yaml"  # the names the trainer writes (lora_ppo.trainer)
+SUMMARY_FILE = "summary.json"
+TRAINER_STATE_FILE = "trainer_state.json"
+FINAL_DIR = "final"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+VALUE_HEAD_FILE = "value_head.safetensors"  # = lora_ppo.roles.VALUE_HEAD_FILE (not imported: roles pulls in peft)
+MODEL_CARD_FILE = "README.md"
+
+AdapterName = Literal["policy", "value", "reward"]
+BaseChoice = Literal["original", "dequantized"]
+ADAPTERS: tuple[str, ...] = ("policy", "value", "reward")
+BASES: tuple[str, ...] = ("original", "dequantized")
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# Adapters that carry a score head next to the LoRA weights (the value head; a reward adapter's own).
+HEAD_FILES = {"value": (VALUE_HEAD_FILE,)}
+
+# Probe prompts for the parity check: short, mixed text any tokenizer can encode. With
+# data.chat_template they are wrapped in the chat template, as the policy saw its prompts.
+PROBE_PROMPTS = (
+    "The movie started slowly, but",
+    "Write one sentence about the sea.",
+    "Q: What is 12 plus 30?\nA:",
+    "def add(a, b):\n    return",
+    "My favourite part of the film was",
+    "Honestly, the acting in this sequel",
+    "Here is a short list of fruits: apple,",
+    "The weather today is",
+)
+PROBE_NEW_TOKENS = 16  # greedy continuation length per probe
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Parity limits: mean KL(reference || exported) per position in nats, the largest absolute
+    logit difference, and the share of greedy next tokens that must agree."""
+
+    max_kl: float
+    max_logit_diff: float
+    min_greedy_agreement: float
+
+
+# Limits by the coarsest float format on either side of the comparison (the export dtype, or the
+# reference's compute dtype, which is bf16 for a 4-bit base on most GPUs). A correct fp32 merge
+# differs from adapter-on-base only by summation order (~1e-6 relative, logits ~1e-5 apart on
+# the tiny test model), so fp32 limits sit ~1000x above that and still far below any real merge
+# error. Casting weights to bf16 (8-bit mantissa, ~0.4% per rounding) or fp16 (11-bit, ~0.05%)
+# moves logits by up to a few tenths on real models and can flip near-tied argmaxes, so
+# their limits are looser; fp16 sits between them. A dropped or mis-scaled adapter moves the
+# distribution by far more than any of these on a trained policy.
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float32: Tolerance(max_kl=1e-5, max_logit_diff=1e-2, min_greedy_agreement=0.98),
+    torch.float16: Tolerance(max_kl=5e-3, max_logit_diff=0.5, min_greedy_agreement=0.9),
+    torch.bfloat16: Tolerance(max_kl=2e-2, max_logit_diff=1.5, min_greedy_agreement=0.85),
+}
+_COARSENESS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+class ExportError(RuntimeError):
+    """The export could not be written (disk full, permissions); nothing was left at the output."""
+
+
+class ParityError(RuntimeError):
+    """The exported model does not reproduce the adapter-on-base model; nothing was written."""
+
+    def __init__(self, message: str, report: "ParityReport"):
+        super().__init__(message)
+        self.report = report
+
+
+# ---- the checkpoint ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint folder (holding policy/, value/, maybe reward/) and the run it belongs to."""
+
+    folder: Path
+    run_dir: Path
+    step: Optional[int]
+
+    @property
+    def recipe_path(self) -> Path:
+        return self.run_dir / RECIPE_FILE
+
+    @property
+    def label(self) -> str:
+        """The checkpoint relative to its run folder (`final`, `checkpoints/step-10`)."""
+        try:
+            return self.folder.relative_to(self.run_dir).as_posix() or "."
+        except ValueError:
+            return self.folder.name
+
+    def adapter_dir(self, name: str) -> Path:
+        return self.folder / name
+
+
+def find_checkpoint(source: str | Path) -> Checkpoint:
+    """Locate the checkpoint for a run folder (its final/) or a checkpoint folder, and its recipe.
+
+    Raises RecipeError when there is no checkpoint, no recipe.yaml beside it, or a corrupt
+    trainer_state.json.
+    """
+    source = Path(source).expanduser()
+    if not source.exists():
+        raise RecipeError(f"checkpoint not found: {source}")
+    if not source.is_dir():
+        raise RecipeError(f"checkpoint {source} is not a folder")
+    if (source / "policy").is_dir():
+        folder = source
+    elif (source / FINAL_DIR / "policy").is_dir():
+        folder = source / FINAL_DIR
+    else:
+        hint = ""
+        if (source / RECIPE_FILE).is_file():
+            others = sorted(p.name for p in (source / "checkpoints").glob("step-*")) if (source / "checkpoints").is_dir() else []
+            if (source / "interrupted" / "policy").is_dir():
+                others.insert(0, "interrupted")
+            hint = " (the run has no final/ checkpoint"
+            hint += f"; pass one of: {', '.join(others)})" if others else ")"
+        raise RecipeError(
+            f"no checkpoint in {source}: expected a policy/ folder in it or in its final/ folder{hint}"
+        )
+    folder = folder.resolve()
+    run_dir = next((d for d in (folder, folder.parent, folder.parent.parent) if (d / RECIPE_FILE).is_file()), None)
+    if run_dir is None:
+        raise RecipeError(
+            f"checkpoint {folder}: no {RECIPE_FILE} in it, its parent or grandparent "
+            "(the recipe records which base model the adapters belong to)"
+        )
+    step = None
+    state_path = folder / TRAINER_STATE_FILE
+    if state_path.exists():
+        state = _read_json(state_path)
+        step = state.get("step") if isinstance(state, dict) else None
+    return Checkpoint(folder=folder, run_dir=run_dir, step=step)
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise RecipeError(f"corrupt checkpoint: {path} cannot be read ({_first_line(err)})") from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _check_safetensors(path: Path) -> None:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise RecipeError(f"corrupt checkpoint: {path} is missing")
+    try:
+        tensors = load_file(str(path))
+    except Exception as err:  # safetensors raises its own error type for a bad header or truncation
+        raise RecipeError(f"corrupt checkpoint: {path} cannot be read ({_first_line(err)})") from None
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise RecipeError(f"corrupt checkpoint: {path} holds non-finite values (in {bad[0]})")
+
+
+def check_adapter(checkpoint: Checkpoint, name: str) -> Path:
+    """Return the adapter folder `name` of a checkpoint after checking that it is complete and readable."""
+    folder = checkpoint.adapter_dir(name)
+    if not folder.is_dir():
+        if name == "reward":
+            raise RecipeError(
+                f"checkpoint {checkpoint.folder} has no reward adapter (no reward/ folder); "
+                "runs with a Python-function or classifier reward save none"
+            )
+        raise RecipeError(f"corrupt checkpoint: {checkpoint.folder} has no {name}/ adapter folder")
+    config = _read_json(folder / ADAPTER_CONFIG_FILE) if (folder / ADAPTER_CONFIG_FILE).is_file() else None
+    if not isinstance(config, dict) or "peft_type" not in config:
+        raise RecipeError(f"corrupt checkpoint: {folder} has no valid {ADAPTER_CONFIG_FILE}")
+    _check_safetensors(folder / ADAPTER_WEIGHTS_FILE)
+    for head in HEAD_FILES.get(name, ()):
+        _check_safetensors(folder / head)
+    return folder
+
+
+# ---- options and the output folder ----------------------------------------------------------
+
+
+def _dtype_name(dtype: str) -> str:
+    name = DTYPE_ALIASES.get(str(dtype), str(dtype))
+    if name not in DTYPES:
+        raise RecipeError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return name
+
+
+def _check_choice(value: str, choices: tuple[str, ...], what: str) -> str:
+    if value not in choices:
+        raise RecipeError(f"{what} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _check_out(out: Path, checkpoint: Checkpoint, force: bool) -> Path:
+    out = Path(out).expanduser().resolve()
+    inside = out == checkpoint.folder or out in checkpoint.folder.parents
+    if inside:
+        raise RecipeError(f"out: {out} holds the checkpoint being exported; choose another folder")
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise RecipeError(f"out: {out} already exists; pass --force (force=True) to replace it")
+    return out
+
+
+def _staging_dir(out: Path) -> Path:
+    """An empty folder beside `out` (same file system, so the final rename is atomic)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        os.chmod(staging, 0o755)  # mkdtemp makes it private; the export is an ordinary folder
+    except OSError as err:
+        raise ExportError(f"cannot write the export to {out}: {err.strerror or err}") from None
+    return staging
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Move the finished staging folder to `out`, replacing what is there (force was checked)."""
+    old = None
+    if out.exists() or out.is_symlink():
+        if out.is_dir() and not out.is_symlink():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / "previous")
+        else:
+            out.unlink()
+    os.replace(staging, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- parity -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    """How closely the exported model reproduces the adapter-on-base model on the probe prompts.
+
+    kl_mean / kl_max: KL(reference || exported) of next-token distributions, per position (nats).
+    max_logit_diff: the largest absolute logit difference over every position and vocabulary entry.
+    greedy_agreement: the share of positions along the reference's greedy continuations where
+        both models pick the same next token.
+    tokenizer_matches: the exported tokenizer encodes every probe as the run's tokenizer does.
+    """
+
+    reference: str
+    exported: str
+    n_prompts: int
+    n_positions: int
+    kl_mean: float
+    kl_max: float
+    max_logit_diff: float
+    greedy_agreement: float
+    tokenizer_matches: bool
+    tolerance: Tolerance
+
+    def failures(self) -> list[str]:
+        """One phrase per limit that was passed (empty when the check passed)."""
+        tol, out = self.tolerance, []
+        if not self.kl_mean <= tol.max_kl:  # written so that NaN fails
+            out.append(f"mean KL {self.kl_mean:.2e} > {tol.max_kl:.0e}")
+        if not self.max_logit_diff <= tol.max_logit_diff:
+            out.append(f"max |logit diff| {self.max_logit_diff:.2e} > {tol.max_logit_diff:.0e}")
+        if not self.greedy_agreement >= tol.min_greedy_agreement:
+            out.append(f"greedy agreement {self.greedy_agreement:.1%} < {tol.min_greedy_agreement:.0%}")
+        if not self.tokenizer_matches:
+            out.append("the exported tokenizer encodes the probe prompts differently")
+        return out
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures()
+
+    def format(self) -> str:
+        tol = self.tolerance
+        return "\n".join([
+            f"parity: {self.exported} vs {self.reference}",
+            f"  {self.n_prompts} probe prompts, {self.n_positions} positions",
+            f"  KL mean {self.kl_mean:.2e} (max {self.kl_max:.2e})    limit {tol.max_kl:.0e}",
+            f"  max |logit diff| {self.max_logit_diff:.2e}         limit {tol.max_logit_diff:.0e}",
+            f"  greedy agreement {self.greedy_agreement:.1%}            limit {tol.min_greedy_agreement:.0%}",
+            f"  tokenizer: {'same ids' if self.tokenizer_matches else 'DIFFERENT ids'}",
+            f"  {'passed' if self.passed else 'FAILED'}",
+        ])
+
+
+@dataclass(frozen=True)
+class _ProbeReference:
+    """One probe: the prompt ids plus the reference's greedy continuation, and the reference's
+    logits at every position of that sequence."""
+
+    ids: torch.Tensor  # [T] prompt followed by PROBE_NEW_TOKENS greedy tokens
+    prompt_len: int
+    logits: torch.Tensor  # [T, V] float32, on CPU
+
+
+def tolerance_for(export_dtype: torch.dtype, reference_dtype: torch.dtype) -> Tolerance:
+    """The parity limits for the coarser of the two float formats being compared."""
+    coarser = max((export_dtype, reference_dtype), key=lambda d: _COARSENESS.get(d, 0))
+    return TOLERANCES[coarser]
+
+
+def probe_ids(tokenizer, chat_template: bool) -> list[torch.Tensor]:
+    """The probe prompts as token ids ([T] each), formatted as the run formatted its prompts."""
+    from lora_ppo.data import format_prompt
+
+    return [
+        tokenizer(format_prompt(p, tokenizer, chat_template), add_special_tokens=not chat_template,
+                  return_tensors="pt")["input_ids"][0]
+        for p in PROBE_PROMPTS
+    ]
+
+
+def _model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def _full_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=ids[None].to(_model_device(model)), use_cache=False)
+    return out.logits[0].float().cpu()  # [T, V]
+
+
+@torch.no_grad()
+def reference_outputs(model, prompts: list[torch.Tensor]) -> list[_ProbeReference]:
+    """Greedy-continue each probe with the reference model, then record its logits on the whole
+    sequence (one unpadded sequence at a time: no padding can differ between the two models)."""
+    refs = []
+    dev = _model_device(model)
+    for prompt in prompts:
+        ids = prompt[None].to(dev)
+        out = model(input_ids=ids, use_cache=True)
+        for i in range(PROBE_NEW_TOKENS):
+            next_id = out.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+            ids = torch.cat([ids, next_id], dim=1)
+            if i + 1 < PROBE_NEW_TOKENS:
+                out = model(input_ids=next_id, past_key_values=out.past_key_values, use_cache=True)
+        full = ids[0].cpu()
+        refs.append(_ProbeReference(ids=full, prompt_len=len(prompt), logits=_full_logits(model, full)))
+    return refs
+
+
+def compare(model, refs: list[_ProbeReference], tolerance: Tolerance, reference: str, exported: str,
+            tokenizer_matches: bool = True) -> ParityReport:
+    """Measure the exported `model` against the reference outputs (see ParityReport)."""
+    kls, max_diff, agree, total = [], 0.0, 0, 0
+    for ref in refs:
+        logits = _full_logits(model, ref.ids)  # [T, V]
+        ref_logp = torch.log_softmax(ref.logits, dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
+        kls.append((ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp(min=0.0))  # [T]
+        max_diff = max(max_diff, float((logits - ref.logits).abs().max()))
+        # Positions that predict the greedy continuation: from the last prompt token on.
+        cont = slice(ref.prompt_len - 1, len(ref.ids) - 1)
+        agree += int((logits[cont].argmax(-1) == ref.logits[cont].argmax(-1)).sum())
+        total += cont.stop - cont.start
+    kl = torch.cat(kls)
+    return ParityReport(
+        reference=reference, exported=exported, n_prompts=len(refs), n_positions=int(kl.numel()),
+        kl_mean=float(kl.mean()), kl_max=float(kl.max()), max_logit_diff=max_diff,
+        greedy_agreement=agree / max(total, 1), tokenizer_matches=tokenizer_matches, tolerance=tolerance,
+    )
+
+
+# ---- merging ----------------------------------------------------------------------------------
+
+
+def _load_adapter(base_model, folder: Path, model_name: str):
+    """The policy adapter on `base_model`, frozen, as PEFT loads it for inference."""
+    from peft import PeftModel
+
+    from lora_ppo.model import keep_4bit_weights_differentiable
+
+    try:
+        model = PeftModel.from_pretrained(base_model, str(folder), adapter_name="policy", is_trainable=False)
+    except (ValueError, RuntimeError, KeyError, OSError) as err:
+        raise RecipeError(f"checkpoint {folder}: the adapter does not fit the base model {model_name!r}: "
+                          f"{_first_line(err)}") from None
+    model.eval()
+    # eval() would switch bitsandbytes to its inference kernel, which rounds differently from the
+    # one training used (see keep_4bit_weights_differentiable); the reference must be what trained.
+    keep_4bit_weights_differentiable(model)
+    return model
+
+
+def _merge(peft_model):
+    """Fold the adapter into the base weights; returns the plain transformers model."""
+    return peft_model.merge_and_unload(safe_merge=True)
+
+
+def _release(*_objects) -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _merged_model(recipe, adapter_dir: Path, base: str, prompts: list[torch.Tensor], verify: bool):
+    """(merged model in fp32, reference outputs or None, reference description, reference dtype)."""
+    from lora_ppo.model import compute_dtype, load_base_model
+
+    cfg = recipe.model
+    if base == "original":
+        # The original weights, unquantized and in fp32 whatever the training compute dtype:
+        # the merge W + s*B@A then loses nothing before the final cast to the export dtype.
+        unquantized = cfg.model_copy(update={"quantization": "none", "compute_dtype": "float32"})
+        model = _load_adapter(load_base_model(unquantized), adapter_dir, cfg.name)
+        refs = reference_outputs(model, prompts) if verify else None
+        return _merge(model), refs, "policy adapter on the original fp32 base", torch.float32
+
+    # The 4-bit base the adapter was trained against: it is the parity reference, and its
+    # dequantized weights (the exact values training computed with) are what the adapter is merged into.
+    model = _load_adapter(load_base_model(cfg), adapter_dir, cfg.name)
+    ref_dtype = compute_dtype(cfg)
+    refs = reference_outputs(model, prompts) if verify else None
+    quantized = model.unload()
+    del model
+    dequantized = quantized.dequantize(dtype=torch.float32).to(torch.float32)
+    merged = _merge(_load_adapter(dequantized, adapter_dir, cfg.name))
+    description = f"policy adapter on the {cfg.quantization} base ({str(ref_dtype).removeprefix('torch.')} compute)"
+    return merged, refs, description, ref_dtype
+
+
+# ---- the model card ---------------------------------------------------------------------------
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    from lora_ppo.model import BUILTIN_PREFIX
+
+    return not name.startswith((BUILTIN_PREFIX, ".", "/", "~")) and name.count("/") == 1 and not Path(name).exists()
+
+
+def _summary_lines(checkpoint: Checkpoint) -> list[str]:
+    path = checkpoint.run_dir / SUMMARY_FILE
+    if not path.is_file():
+        return ["No summary.json: the run had not finished when this checkpoint was saved."]
+    summary = _read_json(path)
+    if not isinstance(summary, dict):
+        raise RecipeError(f"corrupt run: {path} is not a JSON object")
+    lines = ["| metric | value |", "|---|---|"]
+    for key, value in summary.items():
+        shown = f"{value:.4g}" if isinstance(value, float) else json.dumps(value)
+        lines.append(f"| {key} | {shown} |")
+    return lines
+
+
+def model_card(checkpoint: Checkpoint, recipe, adapter: str, kind: str, base: Optional[str],
+               dtype: Optional[str], parity: Optional[ParityReport]) -> str:
+    """The export's README.md: base model, how it was made, training summary, recipe. Deterministic
+    (no dates, no measured numbers that could vary between runs), so re-exports are byte-identical."""
+    name = recipe.model.name
+    front = ["---", f"library_name: {'transformers' if kind == 'merged' else 'peft'}"]
+    if _looks_like_hub_id(name):
+        front.append(f"base_model: {name}")
+    front += ["tags:", "- lora_ppo", "- ppo", "- rlhf", "---", ""]
+    step = f" (step {checkpoint.step})" if checkpoint.step is not None else ""
+    if kind == "merged":
+        into = ("the original, unquantized base weights" if base == "original" else
+                f"the dequantized {recipe.model.quantization} base weights the adapter was trained against")
+        title = "# PPO-trained policy, merged"
+        what = [
+            f"The `{adapter}` LoRA adapter from checkpoint `{checkpoint.label}`{step} of a lora_ppo run, "
+            f"merged into {into}, saved as {dtype}.",
+            "",
+            f"- Base model: `{name}`",
+            f"- Merged into: {base} base",
+            f"- Weights dtype: {dtype}",
+        ]
+        if parity is None:
+            what.append("- Parity check: skipped (--no-verify)")
+        else:
+            tol = parity.tolerance
+            what.append(
+                f"- Parity check: passed against the {parity.reference} on {parity.n_prompts} probe prompts "
+                f"(mean KL <= {tol.max_kl:.0e}, max |logit diff| <= {tol.max_logit_diff:.0e}, "
+                f"greedy agreement >= {tol.min_greedy_agreement:.0%})"
+            )
+        use = [
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")',
+            'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
+            "```",
+        ]
+    else:
+        title = f"# PPO-trained {adapter} adapter"
+        extra = {"value": " with its score head (`value_head.safetensors`: `nn.Linear(hidden, 1)` on the "
+                          "last hidden state)", "reward": ""}.get(adapter, "")
+        what = [
+            f"The `{adapter}` LoRA adapter{extra} from checkpoint `{checkpoint.label}`{step} of a lora_ppo run.",
+            "",
+            f"- Base model: `{name}` (trained on its {recipe.model.quantization} weights)",
+        ]
+        use = [
+            "```python",
+            "from peft import PeftModel",
+            "from transformers import AutoModelForCausalLM",
+            "",
+            f'base = AutoModelForCausalLM.from_pretrained("{name}")',
+            'model = PeftModel.from_pretrained(base, "path/to/this/folder")',
+            "```",
+        ]
+    recipe_text = checkpoint.recipe_path.read_text(encoding="utf-8").rstrip("\n")
+    lines = front + [title, "", *what, "", "## Use", "", *use, "", "## Training summary", "",
+                     *_summary_lines(checkpoint), "", "## Recipe", "", "```yaml", recipe_text, "```", ""]
+    return "\n".join(lines)
+
+
+# ---- the entry point --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What was exported where; `parity` is None for adapter-only exports and with verify=False."""
+
+    out: Path
+    checkpoint: Path
+    adapter: str
+    kind: Literal["merged", "adapter"]
+    base: Optional[str]
+    dtype: Optional[str]
+    parity: Optional[ParityReport]
+    files: tuple[str, ...]
+
+    def format(self) -> str:
+        lines = []
+        if self.kind == "merged":
+            lines.append(self.parity.format() if self.parity else "parity: skipped (--no-verify)")
+            lines.append(f"exported the {self.adapter} adapter merged into the {self.base} base "
+                         f"({self.dtype}) to {self.out}")
+        else:
+            lines.append(f"exported the {self.adapter} adapter ({', '.join(self.files)}) to {self.out}")
+        return "\n".join(lines)
+
+
+def merge_and_export(
+    source: str | Path,
+    out: str | Path,
+    dtype: str = "fp32",
+    base: BaseChoice = "original",
+    adapter: AdapterName = "policy",
+    verify: bool = True,
+    force: bool = False,
+    adapter_only: bool = False,
+) -> ExportReport:
+    """Export a trained checkpoint as a Hugging Face model folder, or one adapter as a PEFT folder.
+
+    Args:
+        source: a run folder (its final/ checkpoint is used) or a checkpoint folder holding policy/.
+        out: the folder to create. Everything is written to a temporary folder beside it and
+            renamed at the end, so `out` is either complete or untouched.
+        dtype: "fp32", "bf16" or "fp16": the merged weights' dtype (merging itself is in fp32).
+        base: "original" merges into the base reloaded unquantized from its original weights;
+            "dequantized" merges into the dequantized 4-bit weights the adapter was trained on.
+        adapter: "policy" (the only one that can be merged), or "value" / "reward" with adapter_only.
+        verify: run the parity check (exported model vs adapter-on-base) before publishing.
+        force: replace an existing `out`.
+        adapter_only: copy the adapter folder (value: with value_head.safetensors) instead of merging.
+    Raises:
+        RecipeError: bad options or a missing/corrupt checkpoint (nothing written).
+        ParityError: the merged model failed the parity check (nothing written).
+        ExportError: the output could not be written (nothing left at `out`).
+    """
+    from lora_ppo.config import load_recipe
+
+    adapter = _check_choice(adapter, ADAPTERS, "adapter")
+    base = _check_choice(base, BASES, "base")
+    dtype = _dtype_name(dtype)
+    if adapter != "policy" and not adapter_only:
+        raise RecipeError(
+            f"only the policy adapter can be merged into a causal LM; export the {adapter} adapter "
+            "with --adapter-only (adapter_only=True)"
+        )
+    checkpoint = find_checkpoint(source)
+    adapter_dir = check_adapter(checkpoint, adapter)
+    recipe = load_recipe(checkpoint.recipe_path)
+    out = _check_out(Path(out), checkpoint, force)
+    if not adapter_only and base == "dequantized" and recipe.model.quantization == "none":
+        raise RecipeError("base=dequantized: this run trained on unquantized weights "
+                          "(model.quantization: none); use base=original")
+
+    if adapter_only:
+        return _export_adapter(checkpoint, recipe, adapter, adapter_dir, out)
+    return _export_merged(checkpoint, recipe, adapter_dir, out, dtype, base, verify)
+
+
+def _export_adapter(checkpoint: Checkpoint, recipe, adapter: str, adapter_dir: Path, out: Path) -> ExportReport:
+    files = sorted(p.name for p in adapter_dir.iterdir() if p.is_file() and not p.name.startswith("."))
+    card = model_card(checkpoint, recipe, adapter, "adapter", None, None, None)
+    staging = _staging_dir(out)
+    try:
+        for name in files:
+            shutil.copyfile(adapter_dir / name, staging / name)
+        if MODEL_CARD_FILE not in files:
+            (staging / MODEL_CARD_FILE).write_text(card, encoding="utf-8")
+        _publish(staging, out)
+    except OSError as err:
+        raise ExportError(f"cannot write the export to {out}: {err.strerror or err}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return ExportReport(out=out, checkpoint=checkpoint.folder, adapter=adapter, kind="adapter", base=None,
+                        dtype=None, parity=None, files=tuple(sorted(set(files) | {MODEL_CARD_FILE})))
+
+
+def _export_merged(checkpoint: Checkpoint, recipe, adapter_dir: Path, out: Path, dtype: str, base: str,
+                   verify: bool) -> ExportReport:
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lora_ppo.model import device, load_tokenizer
+
+    torch_dtype = DTYPES[dtype]
+    tokenizer = load_tokenizer(recipe.model)
+    chat = recipe.data.chat_template
+    prompts = probe_ids(tokenizer, chat)
+    log.info("merging %s into the %s base of %s", adapter_dir, base, recipe.model.name)
+    merged, refs, ref_description, ref_dtype = _merged_model(recipe, adapter_dir, base, prompts, verify)
+    merged = merged.to(torch_dtype)
+    merged.requires_grad_(False)
+
+    staging = _staging_dir(out)
+    try:
+        try:
+            merged.save_pretrained(str(staging))
+            tokenizer.save_pretrained(str(staging))
+        except (OSError, SafetensorError) as err:
+            raise ExportError(f"cannot write the export to {out}: {getattr(err, 'strerror', None) or err}") from None
+        del merged
+        _release()
+
+        parity = None
+        if verify:
+            # Check the files as written: the folder is loaded back exactly as a user would.
+            dev = device()
+            exported = AutoModelForCausalLM.from_pretrained(
+                str(staging), dtype=torch_dtype, device_map={"": dev.index if dev.type == "cuda" else "cpu"},
+                use_safetensors=True, trust_remote_code=recipe.model.trust_remote_code,
+            )
+            exported.eval()
+            exported_tok = AutoTokenizer.from_pretrained(str(staging), trust_remote_code=recipe.model.trust_remote_code)
+            same_ids = all(torch.equal(a, b) for a, b in zip(prompts, probe_ids(exported_tok, chat)))
+            parity = compare(exported, refs, tolerance_for(torch_dtype, ref_dtype), ref_description,
+                             f"exported {dtype} model", same_ids)
+            del exported
+            _release()
+            if not parity.passed:
+                raise ParityError(
+                    f"parity check failed ({'; '.join(parity.failures())}): the merged model does not "
+                    f"reproduce the {ref_description}; nothing was written to {out}",
+                    parity,
+                )
+        try:
+            (staging / MODEL_CARD_FILE).write_text(
+                model_card(checkpoint, recipe, "policy", "merged", base, dtype, parity), encoding="utf-8"
+            )
+            _publish(staging, out)
+        except OSError as err:
+            raise ExportError(f"cannot write the export to {out}: {err.strerror or err}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    files = tuple(sorted(p.name for p in out.iterdir()))
+    return ExportReport(out=out, checkpoint=checkpoint.folder, adapter="policy", kind="merged", base=base,
+                        dtype=dtype, parity=parity, files=files)

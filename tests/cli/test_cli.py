@@ -1,0 +1,125 @@
+"""The `lora-ppo` command: bad recipes fail in one line with exit 2 and write nothing; a tiny
+recipe trains end to end and writes every output a user reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from lora_ppo.cli import app
+from tests.conftest import tiny_recipe_dict
+
+REPO = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+
+
+def _write(path: Path, data) -> Path:
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return path
+
+
+@pytest.mark.parametrize(
+    "content, overrides, expected",
+    [
+        ({"ppo": {"clip_eps": -0.2}}, [], "ppo.clip_eps"),
+        ({"ppo": {"clip_epz": 0.2}}, [], "ppo.clip_epz: unknown field"),
+        ({"rollout": {"batch_size": 6}, "ppo": {"num_minibatches": 4}}, [], "rollout.batch_size (6)"),
+        ({"reward": {"kind": "function"}}, [], "reward.function is required"),
+        ({"model": {"quantization": "3bit"}}, [], "model.quantization"),
+        ("model: [unclosed", [], "line 1"),
+        ("- just\n- a list\n", [], "expected a mapping"),
+        ({}, ["train.steps=zero"], "train.steps"),
+        ({}, ["nonsense"], "expected key.path=value"),
+    ],
+)
+def test_bad_recipe_is_one_line_exit_2(tmp_path, content, overrides, expected):
+    recipe = _write(tmp_path / "bad.yaml", content)
+    out_dir = tmp_path / "out"
+    result = runner.invoke(app, ["train", str(recipe), *overrides, f"train.output_dir={out_dir}"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.stderr
+    assert "Traceback" not in result.output
+    assert not out_dir.exists()
+
+
+def test_missing_recipe_file(tmp_path):
+    result = runner.invoke(app, ["train", str(tmp_path / "nope.yaml")])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: recipe file not found: {tmp_path / 'nope.yaml'}"
+
+
+def test_bad_model_path_and_data_fail_before_any_output(tmp_path, tiny_model_dir):
+    recipe = tiny_recipe_dict(tmp_path / "no-model", tmp_path / "run")
+    result = runner.invoke(app, ["train", str(_write(tmp_path / "r.yaml", recipe))])
+    assert result.exit_code == 2 and "error:" in result.stderr and "Traceback" not in result.output
+    recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "run", data={"source": str(tmp_path / "missing.jsonl")})
+    result = runner.invoke(app, ["train", str(_write(tmp_path / "r.yaml", recipe))])
+    assert result.exit_code == 2
+    assert result.stderr.strip().startswith("error: data.source: file not found")
+    assert not (tmp_path / "run").exists()
+
+
+def test_empty_dataset_refuses_to_start(tmp_path, tiny_model_dir):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "   "}) + "\n" + json.dumps({"prompt": "word " * 200}) + "\n")
+    recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "run", data={"source": str(data)})
+    result = runner.invoke(app, ["train", str(_write(tmp_path / "r.yaml", recipe))])
+    assert result.exit_code == 2
+    assert "no usable prompts" in result.stderr and "1 empty" in result.stderr and "1 too_long" in result.stderr
+
+
+def test_reward_function_with_wrong_count_names_the_function(tmp_path, tiny_model_dir):
+    recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "run", reward={"function": "tests.reward_fns:wrong_count"})
+    recipe["train"]["eval"] = False
+    result = runner.invoke(app, ["train", str(_write(tmp_path / "r.yaml", recipe))])
+    assert result.exit_code == 1
+    assert "wrong_count returned 1 scores for 4 completions" in result.stderr
+
+
+def test_train_end_to_end_writes_every_output(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    recipe = _write(tmp_path / "tiny.yaml", tiny_recipe_dict(tiny_model_dir, out))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lora_ppo.cli", "train", str(recipe), "train.steps=2", "--no-progress"],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "held-out mean score" in proc.stdout
+
+    resolved = yaml.safe_load((out / "recipe.yaml").read_text())
+    assert resolved["train"]["steps"] == 2 and resolved["ppo"]["clip_eps"] == 0.2
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for key in [
+        "objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl", "policy/clipfrac",
+        "policy/entropy", "loss/policy", "loss/value", "value/explained_var", "time/generate",
+        "time/score_forward", "time/update", "tokens_per_s", "memory/peak_gb",
+    ]:
+        assert key in metrics[0], key
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and {"step", "prompt", "completion", "score"} <= samples[0].keys()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["heldout_score_before"] is not None
+    for role in ("policy", "value"):
+        assert (out / "final" / role / "adapter_config.json").is_file()
+        assert (out / "final" / role / "adapter_model.safetensors").is_file()
+    assert (out / "final" / "value" / "value_head.safetensors").is_file()
+
+    # A second run into the same folder is refused unless asked for.
+    again = runner.invoke(app, ["train", str(recipe), "train.overwrite=false"])
+    assert again.exit_code == 2 and "already holds a run" in again.stderr
+
+
+def test_validate_prints_resolved_recipe(tmp_path):
+    result = runner.invoke(app, ["validate", str(REPO / "recipes" / "quickstart.yaml"), "ppo.kl_coef=0.2"])
+    assert result.exit_code == 0
+    assert yaml.safe_load(result.stdout)["ppo"]["kl_coef"] == 0.2

@@ -1,0 +1,76 @@
+"""`lora_ppo.rollout.truncate_at_stop`: the stop token is a real token, padding follows it."""
+
+from __future__ import annotations
+
+import torch
+
+from lora_ppo.ppo_math import kl_shaped_rewards
+from lora_ppo.rollout import truncate_at_stop
+
+STOP, PAD = 2, 0
+
+
+def ids(rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def masks(rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+def test_stop_token_kept_and_padding_after_it():
+    raw = ids([[5, 6, STOP, 7, 8], [5, 6, 7, 8, 9], [STOP, 3, 4, 5, 6]])
+    out, mask, stopped = truncate_at_stop(raw, STOP, PAD)
+    assert torch.equal(out, ids([[5, 6, STOP, PAD, PAD], [5, 6, 7, 8, 9], [STOP, PAD, PAD, PAD, PAD]]))
+    assert torch.equal(mask, masks([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]))
+    assert torch.equal(stopped, masks([1, 0, 1]))
+    assert mask.dtype == torch.bool and stopped.dtype == torch.bool
+    # The input is left as it was.
+    assert torch.equal(raw, ids([[5, 6, STOP, 7, 8], [5, 6, 7, 8, 9], [STOP, 3, 4, 5, 6]]))
+
+
+def test_first_stop_counts():
+    out, mask, stopped = truncate_at_stop(ids([[4, STOP, 5, STOP, 6]]), STOP, PAD)
+    assert torch.equal(out, ids([[4, STOP]]))
+    assert torch.equal(mask, masks([[1, 1]]))
+    assert torch.equal(stopped, masks([1]))
+
+
+def test_trimmed_to_longest_real_response():
+    raw = ids([[5, STOP, 7, 8, 9, 9], [STOP, 9, 9, 9, 9, 9], [5, 6, 7, STOP, 9, 9]])
+    out, mask, stopped = truncate_at_stop(raw, STOP, PAD)
+    assert torch.equal(out, ids([[5, STOP, PAD, PAD], [STOP, PAD, PAD, PAD], [5, 6, 7, STOP]]))
+    assert torch.equal(mask, masks([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]))
+    assert torch.equal(stopped, masks([1, 1, 1]))
+
+
+def test_no_stop_id_keeps_everything():
+    raw = ids([[5, STOP, 7], [8, 9, PAD]])
+    out, mask, stopped = truncate_at_stop(raw, None, PAD)
+    assert torch.equal(out, raw)
+    assert torch.equal(mask, torch.ones(2, 3, dtype=torch.bool))
+    assert torch.equal(stopped, masks([0, 0]))
+
+
+def test_pad_equal_to_eos():
+    # generate() pads finished rows with eos when pad == eos: only the first one is real.
+    eos = pad = 2
+    raw = ids([[5, eos, eos, eos], [5, 6, eos, eos], [eos, eos, eos, eos]])
+    out, mask, stopped = truncate_at_stop(raw, eos, pad)
+    assert torch.equal(out, ids([[5, eos, eos], [5, 6, eos], [eos, eos, eos]]))
+    assert torch.equal(mask, masks([[1, 1, 0], [1, 1, 1], [1, 0, 0]]))
+    assert torch.equal(stopped, masks([1, 1, 1]))
+
+    # And the score then lands on that stop token, not on the pad (same id) after it.
+    logprobs = torch.full(out.shape, -1.0, dtype=torch.float64)
+    rewards, _ = kl_shaped_rewards(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), logprobs, logprobs, mask, 0.1)
+    expected = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 2.0], [3.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(rewards, expected, atol=0.0, rtol=0.0)
+
+
+def test_no_row_stops():
+    raw = ids([[5, 6, 7], [8, 9, 10]])
+    out, mask, stopped = truncate_at_stop(raw, STOP, PAD)
+    assert torch.equal(out, raw)
+    assert torch.equal(mask, torch.ones(2, 3, dtype=torch.bool))
+    assert torch.equal(stopped, masks([0, 0]))

@@ -1,0 +1,95 @@
+"""Prompt loading from every supported file type, row filtering with counts, held-out
+splits, and a seeded prompt order that can be resumed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lora_ppo.config import DataConfig
+from lora_ppo.data import PromptStream, load_prompt_sets, load_prompt_texts, prepare_prompts
+from lora_ppo.errors import RecipeError
+
+ROWS = ["This movie was", "The acting in this film", "Honestly, the sequel"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet", ".txt"])
+def test_every_file_type_loads(tmp_path, suffix):
+    import pandas as pd
+
+    path = tmp_path / f"prompts{suffix}"
+    frame = pd.DataFrame({"prompt": ROWS, "other": [1, 2, 3]})
+    if suffix == ".jsonl":
+        path.write_text("\n".join(json.dumps(r) for r in frame.to_dict("records")))
+    elif suffix == ".csv":
+        frame.to_csv(path, index=False)
+    elif suffix == ".parquet":
+        frame.to_parquet(path)
+    else:
+        path.write_text("\n".join(ROWS) + "\n")
+    assert load_prompt_texts(str(path), "train", "prompt") == ROWS
+
+
+def test_missing_column_names_the_columns(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"text": "hi"}) + "\n")
+    with pytest.raises(RecipeError, match=r"data.prompt_column: column 'prompt' not in .* \(columns: text\)"):
+        load_prompt_texts(str(path), "train", "prompt")
+
+
+def test_unsupported_and_missing_files(tmp_path):
+    with pytest.raises(RecipeError, match="file not found"):
+        load_prompt_texts(str(tmp_path / "none.jsonl"), "train", "prompt")
+    (tmp_path / "p.xml").write_text("<a/>")
+    with pytest.raises(RecipeError, match="unsupported file type '.xml'"):
+        load_prompt_texts(str(tmp_path / "p.xml"), "train", "prompt")
+
+
+def test_bad_rows_are_dropped_and_counted(tokenizer):
+    raw = ["fine prompt", "", "   ", None, 7, "word " * 100]
+    prompt_set = prepare_prompts(raw, tokenizer, chat_template=False, max_prompt_tokens=16)
+    assert prompt_set.prompts == ["fine prompt"]
+    assert prompt_set.dropped == {"empty": 2, "not_text": 2, "too_long": 1}
+
+
+def test_chat_template_wraps_prompts(tokenizer):
+    prompt_set = prepare_prompts(["hello"], tokenizer, chat_template=True, max_prompt_tokens=64)
+    assert prompt_set.prompts == ["<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"]
+
+
+def test_held_out_split_is_seeded_and_disjoint(tokenizer):
+    cfg = DataConfig(eval_source=None, eval_size=20)
+    train_a, held_a = load_prompt_sets(cfg, tokenizer, seed=1)
+    train_b, held_b = load_prompt_sets(cfg, tokenizer, seed=1)
+    assert held_a.prompts == held_b.prompts and len(held_a.prompts) == 20
+    assert not set(held_a.prompts) & set(train_a.prompts)
+    assert len(train_a.prompts) == 300 - 20
+
+
+def test_builtin_held_out_set_differs_from_training(tokenizer):
+    train, held = load_prompt_sets(DataConfig(eval_size=32), tokenizer, seed=0)
+    assert len(train.prompts) == 300 and len(held.prompts) == 32
+    assert not set(train.prompts) & set(held.prompts)
+
+
+def test_prompt_stream_is_seeded_and_resumable():
+    prompts = [f"p{i}" for i in range(7)]
+    stream = PromptStream(prompts, seed=3)
+    first = [stream.next_batch(3) for _ in range(4)]  # crosses an epoch boundary
+    assert sorted(first[0] + first[1] + [first[2][0]]) == sorted(prompts)  # each prompt once per pass
+
+    replay = PromptStream(prompts, seed=3)
+    replay.next_batch(3)
+    replay.next_batch(3)
+    state = replay.state_dict()
+    resumed = PromptStream(prompts, seed=3)
+    resumed.load_state_dict(state)
+    assert [resumed.next_batch(3) for _ in range(2)] == first[2:]
