@@ -44,13 +44,18 @@ class AdaptersConfig(Section):
     policy: LoraSettings = LoraSettings()
     value: LoraSettings = LoraSettings()
     # "auto": the policy's init_from adapter, frozen, when there is one, else adapters disabled.
-    # "disable": the bare base model. Anything else: a PEFT adapter folder, loaded frozen.
+    # "disable": the bare base model. "none": no reference at all (KL-free run).
+    # Anything else: a PEFT adapter folder, loaded frozen.
     reference: str = "auto"
 
     @property
+    def reference_enabled(self) -> bool:
+        return self.reference != "none"
+
+    @property
     def reference_adapter_path(self) -> Optional[str]:
-        """The adapter folder the reference role uses, or None for adapters disabled."""
-        if self.reference == "disable":
+        """The adapter folder the reference role uses, or None for adapters disabled / no reference."""
+        if self.reference in ("disable", "none"):
             return None
         if self.reference == "auto":
             return self.policy.init_from
@@ -105,9 +110,14 @@ class RolloutConfig(Section):
     missing_eos_penalty: Optional[float] = None
     # Rows per forward pass when scoring a rollout (old/ref logprobs, values).
     forward_batch_size: int = Field(16, gt=0)
+    # Responses sampled per prompt (RLOO/GRPO need >= 2); batch_size counts responses.
+    samples_per_prompt: int = Field(1, gt=0)
 
 
 class PPOConfig(Section):
+    # "gae": PPO with the value adapter as critic. "rloo" / "grpo": critic-free baselines over
+    # rollout.samples_per_prompt samples per prompt; no value adapter is created.
+    advantage_estimator: Literal["gae", "rloo", "grpo"] = "gae"
     num_epochs: int = Field(4, gt=0)
     num_minibatches: int = Field(1, gt=0)
     grad_accum_steps: int = Field(1, gt=0)
@@ -115,12 +125,29 @@ class PPOConfig(Section):
     value_clip_eps: float = Field(0.2, gt=0.0)
     vf_coef: float = Field(0.1, ge=0.0)
     kl_coef: float = Field(0.05, ge=0.0)
-    kl_estimator: Literal["k1", "k3"] = "k1"
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    # "reward": -kl_coef * KL per token inside the reward; "loss": kl_coef * KL as a loss term.
+    kl_penalty: Literal["reward", "loss"] = "reward"
+    # Set to adapt kl_coef toward this per-sequence KL (Ziegler et al. 2019) over kl_horizon samples.
+    target_kl: Optional[float] = Field(None, gt=0.0)
+    kl_horizon: int = Field(10000, gt=0)
+    # Score shaping, in this order: running mean/std normalisation, clipping, length penalty.
+    score_norm: bool = False
+    score_clip: Optional[float] = Field(None, gt=0.0)
+    length_penalty: float = 0.0
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(0.95, ge=0.0, le=1.0)
     whiten_rewards: bool = False
     whiten_advantages: bool = True
     entropy_coef: float = Field(0.0, ge=0.0)
+    clip_value_loss: bool = True
+    # Dual-clip PPO: cap the loss of negative-advantage tokens at -dual_clip * A (typically 3).
+    dual_clip: Optional[float] = Field(None, gt=1.0)
+    # A minibatch whose mean ratio exceeds this is skipped, or its policy gradient scaled down.
+    ratio_threshold: Optional[float] = Field(None, gt=1.0)
+    ratio_threshold_action: Literal["skip", "scale"] = "skip"
+    # "token": every real token weighs the same; "sequence": every response weighs the same.
+    loss_aggregation: Literal["token", "sequence"] = "token"
     max_grad_norm: float = Field(1.0, gt=0.0)
     learning_rate: float = Field(1e-4, gt=0.0)
     # The value adapter and head; default: learning_rate.
@@ -151,6 +178,15 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _batch_split(self) -> "Recipe":
+        k = self.rollout.samples_per_prompt
+        if self.rollout.batch_size % k:
+            raise ValueError(
+                f"rollout.batch_size ({self.rollout.batch_size}) must be divisible by rollout.samples_per_prompt ({k})"
+            )
+        if self.ppo.advantage_estimator != "gae" and k < 2:
+            raise ValueError(
+                f"ppo.advantage_estimator {self.ppo.advantage_estimator!r} needs rollout.samples_per_prompt >= 2 (got {k})"
+            )
         parts = self.ppo.num_minibatches * self.ppo.grad_accum_steps
         if self.rollout.batch_size % parts:
             raise ValueError(
@@ -158,6 +194,11 @@ class Recipe(Section):
                 f"ppo.num_minibatches * ppo.grad_accum_steps ({parts})"
             )
         return self
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether a value adapter and score head exist (only for GAE)."""
+        return self.ppo.advantage_estimator == "gae"
 
     @property
     def minibatch_size(self) -> int:

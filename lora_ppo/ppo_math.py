@@ -58,14 +58,17 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     """Per-token estimate of KL(policy || reference) from sampled-token logprobs.
 
     J. Schulman, "Approximating KL divergence" (2020), with r = p_ref / p_policy:
-    k1 = -log r (unbiased, can be negative per token), k3 = (r - 1) - log r (unbiased, >= 0).
+    k1 = -log r (unbiased, can be negative per token), k2 = (log r)^2 / 2 (biased, >= 0,
+    low variance), k3 = (r - 1) - log r (unbiased, >= 0).
     """
     log_ratio = logprobs - ref_logprobs  # [B, T_resp]
     if estimator == "k1":
         return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
     if estimator == "k3":
         return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"unknown KL estimator {estimator!r} (expected 'k1' or 'k3')")
+    raise ValueError(f"unknown KL estimator {estimator!r} (expected 'k1', 'k2' or 'k3')")
 
 
 def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
@@ -142,6 +145,32 @@ def gae(
     return advantages, returns
 
 
+def aggregate_loss(
+    per_token: torch.Tensor,
+    response_mask: torch.Tensor,
+    aggregation: str = "token",
+    normalizer: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss [B, T_resp] to a scalar.
+
+    "token": sum over real tokens / `normalizer` (default: this batch's real tokens), so every
+    token weighs the same. "sequence": each sequence's mean over its real tokens, summed, /
+    `normalizer` (default: this batch's sequences), so every sequence weighs the same. Pass
+    the whole minibatch's count as `normalizer` and micro-batches add up to the minibatch loss.
+    """
+    if aggregation == "token":
+        if normalizer is None:
+            normalizer = response_mask.sum()
+        return masked_sum(per_token, response_mask) / normalizer
+    if aggregation == "sequence":
+        zeroed = torch.where(response_mask, per_token, torch.zeros_like(per_token))
+        lengths = response_mask.sum(dim=1).clamp(min=1)
+        if normalizer is None:
+            normalizer = per_token.shape[0]
+        return (zeroed.sum(dim=1) / lengths).sum() / normalizer
+    raise ValueError(f"unknown loss aggregation {aggregation!r} (expected 'token' or 'sequence')")
+
+
 def policy_loss(
     new_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -149,19 +178,24 @@ def policy_loss(
     response_mask: torch.Tensor,
     clip_eps: float,
     token_count: torch.Tensor | int | None = None,
+    dual_clip: float | None = None,
+    aggregation: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate objective (Schulman et al. 2017, eq. 7), as a loss to minimise.
 
-    The loss is a sum over real tokens divided by `token_count` (default: the tokens in
-    this batch). Passing the token count of the whole minibatch makes gradient
-    accumulation over micro-batches equal to one pass over the minibatch.
+    With `dual_clip` = c > 1 (Ye et al. 2020, "Mastering Complex Control in MOBA Games",
+    eq. 5), the loss of a token with negative advantage is also capped at -c * A, so a huge
+    ratio on a bad action cannot dominate the update.
+
+    The loss is aggregated by `aggregate_loss` with `token_count` as its normalizer (tokens
+    for "token", sequences for "sequence"); passing the whole minibatch's count makes
+    gradient accumulation over micro-batches equal to one pass over the minibatch.
 
     Returns:
         (loss, stats) where stats has `clipfrac` (share of tokens where the clipped branch
-        was taken) and `approxkl` (0.5 * mean squared log-ratio), both detached.
+        was taken), `approxkl` (0.5 * mean squared log-ratio), `ratio` (mean ratio) and
+        `dual_clipfrac`, all detached.
     """
-    if token_count is None:
-        token_count = response_mask.sum()
     # Padding is zeroed before any arithmetic: masking only the sum would still send a NaN
     # gradient (0 * inf, 0 * NaN) back to padded positions, and from there into the model.
     log_ratio = torch.where(response_mask, new_logprobs - old_logprobs, torch.zeros_like(new_logprobs))
@@ -170,10 +204,16 @@ def policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
     per_token = torch.maximum(unclipped, clipped)
-    loss = masked_sum(per_token, response_mask) / token_count
+    dual_clipped = torch.zeros_like(response_mask)
+    if dual_clip is not None:
+        cap = -dual_clip * advantages
+        dual_clipped = (advantages < 0) & (per_token > cap)
+        per_token = torch.where(dual_clipped, cap, per_token)
+    loss = aggregate_loss(per_token, response_mask, aggregation, token_count)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((clipped > unclipped).to(per_token.dtype), response_mask),
+            "dual_clipfrac": masked_mean(dual_clipped.to(per_token.dtype), response_mask),
             "approxkl": 0.5 * masked_mean(log_ratio.detach() ** 2, response_mask),
             "ratio": masked_mean(ratio.detach(), response_mask),
         }
@@ -185,25 +225,27 @@ def value_loss(
     old_values: torch.Tensor,
     returns: torch.Tensor,
     response_mask: torch.Tensor,
-    value_clip_eps: float,
+    value_clip_eps: float | None,
     token_count: torch.Tensor | int | None = None,
+    aggregation: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip within eps of V_old.
 
-    The clipping is the PPO2 baselines variant ("N implementation details", detail 9).
-    Normalised like `policy_loss` (sum over real tokens / `token_count`).
+    The clipping is the PPO2 baselines variant ("N implementation details", detail 9);
+    `value_clip_eps=None` turns it off (plain 0.5 * (V - R)^2). Aggregated like `policy_loss`.
     """
-    if token_count is None:
-        token_count = response_mask.sum()
     # Zero the padding first, as in `policy_loss`, so that no NaN gradient reaches it.
     new_values = torch.where(response_mask, new_values, torch.zeros_like(new_values))
     old_values = torch.where(response_mask, old_values, torch.zeros_like(old_values))
     returns = torch.where(response_mask, returns, torch.zeros_like(returns))
-    clipped_values = old_values + torch.clamp(new_values - old_values, -value_clip_eps, value_clip_eps)
     unclipped_sq = (new_values - returns) ** 2
-    clipped_sq = (clipped_values - returns) ** 2
+    if value_clip_eps is None:
+        clipped_sq = unclipped_sq
+    else:
+        clipped_values = old_values + torch.clamp(new_values - old_values, -value_clip_eps, value_clip_eps)
+        clipped_sq = (clipped_values - returns) ** 2
     per_token = 0.5 * torch.maximum(unclipped_sq, clipped_sq)
-    loss = masked_sum(per_token, response_mask) / token_count
+    loss = aggregate_loss(per_token, response_mask, aggregation, token_count)
     with torch.no_grad():
         stats = {"clipfrac": masked_mean((clipped_sq > unclipped_sq).to(per_token.dtype), response_mask)}
     return loss, stats
@@ -215,3 +257,85 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mas
     if var_returns <= 0:
         return torch.zeros((), dtype=values.dtype, device=values.device)
     return 1.0 - masked_var(returns - values, response_mask) / var_returns
+
+
+def kl_loss(
+    new_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: float,
+    estimator: str = "k3",
+    token_count: torch.Tensor | int | None = None,
+    aggregation: str = "token",
+) -> torch.Tensor:
+    """KL penalty as a loss term on the current policy (the GRPO placement, Shao et al. 2024,
+    eq. 3), instead of inside the reward: kl_coef * aggregate(KL(new || ref))."""
+    kl = kl_estimate(new_logprobs, ref_logprobs, estimator)
+    return kl_coef * aggregate_loss(kl, response_mask, aggregation, token_count)
+
+
+def adaptive_kl_coef(kl_coef: float, current_kl: float, target_kl: float, horizon: int, n_steps: int) -> float:
+    """Ziegler et al. 2019, section 2.2: move kl_coef toward keeping the KL at `target_kl`.
+
+    e = clip(KL / target - 1, -0.2, 0.2); kl_coef *= 1 + e * n_steps / horizon, where
+    n_steps is the number of samples the KL was measured on.
+    """
+    error = min(max(current_kl / target_kl - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + error * n_steps / horizon)
+
+
+def update_running_moments(
+    mean: float, var: float, count: int, batch: torch.Tensor
+) -> tuple[float, float, int]:
+    """Fold a batch into a running mean and (population) variance (Chan et al. 1979)."""
+    n = batch.numel()
+    if n == 0:
+        return mean, var, count
+    batch = batch.double()
+    batch_mean = batch.mean().item()
+    batch_var = batch.var(unbiased=False).item()
+    total = count + n
+    delta = batch_mean - mean
+    new_mean = mean + delta * n / total
+    m2 = var * count + batch_var * n + delta**2 * count * n / total
+    return new_mean, m2 / total, total
+
+
+def shape_scores(
+    scores: torch.Tensor,
+    response_lengths: torch.Tensor,
+    length_penalty: float = 0.0,
+    norm_mean: float | None = None,
+    norm_std: float | None = None,
+    clip: float | None = None,
+) -> torch.Tensor:
+    """Sequence scores as the optimiser sees them: normalised by running statistics (if
+    given), clipped to [-clip, clip], minus length_penalty per response token. [B]"""
+    if norm_mean is not None and norm_std is not None:
+        scores = (scores - norm_mean) / max(norm_std, WHITEN_EPS**0.5)
+    if clip is not None:
+        scores = scores.clamp(-clip, clip)
+    return scores - length_penalty * response_lengths.to(scores.dtype)
+
+
+def group_advantages(
+    sequence_rewards: torch.Tensor, group_size: int, estimator: str, eps: float = 1e-6
+) -> torch.Tensor:
+    """Critic-free advantages from k samples per prompt (rows grouped consecutively). [B]
+
+    "rloo": REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024): each sample's
+    baseline is the mean reward of the other k-1 samples of its prompt.
+    "grpo": group-relative (Shao et al. 2024, eq. 4 outcome supervision): (R - mean) / (std + eps)
+    within the prompt's group, std unbiased.
+    """
+    if group_size < 2:
+        raise ValueError("group advantages need at least 2 samples per prompt")
+    grouped = sequence_rewards.view(-1, group_size)  # [n_prompts, k]
+    if estimator == "rloo":
+        others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+        return (grouped - others_mean).reshape(-1)
+    if estimator == "grpo":
+        mean = grouped.mean(dim=1, keepdim=True)
+        std = grouped.std(dim=1, keepdim=True, unbiased=True)
+        return ((grouped - mean) / (std + eps)).reshape(-1)
+    raise ValueError(f"unknown group estimator {estimator!r} (expected 'rloo' or 'grpo')")

@@ -55,9 +55,10 @@ class RoleModel:
     Args:
         base_model: the loaded (possibly 4-bit) causal LM, all weights frozen.
         adapters: the recipe's adapters section.
+        with_value: create the value adapter and score head (critic-free modes do not).
     """
 
-    def __init__(self, base_model, adapters: AdaptersConfig):
+    def __init__(self, base_model, adapters: AdaptersConfig, with_value: bool = True):
         from peft import PeftModel, get_peft_model
 
         if adapters.policy.init_from:
@@ -67,10 +68,11 @@ class RoleModel:
             )
         else:
             self.peft = get_peft_model(base_model, lora_config(adapters.policy), adapter_name=POLICY)
-        if adapters.value.init_from:
+        self.has_value = with_value
+        if with_value and adapters.value.init_from:
             _check_adapter_dir(adapters.value.init_from, "adapters.value.init_from")
             self.peft.load_adapter(adapters.value.init_from, adapter_name=VALUE, is_trainable=True)
-        else:
+        elif with_value:
             self.peft.add_adapter(VALUE, lora_config(adapters.value))
         # The reference is either the bare base (adapters disabled) or a frozen adapter of its own,
         # e.g. the SFT adapter the policy started from: then the policy trains a copy of it.
@@ -90,19 +92,22 @@ class RoleModel:
         head_dtype = self.lm_head.weight.dtype if self.lm_head.weight.is_floating_point() else torch.float32
         if head_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             head_dtype = torch.float32
+        self.value_head: Optional[nn.Linear] = None
+        if with_value:
+            self._make_value_head(hidden_size, head_dtype, adapters.value.init_from)
+
+        self._params = {name: self._adapter_params(name) for name in (POLICY, VALUE, REFERENCE)}
+        self._active: Optional[str] = None
+        self._activate(POLICY)
+
+    def _make_value_head(self, hidden_size: int, head_dtype: torch.dtype, init_from: Optional[str]) -> None:
         self.value_head = nn.Linear(hidden_size, 1, device=self.lm_head.weight.device, dtype=head_dtype)
         # Zero init: every value starts at 0 instead of a random offset of the size of the
         # hidden states, which cost the first steps' explained variance (measured: -14 at step 1).
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
-        if adapters.value.init_from:
-            head_path = Path(adapters.value.init_from) / VALUE_HEAD_FILE
-            if head_path.is_file():
-                self.load_value_head(head_path)
-
-        self._params = {name: self._adapter_params(name) for name in (POLICY, VALUE, REFERENCE)}
-        self._active: Optional[str] = None
-        self._activate(POLICY)
+        if init_from and (Path(init_from) / VALUE_HEAD_FILE).is_file():
+            self.load_value_head(Path(init_from) / VALUE_HEAD_FILE)
 
     # ---- parameters -------------------------------------------------------------------------
 
@@ -114,6 +119,8 @@ class RoleModel:
         return list(self._params[POLICY])
 
     def value_parameters(self) -> list[nn.Parameter]:
+        if self.value_head is None:
+            return []
         return list(self._params[VALUE]) + list(self.value_head.parameters())
 
     def _fix_requires_grad(self) -> None:
@@ -143,6 +150,8 @@ class RoleModel:
             return
         if role not in (POLICY, VALUE, REFERENCE):
             raise ValueError(f"role {role!r} does not live on the policy backbone")
+        if role == VALUE and not self.has_value:
+            raise ValueError("this RoleModel was built without a value adapter (critic-free mode)")
         self._activate(role)
         yield
 

@@ -132,16 +132,23 @@ def score_passes(
     temperature: float,
     forward_batch_size: int,
     with_values: bool = True,
+    with_reference: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Old logprobs (policy), reference logprobs and values, in micro-batches."""
+    """Old logprobs (policy), reference logprobs and values, in micro-batches.
+
+    Without a reference the reference logprobs are the old ones, so every KL estimate is 0.
+    """
     old, ref, vals = [], [], []
     for start in range(0, input_ids.shape[0], forward_batch_size):
         ids = input_ids[start : start + forward_batch_size]
         mask = attention_mask[start : start + forward_batch_size]
         with roles.as_role(POLICY):
             old.append(roles.response_logprobs(ids, mask, response_start, temperature)[0])
-        with roles.as_role(REFERENCE):
-            ref.append(roles.response_logprobs(ids, mask, response_start, temperature)[0])
+        if with_reference:
+            with roles.as_role(REFERENCE):
+                ref.append(roles.response_logprobs(ids, mask, response_start, temperature)[0])
+        else:
+            ref.append(old[-1].clone())
         if with_values:
             with roles.as_role(VALUE):
                 vals.append(roles.values(ids, mask, response_start))
@@ -156,8 +163,13 @@ def collect_rollout(
     reward_fn: RewardFn,
     side_metrics: dict[str, RewardFn],
     chat_template: bool,
+    with_values: bool = True,
+    with_reference: bool = True,
 ) -> Rollout:
-    """Generate responses to `prompts` and score them; everything under no_grad."""
+    """Generate responses to `prompts` and score them; everything under no_grad.
+
+    For k samples per prompt, pass each prompt k times in a row (group methods rely on it).
+    """
     device = roles.lm_head.weight.device
     stop_id = stop_token_id(tokenizer, cfg.stop_token)
     timings: dict[str, float] = {}
@@ -175,7 +187,8 @@ def collect_rollout(
     input_ids = torch.cat([query_ids, response_ids], dim=1)
     attention_mask = torch.cat([query_mask, response_mask.to(query_mask.dtype)], dim=1)
     old_logprobs, ref_logprobs, values = score_passes(
-        roles, input_ids, attention_mask, query_ids.shape[1], cfg.temperature, cfg.forward_batch_size
+        roles, input_ids, attention_mask, query_ids.shape[1], cfg.temperature, cfg.forward_batch_size,
+        with_values=with_values, with_reference=with_reference,
     )
     timings["score_forward"] = time.perf_counter() - t0
 

@@ -67,18 +67,46 @@ class UpdateStats:
         return {key: total / max(self.weight, 1e-12) for key, total in self.sums.items()}
 
 
-def compute_advantages(rollout: Rollout, cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rewards, kl, advantages, returns) for a rollout, each [B, T_resp]."""
+@dataclass(frozen=True)
+class Advantages:
+    """What the update needs besides the rollout. Per-token tensors are [B, T_resp]."""
+
+    scores: torch.Tensor  # [B] shaped scores the optimiser sees
+    rewards: torch.Tensor  # per-token rewards (KL-shaped when the penalty is in the reward)
+    kl: torch.Tensor  # per-token KL estimate, 0 on padding
+    advantages: torch.Tensor
+    returns: Optional[torch.Tensor]  # value targets; None without a critic
+
+
+def compute_advantages(
+    rollout: Rollout, cfg: PPOConfig, kl_coef: float, scores: torch.Tensor, group_size: int = 1
+) -> Advantages:
+    """KL-shaped rewards, then GAE (with the critic) or group baselines (RLOO / GRPO).
+
+    Args:
+        scores: [B] the rollout's scores after shaping (normalisation, clipping, length penalty).
+        kl_coef: the current KL coefficient (fixed, or from the adaptive controller).
+        group_size: samples per prompt, consecutive rows (RLOO / GRPO).
+    """
     mask = rollout.response_mask
+    # With the penalty as a loss term the reward carries the score alone.
+    reward_kl_coef = kl_coef if cfg.kl_penalty == "reward" else 0.0
     rewards, kl = ppo_math.kl_shaped_rewards(
-        rollout.scores, rollout.old_logprobs, rollout.ref_logprobs, mask, cfg.kl_coef, cfg.kl_estimator
+        scores, rollout.old_logprobs, rollout.ref_logprobs, mask, reward_kl_coef, cfg.kl_estimator
     )
-    if cfg.whiten_rewards:
-        rewards = ppo_math.masked_whiten(rewards, mask, shift_mean=False)
-    advantages, returns = ppo_math.gae(rollout.values, rewards, mask, cfg.gamma, cfg.lam)
+    if cfg.advantage_estimator == "gae":
+        if cfg.whiten_rewards:
+            rewards = ppo_math.masked_whiten(rewards, mask, shift_mean=False)
+        advantages, returns = ppo_math.gae(rollout.values, rewards, mask, cfg.gamma, cfg.lam)
+    else:
+        # A sequence's return is its score minus its KL penalty; every token shares the advantage.
+        sequence_rewards = scores - reward_kl_coef * kl.sum(dim=1)
+        per_sequence = ppo_math.group_advantages(sequence_rewards, group_size, cfg.advantage_estimator)
+        advantages = torch.where(mask, per_sequence[:, None].expand_as(mask), torch.zeros_like(rewards))
+        returns = None
     if cfg.whiten_advantages:
         advantages = ppo_math.masked_whiten(advantages, mask)
-    return rewards, kl, advantages, returns
+    return Advantages(scores, rewards, kl, advantages, returns)
 
 
 def ppo_update(
@@ -86,76 +114,112 @@ def ppo_update(
     optimizer: torch.optim.Optimizer,
     scheduler,
     rollout: Rollout,
-    advantages: torch.Tensor,
-    returns: torch.Tensor,
+    adv: Advantages,
     cfg: PPOConfig,
     minibatch_size: int,
     micro_batch_size: int,
     temperature: float,
     gradient_checkpointing: bool,
     generator: torch.Generator,
+    kl_coef: float = 0.0,
 ) -> dict[str, float]:
     """num_epochs x minibatches x micro-batches of clipped policy and value losses.
 
-    Losses are sums over real tokens divided by the minibatch's token count, so splitting a
-    minibatch into micro-batches (gradient accumulation) does not change the update.
+    Losses are normalised by the whole minibatch's token (or sequence) count, so splitting
+    a minibatch into micro-batches (gradient accumulation) does not change the update.
     """
     input_ids, attention_mask = rollout.input_ids, rollout.attention_mask
     mask = rollout.response_mask
     start = rollout.response_start
     batch = input_ids.shape[0]
+    with_critic = rollout.values is not None and adv.returns is not None
     stats = UpdateStats()
     policy_params, value_params = roles.policy_parameters(), roles.value_parameters()
+    value_clip_eps = cfg.value_clip_eps if cfg.clip_value_loss else None
+    skipped = scaled = minibatches = 0
+    policy_norm = value_norm = torch.zeros(())
     with roles.gradient_checkpointing(gradient_checkpointing):
         for _epoch in range(cfg.num_epochs):
             order = torch.randperm(batch, generator=generator).to(input_ids.device)
             for mb_start in range(0, batch, minibatch_size):
                 mb = order[mb_start : mb_start + minibatch_size]
                 token_count = mask[mb].sum().clamp(min=1)
+                normalizer = token_count if cfg.loss_aggregation == "token" else len(mb)
+                ratio_sum = torch.zeros(())
                 optimizer.zero_grad(set_to_none=True)
                 for micro_start in range(0, len(mb), micro_batch_size):
                     idx = mb[micro_start : micro_start + micro_batch_size]
                     ids, am, m = input_ids[idx], attention_mask[idx], mask[idx]
-                    weight = float(m.sum()) / float(token_count)
+                    n_tokens = float(m.sum())
 
                     with roles.as_role(POLICY):
                         new_logprobs, entropy = roles.response_logprobs(ids, am, start, temperature)
                     pg_loss, pg_stats = ppo_math.policy_loss(
-                        new_logprobs, rollout.old_logprobs[idx], advantages[idx], m, cfg.clip_eps, token_count
+                        new_logprobs, rollout.old_logprobs[idx], adv.advantages[idx], m, cfg.clip_eps,
+                        normalizer, cfg.dual_clip, cfg.loss_aggregation,
                     )
-                    entropy_term = ppo_math.masked_sum(entropy, m) / token_count
-                    (pg_loss - cfg.entropy_coef * entropy_term).backward()
+                    entropy_term = ppo_math.aggregate_loss(entropy, m, cfg.loss_aggregation, normalizer)
+                    loss = pg_loss - cfg.entropy_coef * entropy_term
+                    if cfg.kl_penalty == "loss" and kl_coef > 0:
+                        loss = loss + ppo_math.kl_loss(
+                            new_logprobs, rollout.ref_logprobs[idx], m, kl_coef, cfg.kl_estimator,
+                            normalizer, cfg.loss_aggregation,
+                        )
+                    loss.backward()
+                    ratio_sum = ratio_sum + pg_stats["ratio"] * n_tokens
+                    step_stats = {
+                        "loss/policy": pg_loss.detach(),
+                        "policy/clipfrac": pg_stats["clipfrac"],
+                        "policy/dual_clipfrac": pg_stats["dual_clipfrac"],
+                        "policy/approxkl": pg_stats["approxkl"],
+                        "policy/ratio": pg_stats["ratio"],
+                        "policy/entropy": ppo_math.masked_mean(entropy.detach(), m),
+                    }
 
-                    with roles.as_role(VALUE):
-                        new_values = roles.values(ids, am, start)
-                    vf_loss, vf_stats = ppo_math.value_loss(
-                        new_values, rollout.values[idx], returns[idx], m, cfg.value_clip_eps, token_count
-                    )
-                    (cfg.vf_coef * vf_loss).backward()
+                    if with_critic:
+                        with roles.as_role(VALUE):
+                            new_values = roles.values(ids, am, start)
+                        vf_loss, vf_stats = ppo_math.value_loss(
+                            new_values, rollout.values[idx], adv.returns[idx], m, value_clip_eps,
+                            normalizer, cfg.loss_aggregation,
+                        )
+                        (cfg.vf_coef * vf_loss).backward()
+                        step_stats["loss/value"] = vf_loss.detach()
+                        step_stats["value/clipfrac"] = vf_stats["clipfrac"]
+                    # Loss parts are already shares of the minibatch loss: summed, not averaged.
+                    share = n_tokens / float(token_count) if cfg.loss_aggregation == "token" else len(idx) / len(mb)
+                    for key in ("loss/policy", "loss/value"):
+                        if key in step_stats:
+                            step_stats[key] = step_stats[key] / max(share, 1e-12)
+                    stats.add(step_stats, n_tokens)
 
-                    stats.add(
-                        {
-                            "loss/policy": pg_loss.detach() / weight if weight else 0.0,
-                            "loss/value": vf_loss.detach() / weight if weight else 0.0,
-                            "policy/clipfrac": pg_stats["clipfrac"],
-                            "policy/approxkl": pg_stats["approxkl"],
-                            "policy/ratio": pg_stats["ratio"],
-                            "policy/entropy": ppo_math.masked_mean(entropy.detach(), m),
-                            "value/clipfrac": vf_stats["clipfrac"],
-                        },
-                        float(m.sum()),
-                    )
+                minibatches += 1
+                mean_ratio = float(ratio_sum / token_count)
+                if cfg.ratio_threshold is not None and mean_ratio > cfg.ratio_threshold:
+                    # The policy has drifted far from the rollout policy on this minibatch.
+                    if cfg.ratio_threshold_action == "skip":
+                        for p in policy_params:
+                            p.grad = None
+                        skipped += 1
+                    else:
+                        for p in policy_params:
+                            if p.grad is not None:
+                                p.grad.mul_(cfg.ratio_threshold / mean_ratio)
+                        scaled += 1
                 policy_norm = torch.nn.utils.clip_grad_norm_(policy_params, cfg.max_grad_norm)
-                value_norm = torch.nn.utils.clip_grad_norm_(value_params, cfg.max_grad_norm)
-                stats.add({"policy/grad_norm": policy_norm, "value/grad_norm": value_norm}, 0.0)
+                if value_params:
+                    value_norm = torch.nn.utils.clip_grad_norm_(value_params, cfg.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 if scheduler is not None:
                     scheduler.step()
     out = stats.means()
-    # Grad norms were added with weight 0 to keep them out of the token means; report their last value.
     out["policy/grad_norm"] = float(policy_norm)
-    out["value/grad_norm"] = float(value_norm)
+    if with_critic:
+        out["value/grad_norm"] = float(value_norm)
+    if cfg.ratio_threshold is not None:
+        out["policy/skipped_minibatch_frac"] = skipped / max(1, minibatches)
+        out["policy/scaled_minibatch_frac"] = scaled / max(1, minibatches)
     return out
 
 
@@ -184,19 +248,17 @@ class PPOTrainer:
         self.train_prompts, self.eval_prompts = load_prompt_sets(recipe.data, self.tokenizer, recipe.train.seed)
         self.reward_fn = reward_fn or build_reward(recipe.reward, recipe.model.trust_remote_code)
         self.side_metrics = build_side_metrics(recipe.reward)
+        if not recipe.adapters.reference_enabled:
+            log.warning("adapters.reference is 'none': no KL penalty; the policy may drift far from the base model")
         base = load_base_model(recipe.model)
-        self.roles = RoleModel(base, recipe.adapters)
+        self.roles = RoleModel(base, recipe.adapters, with_value=recipe.uses_critic)
         self.stream = PromptStream(self.train_prompts.prompts, recipe.train.seed)
 
         ppo = recipe.ppo
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": self.roles.policy_parameters(), "lr": ppo.learning_rate},
-                {"params": self.roles.value_parameters(), "lr": ppo.value_learning_rate or ppo.learning_rate},
-            ],
-            weight_decay=0.0,
-            eps=1e-5,
-        )
+        groups = [{"params": self.roles.policy_parameters(), "lr": ppo.learning_rate}]
+        if self.roles.has_value:
+            groups.append({"params": self.roles.value_parameters(), "lr": ppo.value_learning_rate or ppo.learning_rate})
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=0.0, eps=1e-5)
         updates_per_step = ppo.num_epochs * ppo.num_minibatches
         total_updates = recipe.train.steps * updates_per_step
         if ppo.lr_schedule == "linear":
@@ -207,6 +269,8 @@ class PPOTrainer:
             self.scheduler = None
         self.generator = torch.Generator().manual_seed(recipe.train.seed)
         self.step = 0
+        self.kl_coef = ppo.kl_coef  # changes only under the adaptive controller (ppo.target_kl)
+        self.score_moments = (0.0, 1.0, 0)  # running (mean, var, count) for ppo.score_norm
 
     # ---- output files -----------------------------------------------------------------------
 
@@ -254,45 +318,68 @@ class PPOTrainer:
         """One PPO iteration: rollout, advantages, update. Returns (metrics, rollout)."""
         r = self.recipe
         t_start = time.perf_counter()
-        prompts = self.stream.next_batch(r.rollout.batch_size)
+        k = r.rollout.samples_per_prompt
+        # Each prompt k times in a row: group baselines (RLOO / GRPO) rely on the grouping.
+        prompts = [p for p in self.stream.next_batch(r.rollout.batch_size // k) for _ in range(k)]
         rollout = collect_rollout(
-            self.roles, self.tokenizer, prompts, r.rollout, self.reward_fn, self.side_metrics, r.data.chat_template
+            self.roles, self.tokenizer, prompts, r.rollout, self.reward_fn, self.side_metrics,
+            r.data.chat_template, with_values=r.uses_critic, with_reference=r.adapters.reference_enabled,
         )
-        rewards, kl, advantages, returns = compute_advantages(rollout, r.ppo)
+        mask = rollout.response_mask
+        scores = self._shape_scores(rollout.scores, mask.sum(dim=1))
+        adv = compute_advantages(rollout, r.ppo, self.kl_coef, scores, k)
         t_update = time.perf_counter()
         update = ppo_update(
-            self.roles, self.optimizer, self.scheduler, rollout, advantages, returns, r.ppo,
+            self.roles, self.optimizer, self.scheduler, rollout, adv, r.ppo,
             r.minibatch_size, r.micro_batch_size, r.rollout.temperature,
-            r.model.gradient_checkpointing, self.generator,
+            r.model.gradient_checkpointing, self.generator, kl_coef=self.kl_coef,
         )
         t_end = time.perf_counter()
         self.step += 1
 
-        mask = rollout.response_mask
-        kl_per_seq = kl.sum(dim=1)
+        kl_per_seq = adv.kl.sum(dim=1)
         n_tokens = int(rollout.attention_mask.sum())
+        kl_coef_used = self.kl_coef
+        if r.ppo.target_kl is not None:
+            self.kl_coef = ppo_math.adaptive_kl_coef(
+                self.kl_coef, kl_per_seq.mean().item(), r.ppo.target_kl, r.ppo.kl_horizon, len(prompts)
+            )
         metrics: dict[str, float] = {
             "step": self.step,
             "objective/scores": rollout.scores.mean().item(),
             "objective/raw_scores": rollout.raw_scores.mean().item(),
+            "objective/shaped_scores": scores.mean().item(),
             "objective/kl": kl_per_seq.mean().item(),
-            "objective/non_score_reward": (-r.ppo.kl_coef * kl_per_seq).mean().item(),
-            "objective/rlhf_reward": (rollout.scores - r.ppo.kl_coef * kl_per_seq).mean().item(),
+            "objective/kl_coef": kl_coef_used,
+            "objective/non_score_reward": (-kl_coef_used * kl_per_seq).mean().item(),
+            "objective/rlhf_reward": (rollout.scores - kl_coef_used * kl_per_seq).mean().item(),
+            # 1 with the value adapter as critic (GAE); 0 for RLOO / GRPO, which hold no value adapter.
+            "algo/critic": float(r.uses_critic),
             **update,
-            "value/explained_var": ppo_math.explained_variance(rollout.values, returns, mask).item(),
-            "value/mean": ppo_math.masked_mean(rollout.values, mask).item(),
             "response/length": mask.sum(dim=1).float().mean().item(),
             "response/stopped_frac": rollout.stopped.float().mean().item(),
             "lr/policy": self.optimizer.param_groups[0]["lr"],
             **{f"time/{k}": v for k, v in rollout.timings.items()},
             "time/update": t_end - t_update,
             "time/step": t_end - t_start,
-            "tokens_per_s": n_tokens * (1 + 3 + 2 * r.ppo.num_epochs) / max(t_end - t_start, 1e-9),
+            "tokens_per_s": n_tokens / max(t_end - t_start, 1e-9),
             "memory/peak_gb": peak_memory_gb(),
         }
+        if r.uses_critic:
+            metrics["value/explained_var"] = ppo_math.explained_variance(rollout.values, adv.returns, mask).item()
+            metrics["value/mean"] = ppo_math.masked_mean(rollout.values, mask).item()
         for name, values in rollout.side_scores.items():
             metrics[f"objective/{name}"] = sum(values) / len(values)
         return metrics, rollout
+
+    def _shape_scores(self, scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Running normalisation, clipping and length penalty, as the recipe asks."""
+        ppo = self.recipe.ppo
+        mean = std = None
+        if ppo.score_norm:
+            self.score_moments = ppo_math.update_running_moments(*self.score_moments, scores)
+            mean, std = self.score_moments[0], self.score_moments[1] ** 0.5
+        return ppo_math.shape_scores(scores, lengths, ppo.length_penalty, mean, std, ppo.score_clip)
 
     def train(self) -> dict:
         """Run the whole recipe; returns the summary (also written to summary.json)."""

@@ -174,9 +174,14 @@ def test_kl_estimate_k3_matches_its_formula():
     torch.testing.assert_close(kl_estimate(logprobs, ref, "k3"), (r - 1) - torch.log(r), **TOL)
 
 
+def test_kl_estimate_k2_matches_its_formula():
+    # k2 = (log r)^2 / 2 with r = p_ref / p: here log r = -0.5 - (-1.5) = 1.0 -> 0.5
+    torch.testing.assert_close(kl_estimate(t64([-1.5]), t64([-0.5]), "k2"), t64([0.5]), **TOL)
+
+
 def test_kl_estimate_unknown_estimator_raises():
-    with pytest.raises(ValueError, match="k2"):
-        kl_estimate(t64([0.0]), t64([0.0]), "k2")
+    with pytest.raises(ValueError, match="k4"):
+        kl_estimate(t64([0.0]), t64([0.0]), "k4")
 
 
 # ---------------------------------------------------------------------------------------------

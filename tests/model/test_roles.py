@@ -145,7 +145,7 @@ def _rollout_for_update(roles, tokenizer):
 def test_ppo_update_moves_adapters_but_not_base_or_reference(roles, tokenizer):
     rollout = _rollout_for_update(roles, tokenizer)
     cfg = PPOConfig(num_epochs=1, num_minibatches=2, grad_accum_steps=2, learning_rate=1e-2)
-    _, _, advantages, returns = compute_advantages(rollout, cfg)
+    adv = compute_advantages(rollout, cfg, cfg.kl_coef, rollout.scores)
     snapshot = {n: p.detach().clone() for n, p in roles.peft.named_parameters()}
     head_before = roles.value_head.weight.detach().clone()
     with torch.no_grad(), roles.as_role(REFERENCE):
@@ -154,7 +154,7 @@ def test_ppo_update_moves_adapters_but_not_base_or_reference(roles, tokenizer):
         [{"params": roles.policy_parameters()}, {"params": roles.value_parameters()}], lr=cfg.learning_rate
     )
     stats = ppo_update(
-        roles, optimizer, None, rollout, advantages, returns, cfg, minibatch_size=2, micro_batch_size=1,
+        roles, optimizer, None, rollout, adv, cfg, minibatch_size=2, micro_batch_size=1,
         temperature=1.0, gradient_checkpointing=False, generator=torch.Generator().manual_seed(0),
     )
     after = dict(roles.peft.named_parameters())
@@ -176,10 +176,10 @@ def test_first_update_sees_rollout_logprobs(roles, tokenizer, grad_accum_steps):
     # ratio is 1 and the approximate KL 0, whatever the micro-batch split.
     rollout = _rollout_for_update(roles, tokenizer)
     cfg = PPOConfig(num_epochs=1, num_minibatches=1, grad_accum_steps=grad_accum_steps)
-    _, _, advantages, returns = compute_advantages(rollout, cfg)
+    adv = compute_advantages(rollout, cfg, cfg.kl_coef, rollout.scores)
     optimizer = torch.optim.SGD(roles.policy_parameters() + roles.value_parameters(), lr=0.0)
     stats = ppo_update(
-        roles, optimizer, None, rollout, advantages, returns, cfg, minibatch_size=4,
+        roles, optimizer, None, rollout, adv, cfg, minibatch_size=4,
         micro_batch_size=4 // grad_accum_steps, temperature=1.0, gradient_checkpointing=False,
         generator=torch.Generator().manual_seed(0),
     )
