@@ -292,12 +292,14 @@ class PPOTrainer:
             f.write(json.dumps(record) + "\n")
 
     def save_adapters(self, folder: Path) -> Path:
-        """Write policy/ and value/ adapter folders under `folder`, atomically (temp + rename)."""
+        """Write policy/ (and value/, with a critic) adapter folders under `folder`, atomically
+        (temp + rename)."""
         folder = Path(folder)
         staging = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(staging, ignore_errors=True)
         self.roles.save_adapter(POLICY, staging / POLICY)
-        self.roles.save_adapter(VALUE, staging / VALUE)
+        if self.roles.has_value:
+            self.roles.save_adapter(VALUE, staging / VALUE)
         (staging / "trainer_state.json").write_text(json.dumps({"step": self.step}), encoding="utf-8")
         if folder.exists():
             shutil.rmtree(folder)

@@ -1,0 +1,114 @@
+"""Algorithm modes end to end on the tiny 4-bit model: RLOO / GRPO hold no value adapter,
+the adaptive KL controller moves kl_coef, KL as a loss term, the ratio threshold skips a
+drifted minibatch, and a reference-free run has zero KL."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import lora_ppo
+from lora_ppo.config import PPOConfig
+from lora_ppo.trainer import compute_advantages, ppo_update
+from tests.conftest import tiny_recipe_dict
+
+
+def _train(tmp_path, tiny_model_dir, overrides):
+    recipe = lora_ppo.recipe_from_dict(
+        tiny_recipe_dict(tiny_model_dir, tmp_path / "run"), ["train.eval=false", *overrides]
+    )
+    trainer = lora_ppo.PPOTrainer(recipe, progress=False)
+    trainer.train()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return trainer, metrics
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "grpo"])
+def test_critic_free_modes_create_no_value_adapter(tmp_path, tiny_model_dir, estimator):
+    trainer, metrics = _train(tmp_path, tiny_model_dir, [
+        f"ppo.advantage_estimator={estimator}", "rollout.samples_per_prompt=2", "train.steps=2",
+    ])
+    assert not trainer.roles.has_value and trainer.roles.value_parameters() == []
+    assert "value" not in trainer.roles.peft.peft_config
+    assert len(trainer.optimizer.param_groups) == 1
+    assert all(m["algo/critic"] == 0.0 and "loss/value" not in m for m in metrics)
+    assert (tmp_path / "run" / "final" / "policy" / "adapter_config.json").is_file()
+    assert not (tmp_path / "run" / "final" / "value").exists()
+
+
+def test_group_prompts_are_repeated_consecutively(tmp_path, tiny_model_dir):
+    seen = []
+
+    def reward(prompts, completions):
+        seen.append(list(prompts))
+        return [0.0] * len(prompts)
+
+    recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run"), [
+        "train.eval=false", "train.steps=1", "ppo.advantage_estimator=rloo", "rollout.samples_per_prompt=2",
+    ])
+    lora_ppo.PPOTrainer(recipe, reward_fn=reward, progress=False).train()
+    prompts = seen[0]
+    assert len(prompts) == 4 and prompts[0] == prompts[1] and prompts[2] == prompts[3]
+
+
+def test_critic_free_mode_needs_groups():
+    with pytest.raises(lora_ppo.RecipeError, match="samples_per_prompt >= 2"):
+        lora_ppo.recipe_from_dict({"ppo": {"advantage_estimator": "grpo"}})
+
+
+def test_adaptive_kl_controller_moves_kl_coef(tmp_path, tiny_model_dir):
+    _, metrics = _train(tmp_path, tiny_model_dir, [
+        "ppo.target_kl=1e-6", "ppo.kl_horizon=10", "ppo.kl_coef=0.1", "ppo.kl_estimator=k3", "train.steps=3",
+        "ppo.learning_rate=0.05",
+    ])
+    coefs = [m["objective/kl_coef"] for m in metrics]
+    assert coefs[0] == 0.1
+    # The error is clipped to +-0.2, so each step multiplies kl_coef by 1 +- 0.2 * 4 samples / 10:
+    # down while the KL is below the target (step 1: policy == reference), up once above it.
+    for before, after, m in zip(coefs, coefs[1:], metrics):
+        expected = 1.08 if m["objective/kl"] > 1.2e-6 else 0.92 if m["objective/kl"] < 0.8e-6 else None
+        if expected:
+            assert after == pytest.approx(before * expected)
+    assert metrics[1]["objective/kl"] > 1.2e-6 and coefs[2] > coefs[1]
+
+
+def test_reference_none_has_zero_kl(tmp_path, tiny_model_dir, caplog):
+    with caplog.at_level("WARNING"):
+        _, metrics = _train(tmp_path, tiny_model_dir, ["adapters.reference=none", "train.steps=2",
+                                                       "ppo.learning_rate=0.05"])
+    assert "no KL penalty" in caplog.text
+    assert all(m["objective/kl"] == 0.0 for m in metrics)
+
+
+def test_kl_loss_term_and_options_run(tmp_path, tiny_model_dir):
+    _, metrics = _train(tmp_path, tiny_model_dir, [
+        "ppo.kl_penalty=loss", "ppo.kl_estimator=k3", "ppo.dual_clip=3.0", "ppo.clip_value_loss=false",
+        "ppo.loss_aggregation=sequence", "ppo.score_norm=true", "ppo.score_clip=2.0", "ppo.length_penalty=0.01",
+        "ppo.whiten_rewards=true", "ppo.entropy_coef=0.01", "train.steps=2",
+    ])
+    assert all(torch.isfinite(torch.tensor(v)) for m in metrics for v in m.values())
+    # The penalty is in the loss, so the reward carries no KL term.
+    assert all(m["objective/non_score_reward"] != 0.0 or m["objective/kl"] == 0.0 for m in metrics)
+
+
+def test_ratio_threshold_skips_a_drifted_minibatch(tmp_path, tiny_model_dir):
+    recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run"), ["train.eval=false"])
+    trainer = lora_ppo.PPOTrainer(recipe, progress=False)
+    from lora_ppo.rollout import collect_rollout
+
+    rollout = collect_rollout(trainer.roles, trainer.tokenizer, ["This movie", "The plot", "I", "Honestly"],
+                              recipe.rollout, trainer.reward_fn, {}, False)
+    # Pretend the rollout policy gave every token e^-1 of its probability: ratio = e > 2.
+    drifted = dataclasses.replace(rollout, old_logprobs=rollout.old_logprobs - 1.0)
+    before_policy = [p.detach().clone() for p in trainer.roles.policy_parameters()]
+    before_value = [p.detach().clone() for p in trainer.roles.value_parameters()]
+    cfg = PPOConfig(num_epochs=1, num_minibatches=1, ratio_threshold=2.0, learning_rate=0.05)
+    adv = compute_advantages(drifted, cfg, cfg.kl_coef, drifted.scores)
+    stats = ppo_update(trainer.roles, trainer.optimizer, None, drifted, adv, cfg, 4, 4, recipe.rollout.temperature,
+                       False, torch.Generator().manual_seed(0))
+    assert stats["policy/skipped_minibatch_frac"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before_policy, trainer.roles.policy_parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(before_value, trainer.roles.value_parameters()))
