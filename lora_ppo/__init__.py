@@ -17,6 +17,8 @@ _EXPORTS = {
     "RecipeError": "lora_ppo.errors",
     "PPOTrainer": "lora_ppo.trainer",
     "RoleModel": "lora_ppo.roles",
+    "merge_and_export": "lora_ppo.export",
+    "ExportReport": "lora_ppo.export",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -88,5 +88,45 @@ def validate(recipe: Path = typer.Argument(..., help="YAML recipe file."),
     typer.echo(recipe_to_yaml(cfg), nl=False)
 
 
+@app.command("merge-and-export")
+def merge_and_export(
+    source: Path = typer.Argument(..., help="A run folder (its final/ checkpoint) or a checkpoint folder."),
+    out: Path = typer.Option(..., "--out", help="The folder to write (written beside it, then renamed)."),
+    dtype: str = typer.Option("fp32", "--dtype", help="Merged weights: bf16, fp16 or fp32."),
+    base: str = typer.Option(
+        "original", "--base", help="original (reloaded unquantized) or dequantized (the 4-bit weights trained on)."
+    ),
+    adapter: str = typer.Option("policy", "--adapter", help="policy, value or reward."),
+    adapter_only: bool = typer.Option(
+        False, "--adapter-only", help="Copy the adapter as a PEFT folder instead of merging."
+    ),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the parity check (for huge models)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out folder."),
+) -> None:
+    """Merge the policy adapter into its base and write a standard Hugging Face model folder."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _quiet_libraries()
+    from lora_ppo import export
+
+    try:
+        report = export.merge_and_export(
+            source, out, dtype=dtype, base=base, adapter=adapter, verify=not no_verify, force=force,
+            adapter_only=adapter_only,
+        )
+    except RecipeError as err:
+        _fail(str(err))
+    except export.ParityError as err:
+        typer.echo(err.report.format())
+        _fail(str(err), code=1)
+    except export.ExportError as err:
+        _fail(str(err), code=1)
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_INTERRUPTED)
+    except Exception as err:  # a library failure mid-export: one line, and nothing was left at --out
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        _fail(f"export failed ({type(err).__name__}): {first}", code=1)
+    typer.echo(report.format())
+
+
 if __name__ == "__main__":
     app()

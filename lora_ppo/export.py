@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -33,7 +34,7 @@ AdapterName = Literal["policy", "value", "reward"]
 BaseChoice = Literal["original", "dequantized"]
 ADAPTERS: tuple[str, ...] = ("policy", "value", "reward")
 BASES: tuple[str, ...] = ("original", "dequantized")
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # Adapters that carry a score head next to the LoRA weights (the value head; a reward adapter's own).
 HEAD_FILES = {"value": (VALUE_HEAD_FILE,)}
@@ -65,16 +66,18 @@ class Tolerance:
 
 # Limits by the coarsest float format on either side of the comparison (the export dtype, or the
 # reference's compute dtype, which is bf16 for a 4-bit base on most GPUs). A correct fp32 merge
-# differs from adapter-on-base only by summation order (~1e-6 relative, logits ~1e-5 apart on
-# the tiny test model), so fp32 limits sit ~1000x above that and still far below any real merge
-# error. Casting weights to bf16 (8-bit mantissa, ~0.4% per rounding) or fp16 (11-bit, ~0.05%)
-# moves logits by up to a few tenths on real models and can flip near-tied argmaxes, so
-# their limits are looser; fp16 sits between them. A dropped or mis-scaled adapter moves the
-# distribution by far more than any of these on a trained policy.
+# differs from adapter-on-base only by summation order: measured mean KL ~5e-8 and max |logit
+# diff| ~1e-4 on SmolLM2-135M (~2e-5 on the tiny test model), so the fp32 limits leave ~100x
+# room for bigger models and are still far below any real merge error. Casting the weights to
+# fp16 (11-bit mantissa) or bf16 (8-bit, ~0.4% per rounding) is a much larger, legitimate change:
+# on SmolLM2-135M fp16 gave KL 3e-5 / max diff 0.15, bf16 gave KL 2e-3..5e-3 / max diff ~1.7 (the
+# max over 49k logits x 435 positions), and it can flip near-tied argmaxes (95% agreement on the
+# tiny random model). Their limits sit ~3-10x above those. Because they are this loose, the
+# merge itself is always checked first in fp32, before the cast (see _export_merged).
 TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float32: Tolerance(max_kl=1e-5, max_logit_diff=1e-2, min_greedy_agreement=0.98),
-    torch.float16: Tolerance(max_kl=5e-3, max_logit_diff=0.5, min_greedy_agreement=0.9),
-    torch.bfloat16: Tolerance(max_kl=2e-2, max_logit_diff=1.5, min_greedy_agreement=0.85),
+    torch.float16: Tolerance(max_kl=1e-2, max_logit_diff=1.0, min_greedy_agreement=0.9),
+    torch.bfloat16: Tolerance(max_kl=5e-2, max_logit_diff=4.0, min_greedy_agreement=0.85),
 }
 _COARSENESS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -136,7 +139,9 @@ def find_checkpoint(source: str | Path) -> Checkpoint:
     else:
         hint = ""
         if (source / RECIPE_FILE).is_file():
-            others = sorted(p.name for p in (source / "checkpoints").glob("step-*")) if (source / "checkpoints").is_dir() else []
+            steps = [p for p in (source / "checkpoints").glob("step-*") if (p / "policy").is_dir()]
+            steps.sort(key=lambda p: int(p.name[5:]) if p.name[5:].isdigit() else -1)
+            others = [f"checkpoints/{p.name}" for p in steps]
             if (source / "interrupted" / "policy").is_dir():
                 others.insert(0, "interrupted")
             hint = " (the run has no final/ checkpoint"
@@ -194,6 +199,11 @@ def check_adapter(checkpoint: Checkpoint, name: str) -> Path:
                 f"checkpoint {checkpoint.folder} has no reward adapter (no reward/ folder); "
                 "runs with a Python-function or classifier reward save none"
             )
+        if name == "value":
+            raise RecipeError(
+                f"checkpoint {checkpoint.folder} has no value adapter (no value/ folder); "
+                "critic-free runs (ppo.advantage_estimator rloo or grpo) save none"
+            )
         raise RecipeError(f"corrupt checkpoint: {checkpoint.folder} has no {name}/ adapter folder")
     config = _read_json(folder / ADAPTER_CONFIG_FILE) if (folder / ADAPTER_CONFIG_FILE).is_file() else None
     if not isinstance(config, dict) or "peft_type" not in config:
@@ -221,9 +231,10 @@ def _check_choice(value: str, choices: tuple[str, ...], what: str) -> str:
 
 
 def _check_out(out: Path, checkpoint: Checkpoint, force: bool) -> Path:
-    out = Path(out).expanduser().resolve()
-    inside = out == checkpoint.folder or out in checkpoint.folder.parents
-    if inside:
+    out = Path(out).expanduser()
+    # Resolve the parent only: a link at `out` is replaced by the export, never followed.
+    out = out.parent.resolve() / out.name
+    if any(o == checkpoint.folder or o in checkpoint.folder.parents for o in (out, out.resolve())):
         raise RecipeError(f"out: {out} holds the checkpoint being exported; choose another folder")
     if out.exists() or out.is_symlink():
         if not force:
@@ -244,6 +255,9 @@ def _staging_dir(out: Path) -> Path:
 
 def _publish(staging: Path, out: Path) -> None:
     """Move the finished staging folder to `out`, replacing what is there (force was checked)."""
+    for item in staging.iterdir():
+        if item.is_file():
+            os.chmod(item, 0o644)  # some writers (safetensors) create private files
     old = None
     if out.exists() or out.is_symlink():
         if out.is_dir() and not out.is_symlink():
@@ -251,7 +265,12 @@ def _publish(staging: Path, out: Path) -> None:
             os.replace(out, old / "previous")
         else:
             out.unlink()
-    os.replace(staging, out)
+    try:
+        os.replace(staging, out)
+    except OSError:
+        if old is not None:
+            os.replace(old / "previous", out)  # put the previous export back
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -267,7 +286,8 @@ class ParityReport:
     max_logit_diff: the largest absolute logit difference over every position and vocabulary entry.
     greedy_agreement: the share of positions along the reference's greedy continuations where
         both models pick the same next token.
-    tokenizer_matches: the exported tokenizer encodes every probe as the run's tokenizer does.
+    tokenizer_matches: the exported tokenizer encodes every probe as the run's tokenizer does
+        (None when no tokenizer was exported yet, as for the merged weights before the cast).
     """
 
     reference: str
@@ -278,19 +298,19 @@ class ParityReport:
     kl_max: float
     max_logit_diff: float
     greedy_agreement: float
-    tokenizer_matches: bool
+    tokenizer_matches: Optional[bool]
     tolerance: Tolerance
 
     def failures(self) -> list[str]:
         """One phrase per limit that was passed (empty when the check passed)."""
         tol, out = self.tolerance, []
         if not self.kl_mean <= tol.max_kl:  # written so that NaN fails
-            out.append(f"mean KL {self.kl_mean:.2e} > {tol.max_kl:.0e}")
+            out.append(f"mean KL {self.kl_mean:.2e} > {tol.max_kl:g}")
         if not self.max_logit_diff <= tol.max_logit_diff:
-            out.append(f"max |logit diff| {self.max_logit_diff:.2e} > {tol.max_logit_diff:.0e}")
+            out.append(f"max |logit diff| {self.max_logit_diff:.2e} > {tol.max_logit_diff:g}")
         if not self.greedy_agreement >= tol.min_greedy_agreement:
             out.append(f"greedy agreement {self.greedy_agreement:.1%} < {tol.min_greedy_agreement:.0%}")
-        if not self.tokenizer_matches:
+        if self.tokenizer_matches is False:
             out.append("the exported tokenizer encodes the probe prompts differently")
         return out
 
@@ -300,15 +320,17 @@ class ParityReport:
 
     def format(self) -> str:
         tol = self.tolerance
-        return "\n".join([
-            f"parity: {self.exported} vs {self.reference}",
-            f"  {self.n_prompts} probe prompts, {self.n_positions} positions",
-            f"  KL mean {self.kl_mean:.2e} (max {self.kl_max:.2e})    limit {tol.max_kl:.0e}",
-            f"  max |logit diff| {self.max_logit_diff:.2e}         limit {tol.max_logit_diff:.0e}",
-            f"  greedy agreement {self.greedy_agreement:.1%}            limit {tol.min_greedy_agreement:.0%}",
-            f"  tokenizer: {'same ids' if self.tokenizer_matches else 'DIFFERENT ids'}",
-            f"  {'passed' if self.passed else 'FAILED'}",
-        ])
+        lines = [
+            f"parity: {self.exported} vs {self.reference} ({self.n_prompts} probe prompts, "
+            f"{self.n_positions} positions)",
+            f"  {'mean KL':<18}{self.kl_mean:<10.2e}(max {self.kl_max:.2e})  limit {tol.max_kl:g}",
+            f"  {'max |logit diff|':<18}{self.max_logit_diff:<26.2e}limit {tol.max_logit_diff:g}",
+            f"  {'greedy agreement':<18}{self.greedy_agreement:<26.1%}limit {tol.min_greedy_agreement:.0%}",
+        ]
+        if self.tokenizer_matches is not None:
+            lines.append(f"  {'tokenizer':<18}{'same ids' if self.tokenizer_matches else 'DIFFERENT ids'}")
+        lines.append(f"  {'passed' if self.passed else 'FAILED'}")
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -349,26 +371,45 @@ def _full_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reference_outputs(model, prompts: list[torch.Tensor]) -> list[_ProbeReference]:
-    """Greedy-continue each probe with the reference model, then record its logits on the whole
-    sequence (one unpadded sequence at a time: no padding can differ between the two models)."""
-    refs = []
+def _greedy_continuations(model, prompts: list[torch.Tensor], new_tokens: int) -> list[torch.Tensor]:
+    """Greedy-continue every prompt by `new_tokens` tokens in one left-padded batch with a KV
+    cache (a 4-bit forward costs a dequantization per layer, so calls, not tokens, set the time)."""
+    from lora_ppo.roles import position_ids_for
+
     dev = _model_device(model)
-    for prompt in prompts:
-        ids = prompt[None].to(dev)
-        out = model(input_ids=ids, use_cache=True)
-        for i in range(PROBE_NEW_TOKENS):
-            next_id = out.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
-            ids = torch.cat([ids, next_id], dim=1)
-            if i + 1 < PROBE_NEW_TOKENS:
-                out = model(input_ids=next_id, past_key_values=out.past_key_values, use_cache=True)
-        full = ids[0].cpu()
-        refs.append(_ProbeReference(ids=full, prompt_len=len(prompt), logits=_full_logits(model, full)))
-    return refs
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, T]; pad id is masked out
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, T], 1 on real tokens
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = prompt
+        mask[row, width - len(prompt):] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    positions = position_ids_for(mask)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    new = []
+    for i in range(new_tokens):
+        next_id = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+        new.append(next_id)
+        if i + 1 < new_tokens:
+            mask = torch.cat([mask, torch.ones_like(next_id)], dim=1)
+            positions = positions[:, -1:] + 1
+            out = model(input_ids=next_id, attention_mask=mask, position_ids=positions,
+                        past_key_values=out.past_key_values, use_cache=True)
+    continuations = torch.cat(new, dim=1).cpu()  # [B, new_tokens]
+    return [torch.cat([prompt, continuations[row]]) for row, prompt in enumerate(prompts)]
+
+
+@torch.no_grad()
+def reference_outputs(model, prompts: list[torch.Tensor]) -> list[_ProbeReference]:
+    """Greedy-continue each probe with the reference model, then record its logits on each whole
+    sequence, one unpadded sequence at a time, so no padding can differ between the two models."""
+    sequences = _greedy_continuations(model, prompts, PROBE_NEW_TOKENS)
+    return [_ProbeReference(ids=seq, prompt_len=len(prompt), logits=_full_logits(model, seq))
+            for prompt, seq in zip(prompts, sequences)]
 
 
 def compare(model, refs: list[_ProbeReference], tolerance: Tolerance, reference: str, exported: str,
-            tokenizer_matches: bool = True) -> ParityReport:
+            tokenizer_matches: Optional[bool] = None) -> ParityReport:
     """Measure the exported `model` against the reference outputs (see ParityReport)."""
     kls, max_diff, agree, total = [], 0.0, 0, 0
     for ref in refs:
@@ -376,7 +417,9 @@ def compare(model, refs: list[_ProbeReference], tolerance: Tolerance, reference:
         ref_logp = torch.log_softmax(ref.logits, dim=-1)
         logp = torch.log_softmax(logits, dim=-1)
         kls.append((ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp(min=0.0))  # [T]
-        max_diff = max(max_diff, float((logits - ref.logits).abs().max()))
+        diff = float((logits - ref.logits).abs().max())
+        # max() would drop a NaN (every comparison with it is False); NaN/inf logits must fail.
+        max_diff = max(max_diff, diff if math.isfinite(diff) else math.inf)
         # Positions that predict the greedy continuation: from the last prompt token on.
         cont = slice(ref.prompt_len - 1, len(ref.ids) - 1)
         agree += int((logits[cont].argmax(-1) == ref.logits[cont].argmax(-1)).sum())
@@ -415,7 +458,7 @@ def _merge(peft_model):
     return peft_model.merge_and_unload(safe_merge=True)
 
 
-def _release(*_objects) -> None:
+def _release() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -471,7 +514,8 @@ def _summary_lines(checkpoint: Checkpoint) -> list[str]:
 
 
 def model_card(checkpoint: Checkpoint, recipe, adapter: str, kind: str, base: Optional[str],
-               dtype: Optional[str], parity: Optional[ParityReport]) -> str:
+               dtype: Optional[str], parity: Optional[ParityReport],
+               merge_parity: Optional[ParityReport] = None) -> str:
     """The export's README.md: base model, how it was made, training summary, recipe. Deterministic
     (no dates, no measured numbers that could vary between runs), so re-exports are byte-identical."""
     name = recipe.model.name
@@ -498,8 +542,9 @@ def model_card(checkpoint: Checkpoint, recipe, adapter: str, kind: str, base: Op
             tol = parity.tolerance
             what.append(
                 f"- Parity check: passed against the {parity.reference} on {parity.n_prompts} probe prompts "
-                f"(mean KL <= {tol.max_kl:.0e}, max |logit diff| <= {tol.max_logit_diff:.0e}, "
+                f"(mean KL <= {tol.max_kl:g}, max |logit diff| <= {tol.max_logit_diff:g}, "
                 f"greedy agreement >= {tol.min_greedy_agreement:.0%})"
+                + (", and the merged fp32 weights passed before the cast" if merge_parity else "")
             )
         use = [
             "```python",
@@ -518,15 +563,32 @@ def model_card(checkpoint: Checkpoint, recipe, adapter: str, kind: str, base: Op
             "",
             f"- Base model: `{name}` (trained on its {recipe.model.quantization} weights)",
         ]
+        from lora_ppo.model import BUILTIN_PREFIX
+
+        # A builtin name is not a hub id: lora_ppo resolves it to a local folder.
+        base_ref = f'resolve_model_path("{name}")' if name.startswith(BUILTIN_PREFIX) else f'"{name}"'
         use = [
             "```python",
             "from peft import PeftModel",
             "from transformers import AutoModelForCausalLM",
+            *(["from lora_ppo.model import resolve_model_path"] if name.startswith(BUILTIN_PREFIX) else []),
             "",
-            f'base = AutoModelForCausalLM.from_pretrained("{name}")',
+            f"base = AutoModelForCausalLM.from_pretrained({base_ref})",
             'model = PeftModel.from_pretrained(base, "path/to/this/folder")',
-            "```",
         ]
+        if adapter == "value":
+            use += [
+                "",
+                "# the value of each position: the score head on the decoder's last hidden state",
+                "import torch",
+                "from safetensors.torch import load_file",
+                "",
+                "head = torch.nn.Linear(base.config.hidden_size, 1)",
+                'head.load_state_dict(load_file("path/to/this/folder/value_head.safetensors"))',
+                "hidden = model.get_base_model().get_decoder()(input_ids).last_hidden_state",
+                "values = head(hidden).squeeze(-1)  # [B, T]",
+            ]
+        use.append("```")
     recipe_text = checkpoint.recipe_path.read_text(encoding="utf-8").rstrip("\n")
     lines = front + [title, "", *what, "", "## Use", "", *use, "", "## Training summary", "",
                      *_summary_lines(checkpoint), "", "## Recipe", "", "```yaml", recipe_text, "```", ""]
@@ -538,7 +600,8 @@ def model_card(checkpoint: Checkpoint, recipe, adapter: str, kind: str, base: Op
 
 @dataclass(frozen=True)
 class ExportReport:
-    """What was exported where; `parity` is None for adapter-only exports and with verify=False."""
+    """What was exported where. `parity` checks the exported files; `merge_parity` the merged fp32
+    weights before a cast to bf16/fp16. Both are None for adapter-only exports and verify=False."""
 
     out: Path
     checkpoint: Path
@@ -548,9 +611,12 @@ class ExportReport:
     dtype: Optional[str]
     parity: Optional[ParityReport]
     files: tuple[str, ...]
+    merge_parity: Optional[ParityReport] = None
 
     def format(self) -> str:
         lines = []
+        if self.merge_parity is not None:
+            lines.append(self.merge_parity.format())
         if self.kind == "merged":
             lines.append(self.parity.format() if self.parity else "parity: skipped (--no-verify)")
             lines.append(f"exported the {self.adapter} adapter merged into the {self.base} base "
@@ -640,8 +706,15 @@ def _export_merged(checkpoint: Checkpoint, recipe, adapter_dir: Path, out: Path,
     tokenizer = load_tokenizer(recipe.model)
     chat = recipe.data.chat_template
     prompts = probe_ids(tokenizer, chat)
-    log.info("merging %s into the %s base of %s", adapter_dir, base, recipe.model.name)
+    log.info("merging %s into the %s base (%s)", adapter_dir, base, recipe.model.name)
     merged, refs, ref_description, ref_dtype = _merged_model(recipe, adapter_dir, base, prompts, verify)
+    merge_parity = None
+    if verify and torch_dtype != torch.float32:
+        # The low-precision limits are too loose to catch a subtly wrong merge, so the merged fp32
+        # weights are checked at the reference's own precision before the cast.
+        merge_parity = compare(merged, refs, tolerance_for(torch.float32, ref_dtype), ref_description,
+                               "merged fp32 weights (before the cast)")
+        _raise_if_failed(merge_parity, out)
     merged = merged.to(torch_dtype)
     merged.requires_grad_(False)
 
@@ -658,6 +731,7 @@ def _export_merged(checkpoint: Checkpoint, recipe, adapter_dir: Path, out: Path,
         parity = None
         if verify:
             # Check the files as written: the folder is loaded back exactly as a user would.
+            log.info("parity check on %d probe prompts", len(prompts))
             dev = device()
             exported = AutoModelForCausalLM.from_pretrained(
                 str(staging), dtype=torch_dtype, device_map={"": dev.index if dev.type == "cuda" else "cpu"},
@@ -670,15 +744,11 @@ def _export_merged(checkpoint: Checkpoint, recipe, adapter_dir: Path, out: Path,
                              f"exported {dtype} model", same_ids)
             del exported
             _release()
-            if not parity.passed:
-                raise ParityError(
-                    f"parity check failed ({'; '.join(parity.failures())}): the merged model does not "
-                    f"reproduce the {ref_description}; nothing was written to {out}",
-                    parity,
-                )
+            _raise_if_failed(parity, out)
         try:
             (staging / MODEL_CARD_FILE).write_text(
-                model_card(checkpoint, recipe, "policy", "merged", base, dtype, parity), encoding="utf-8"
+                model_card(checkpoint, recipe, "policy", "merged", base, dtype, parity, merge_parity),
+                encoding="utf-8",
             )
             _publish(staging, out)
         except OSError as err:
@@ -687,4 +757,13 @@ def _export_merged(checkpoint: Checkpoint, recipe, adapter_dir: Path, out: Path,
         shutil.rmtree(staging, ignore_errors=True)
     files = tuple(sorted(p.name for p in out.iterdir()))
     return ExportReport(out=out, checkpoint=checkpoint.folder, adapter="policy", kind="merged", base=base,
-                        dtype=dtype, parity=parity, files=files)
+                        dtype=dtype, parity=parity, files=files, merge_parity=merge_parity)
+
+
+def _raise_if_failed(parity: ParityReport, out: Path) -> None:
+    if not parity.passed:
+        raise ParityError(
+            f"parity check failed, {parity.exported} vs {parity.reference}: "
+            f"{'; '.join(parity.failures())}; nothing was written to {out}",
+            parity,
+        )

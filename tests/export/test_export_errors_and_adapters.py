@@ -1,0 +1,180 @@
+"""Adapter-only exports, clear errors for bad checkpoints and outputs, and the
+`lora-ppo merge-and-export` exit codes: bad input 2, parity failure or write failure 1."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from lora_ppo.cli import app
+from lora_ppo.errors import RecipeError
+from lora_ppo.export import ExportError, merge_and_export
+
+runner = CliRunner()
+
+
+def _one_error_line(result, code: int, expected: str) -> None:
+    assert result.exit_code == code, (result.output, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.stderr
+    assert "Traceback" not in result.output + result.stderr
+
+
+# ---- adapter-only -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("adapter, expected", [
+    ("policy", {"adapter_config.json", "adapter_model.safetensors"}),
+    ("value", {"adapter_config.json", "adapter_model.safetensors", "value_head.safetensors"}),
+])
+def test_adapter_only_copies_the_peft_folder(trained_run, tmp_path, adapter, expected):
+    report = merge_and_export(trained_run, tmp_path / adapter, adapter=adapter, adapter_only=True)
+    assert report.kind == "adapter" and report.parity is None
+    source = trained_run / "final" / adapter
+    assert {p.name for p in (tmp_path / adapter).iterdir()} == expected | {"README.md"}
+    for name in expected:
+        assert (tmp_path / adapter / name).read_bytes() == (source / name).read_bytes()
+    card = (tmp_path / adapter / "README.md").read_text()
+    assert "library_name: peft" in card and "PeftModel.from_pretrained" in card
+
+
+def test_adapter_only_policy_loads_with_peft(trained_run, tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merge_and_export(trained_run, tmp_path / "policy", adapter_only=True)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = PeftModel.from_pretrained(base, str(tmp_path / "policy"))
+    assert any("lora_B" in name for name, _ in model.named_parameters())
+
+
+def test_reward_adapter_exported_when_present_else_clear_error(run_copy, tmp_path):
+    with pytest.raises(RecipeError, match="has no reward adapter"):
+        merge_and_export(run_copy, tmp_path / "reward", adapter="reward", adapter_only=True)
+    assert not (tmp_path / "reward").exists()
+    shutil.copytree(run_copy / "final" / "value", run_copy / "final" / "reward")
+    report = merge_and_export(run_copy, tmp_path / "reward", adapter="reward", adapter_only=True)
+    assert "value_head.safetensors" in report.files and (tmp_path / "reward" / "adapter_model.safetensors").is_file()
+
+
+def test_critic_free_checkpoint_has_no_value_adapter(run_copy, tmp_path):
+    shutil.rmtree(run_copy / "final" / "value")  # what an rloo/grpo run saves
+    with pytest.raises(RecipeError, match="has no value adapter .*critic-free"):
+        merge_and_export(run_copy, tmp_path / "value", adapter="value", adapter_only=True)
+    assert merge_and_export(run_copy, tmp_path / "policy", adapter_only=True).kind == "adapter"
+
+
+def test_value_or_reward_cannot_be_merged(trained_run, tmp_path):
+    with pytest.raises(RecipeError, match="only the policy adapter can be merged"):
+        merge_and_export(trained_run, tmp_path / "out", adapter="value")
+
+
+# ---- bad checkpoints and outputs --------------------------------------------------------------
+
+
+def test_corrupt_adapter_weights(run_copy, tmp_path):
+    weights = run_copy / "final" / "policy" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(RecipeError, match="corrupt checkpoint: .*adapter_model.safetensors cannot be read"):
+        merge_and_export(run_copy, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_corrupt_adapter_config_and_missing_value_head(run_copy, tmp_path):
+    (run_copy / "final" / "value" / "value_head.safetensors").unlink()
+    with pytest.raises(RecipeError, match="value_head.safetensors is missing"):
+        merge_and_export(run_copy, tmp_path / "out", adapter="value", adapter_only=True)
+    (run_copy / "final" / "policy" / "adapter_config.json").write_text("{not json")
+    with pytest.raises(RecipeError, match="corrupt checkpoint: .*adapter_config.json cannot be read"):
+        merge_and_export(run_copy, tmp_path / "out")
+
+
+def test_run_without_final_names_the_checkpoints_it_has(run_copy, tmp_path):
+    (run_copy / "final").rename(run_copy / "interrupted")
+    with pytest.raises(RecipeError, match="no final/ checkpoint; pass one of: interrupted"):
+        merge_and_export(run_copy, tmp_path / "out", adapter_only=True)
+    report = merge_and_export(run_copy / "interrupted", tmp_path / "out", adapter_only=True)
+    assert report.checkpoint.name == "interrupted"
+
+
+def test_checkpoint_without_recipe(run_copy, tmp_path):
+    (run_copy / "recipe.yaml").unlink()
+    with pytest.raises(RecipeError, match="no recipe.yaml"):
+        merge_and_export(run_copy, tmp_path / "out")
+
+
+def test_out_may_not_hold_the_checkpoint(run_copy):
+    with pytest.raises(RecipeError, match="holds the checkpoint"):
+        merge_and_export(run_copy / "final", run_copy, adapter_only=True, force=True)
+    assert (run_copy / "final" / "policy" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({"dtype": "int4"}, "dtype must be one of bf16, fp16, fp32"),
+    ({"base": "quantized"}, "base must be one of original, dequantized"),
+    ({"adapter": "critic"}, "adapter must be one of policy, value, reward"),
+])
+def test_bad_options(trained_run, tmp_path, options, expected):
+    with pytest.raises(RecipeError, match=expected):
+        merge_and_export(trained_run, tmp_path / "out", **options)
+
+
+def test_disk_write_failure_leaves_nothing(trained_run, tmp_path, monkeypatch):
+    def no_space(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", no_space)
+    with pytest.raises(ExportError, match="No space left on device"):
+        merge_and_export(trained_run, tmp_path / "exports" / "out", adapter_only=True)
+    assert list((tmp_path / "exports").iterdir()) == []
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+
+def test_cli_missing_checkpoint_exits_2(tmp_path):
+    result = runner.invoke(app, ["merge-and-export", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
+    _one_error_line(result, 2, f"checkpoint not found: {tmp_path / 'nope'}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_existing_out_needs_force(trained_run, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = runner.invoke(app, ["merge-and-export", str(trained_run), "--out", str(out), "--adapter-only"])
+    _one_error_line(result, 2, "already exists; pass --force")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+    result = runner.invoke(app, ["merge-and-export", str(trained_run), "--out", str(out), "--adapter-only",
+                                 "--adapter", "value", "--force"])
+    assert result.exit_code == 0, result.stderr
+    assert "exported the value adapter" in result.stdout
+    assert not (out / "keep.txt").exists() and (out / "value_head.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_cli_bad_option_exits_2(trained_run, tmp_path):
+    result = runner.invoke(app, ["merge-and-export", str(trained_run), "--out", str(tmp_path / "o"), "--dtype", "fp8"])
+    _one_error_line(result, 2, "dtype must be one of")
+
+
+def test_cli_parity_failure_exits_1_and_writes_nothing(trained_run, tmp_path, wrong_merge):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["merge-and-export", str(trained_run), "--out", str(out)])
+    _one_error_line(result, 1, "parity check failed")
+    assert "FAILED" in result.stdout and "mean KL" in result.stdout
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_cli_write_failure_exits_1(trained_run, tmp_path, monkeypatch):
+    def no_space(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", no_space)
+    result = runner.invoke(app, ["merge-and-export", str(trained_run), "--out", str(tmp_path / "o"), "--adapter-only"])
+    _one_error_line(result, 1, "No space left on device")
+    assert list(tmp_path.iterdir()) == []
