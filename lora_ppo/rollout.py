@@ -124,6 +124,21 @@ def generate(roles: RoleModel, query_ids: torch.Tensor, query_mask: torch.Tensor
 
 
 @torch.no_grad()
+def sample_responses(
+    roles: RoleModel, tokenizer, prompts: Sequence[str], cfg: RolloutConfig, chat_template: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+    """Generate with the policy (left-padded prompts, KV cache) and cut each response after its
+    stop token. Returns (query_ids, query_mask, response_ids, response_mask, stopped, completions)."""
+    stop_id = stop_token_id(tokenizer, cfg.stop_token)
+    query_ids, query_mask = tokenize_prompts(tokenizer, prompts, chat_template, roles.lm_head.weight.device)
+    raw_response = generate(roles, query_ids, query_mask, generation_config(cfg, tokenizer, stop_id))
+    response_ids, response_mask, stopped = truncate_at_stop(raw_response, stop_id, tokenizer.pad_token_id)
+    # Decoded for the reward source, which may have a tokenizer of its own.
+    completions = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+    return query_ids, query_mask, response_ids, response_mask, stopped, completions
+
+
+@torch.no_grad()
 def score_passes(
     roles: RoleModel,
     input_ids: torch.Tensor,
@@ -171,15 +186,13 @@ def collect_rollout(
     For k samples per prompt, pass each prompt k times in a row (group methods rely on it).
     """
     device = roles.lm_head.weight.device
-    stop_id = stop_token_id(tokenizer, cfg.stop_token)
     timings: dict[str, float] = {}
 
-    # 1. Generate with the policy (left-padded prompts, KV cache).
+    # 1-2. Generate with the policy, truncate after the stop token (what follows is padding).
     t0 = time.perf_counter()
-    query_ids, query_mask = tokenize_prompts(tokenizer, prompts, chat_template, device)
-    raw_response = generate(roles, query_ids, query_mask, generation_config(cfg, tokenizer, stop_id))
-    # 2. Truncate after the stop token; everything after it is padding.
-    response_ids, response_mask, stopped = truncate_at_stop(raw_response, stop_id, tokenizer.pad_token_id)
+    query_ids, query_mask, response_ids, response_mask, stopped, completions = sample_responses(
+        roles, tokenizer, prompts, cfg, chat_template
+    )
     timings["generate"] = time.perf_counter() - t0
 
     # 3. Old logprobs, reference logprobs and values on the exact tokens sampled.
@@ -192,12 +205,11 @@ def collect_rollout(
     )
     timings["score_forward"] = time.perf_counter() - t0
 
-    # 4. Scores from the reward source, on decoded text (its own tokenizer may differ).
+    # 4. Scores from the reward source, on the decoded text.
     t0 = time.perf_counter()
-    completions = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     raw_scores = torch.tensor(score_completions(reward_fn, prompts, completions), dtype=torch.float32, device=device)
     scores = raw_scores
-    if cfg.missing_eos_penalty is not None and stop_id is not None:
+    if cfg.missing_eos_penalty is not None and cfg.stop_token is not None:
         scores = raw_scores - cfg.missing_eos_penalty * (~stopped).float()
     side = {name: score_completions(fn, prompts, completions) for name, fn in side_metrics.items()}
     timings["reward"] = time.perf_counter() - t0
@@ -237,19 +249,13 @@ def evaluate_prompts(
     completions and the training RNG stream is left untouched.
     """
     device = roles.lm_head.weight.device
-    stop_id = stop_token_id(tokenizer, cfg.stop_token)
-    gen_config = generation_config(cfg, tokenizer, stop_id)
     totals: dict[str, float] = {"score": 0.0, **{name: 0.0 for name in side_metrics}}
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         for start in range(0, len(prompts), cfg.batch_size):
             batch = list(prompts[start : start + cfg.batch_size])
-            query_ids, query_mask = tokenize_prompts(tokenizer, batch, chat_template, device)
-            response_ids, response_mask, _ = truncate_at_stop(
-                generate(roles, query_ids, query_mask, gen_config), stop_id, tokenizer.pad_token_id
-            )
-            completions = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+            completions = sample_responses(roles, tokenizer, batch, cfg, chat_template)[-1]
             totals["score"] += sum(score_completions(reward_fn, batch, completions))
             for name, fn in side_metrics.items():
                 totals[name] += sum(score_completions(fn, batch, completions))
