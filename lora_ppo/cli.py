@@ -19,7 +19,8 @@ EXIT_INTERRUPTED = 130
 
 
 def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
-    typer.echo(f"error: {message}", err=True)
+    # One line whatever the message holds (a user's value may carry a line break).
+    typer.echo("error: " + (" ".join(message.splitlines()) or message), err=True)
     raise typer.Exit(code)
 
 
@@ -27,6 +28,9 @@ def _quiet_libraries() -> None:
     # Library progress bars and warnings would bury the run's own output.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    if "datasets" in sys.modules:  # imported already (e.g. from Python): the variable came too late
+        sys.modules["datasets"].disable_progress_bars()
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -45,6 +49,9 @@ def train(
     recipe: Path = typer.Argument(..., help="YAML recipe file."),
     overrides: Optional[List[str]] = typer.Argument(None, help="Overrides like ppo.kl_coef=0.1 train.steps=20."),
     no_progress: bool = typer.Option(False, "--no-progress", help="Print a log line per step instead of a bar."),
+    resume: Optional[str] = typer.Option(
+        None, "--resume", help="Continue a run: 'auto' (its newest checkpoint) or a checkpoint folder."
+    ),
 ) -> None:
     """Run PPO as the recipe says."""
     from lora_ppo.config import load_recipe
@@ -55,22 +62,26 @@ def train(
     except RecipeError as err:
         _fail(str(err))
     _quiet_libraries()
-    from lora_ppo.trainer import PPOTrainer, format_summary
+    from lora_ppo.checkpoint import CheckpointError
     from lora_ppo.rewards import RewardError
+    from lora_ppo.trainer import PPOTrainer, TrainingHalted, format_summary
 
     try:
-        trainer = PPOTrainer(cfg, progress=not no_progress and sys.stderr.isatty())
+        trainer = PPOTrainer(cfg, progress=not no_progress and sys.stderr.isatty(), resume=resume)
+        start = f" from step {trainer.step} ({trainer.resume_from})" if trainer.resume_from else ""
         typer.echo(
-            f"training {cfg.model.name} ({cfg.model.quantization}) for {cfg.train.steps} steps "
+            f"training {cfg.model.name} ({cfg.model.quantization}) for {cfg.train.steps} steps{start} "
             f"on {len(trainer.train_prompts.prompts)} prompts -> {cfg.train.output_dir}",
             err=True,
         )
         summary = trainer.train()
     except RecipeError as err:
         _fail(str(err))
-    except RewardError as err:
+    except (RewardError, TrainingHalted, CheckpointError) as err:
         _fail(str(err), code=1)
     except KeyboardInterrupt:
+        again = " ".join([str(recipe), *(overrides or [])])
+        typer.echo(f"resume with: lora-ppo train {again} --resume auto", err=True)
         raise typer.Exit(EXIT_INTERRUPTED)
     typer.echo(format_summary(summary))
 

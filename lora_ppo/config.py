@@ -19,7 +19,8 @@ Quantization = Literal["4bit", "8bit", "none"]
 
 class Section(BaseModel):
     # Unknown keys are errors: a typo in a recipe must not silently fall back to a default.
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # NaN and inf are never meaningful settings (a NaN learning rate passes every `gt` check).
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -157,7 +158,8 @@ class PPOConfig(Section):
 
 class TrainConfig(Section):
     steps: int = Field(100, gt=0)
-    seed: int = 0
+    # Within what torch.manual_seed accepts.
+    seed: int = Field(0, ge=0, lt=2**63)
     output_dir: str = "runs/ppo"
     overwrite: bool = False
     # 0 turns a periodic action off.
@@ -165,6 +167,10 @@ class TrainConfig(Section):
     log_every: int = Field(1, gt=0)
     sample_every: int = Field(10, ge=0)
     eval: bool = True
+    # Full-state checkpoints kept under output_dir/checkpoints/ (older ones are deleted).
+    keep_last: int = Field(3, ge=1)
+    # Steps in a row whose update was skipped for a NaN/inf before the run stops.
+    max_consecutive_skips: int = Field(3, gt=0)
 
 
 class Recipe(Section):
@@ -209,9 +215,39 @@ class Recipe(Section):
         return self.minibatch_size // self.ppo.grad_accum_steps
 
 
+# Fields a resumed run may change: they alter how long it runs or what it logs, never what a
+# step computes. Any other difference from the run's recipe.yaml is refused.
+RESUME_ALLOWED = frozenset({
+    "train.steps", "train.log_every", "train.sample_every", "train.save_every", "train.keep_last",
+    "train.eval", "train.overwrite", "train.max_consecutive_skips", "data.eval_size",
+})
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def resume_differences(saved: dict[str, Any], recipe: Recipe) -> list[str]:
+    """Field paths where `recipe` differs from the run's saved recipe and a resume is unsafe."""
+    old, new = _flatten(saved), _flatten(recipe.model_dump(mode="json"))
+    changed = sorted(k for k in set(old) | set(new) if old.get(k, "<unset>") != new.get(k, "<unset>"))
+    return [k for k in changed if k not in RESUME_ALLOWED]
+
+
+def _path_part(part: Any) -> str:
+    # A key with a line break or other control character is quoted, so the error stays one line.
+    text = str(part)
+    return text if text and text.isprintable() and text.strip() == text else repr(text)
+
+
 def _format_validation_error(err: ValidationError) -> str:
     first = err.errors()[0]
-    path = ".".join(str(p) for p in first["loc"])
+    path = ".".join(_path_part(p) for p in first["loc"])
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         line = f"{path}: unknown field (check the spelling)"

@@ -18,8 +18,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from lora_ppo import ppo_math
-from lora_ppo.config import PPOConfig, Recipe, recipe_to_yaml
+from lora_ppo import checkpoint, ppo_math
+from lora_ppo.config import PPOConfig, Recipe, recipe_to_yaml, resume_differences
 from lora_ppo.data import PromptStream, count_summary, load_prompt_sets
 from lora_ppo.errors import RecipeError
 from lora_ppo.rollout import Rollout, collect_rollout, evaluate_prompts
@@ -137,6 +137,7 @@ def ppo_update(
     policy_params, value_params = roles.policy_parameters(), roles.value_parameters()
     value_clip_eps = cfg.value_clip_eps if cfg.clip_value_loss else None
     skipped = scaled = minibatches = 0
+    nonfinite: list[str] = []  # minibatches dropped by the NaN/inf guard, by quantity
     policy_norm = value_norm = torch.zeros(())
     with roles.gradient_checkpointing(gradient_checkpointing):
         for _epoch in range(cfg.num_epochs):
@@ -146,6 +147,7 @@ def ppo_update(
                 token_count = mask[mb].sum().clamp(min=1)
                 normalizer = token_count if cfg.loss_aggregation == "token" else len(mb)
                 ratio_sum = torch.zeros(())
+                bad: Optional[str] = None
                 optimizer.zero_grad(set_to_none=True)
                 for micro_start in range(0, len(mb), micro_batch_size):
                     idx = mb[micro_start : micro_start + micro_batch_size]
@@ -165,6 +167,8 @@ def ppo_update(
                             new_logprobs, rollout.ref_logprobs[idx], m, kl_coef, cfg.kl_estimator,
                             normalizer, cfg.loss_aggregation,
                         )
+                    if bad is None and not torch.isfinite(loss.detach()):
+                        bad = "loss/policy"
                     loss.backward()
                     ratio_sum = ratio_sum + pg_stats["ratio"] * n_tokens
                     step_stats = {
@@ -183,6 +187,8 @@ def ppo_update(
                             new_values, rollout.values[idx], adv.returns[idx], m, value_clip_eps,
                             normalizer, cfg.loss_aggregation,
                         )
+                        if bad is None and not torch.isfinite(vf_loss.detach()):
+                            bad = "loss/value"
                         (cfg.vf_coef * vf_loss).backward()
                         step_stats["loss/value"] = vf_loss.detach()
                         step_stats["value/clipfrac"] = vf_stats["clipfrac"]
@@ -209,11 +215,26 @@ def ppo_update(
                 policy_norm = torch.nn.utils.clip_grad_norm_(policy_params, cfg.max_grad_norm)
                 if value_params:
                     value_norm = torch.nn.utils.clip_grad_norm_(value_params, cfg.max_grad_norm)
+                if bad is None and not torch.isfinite(policy_norm):
+                    bad = "policy/grad_norm"
+                if bad is None and value_params and not torch.isfinite(value_norm):
+                    bad = "value/grad_norm"
+                if bad is not None:
+                    # A NaN/inf anywhere in this minibatch: drop its gradients, leave the adapters
+                    # and the optimizer moments as they were.
+                    optimizer.zero_grad(set_to_none=True)
+                    nonfinite.append(bad)
+                    if scheduler is not None:
+                        scheduler.step()
+                    continue
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 if scheduler is not None:
                     scheduler.step()
     out = stats.means()
+    out["guard/skipped_minibatches"] = float(len(nonfinite))
+    if nonfinite:
+        out["guard/quantity"] = nonfinite[0]
     out["policy/grad_norm"] = float(policy_norm)
     if with_critic:
         out["value/grad_norm"] = float(value_norm)
@@ -221,6 +242,28 @@ def ppo_update(
         out["policy/skipped_minibatch_frac"] = skipped / max(1, minibatches)
         out["policy/scaled_minibatch_frac"] = scaled / max(1, minibatches)
     return out
+
+
+def first_nonfinite(rollout: Rollout, adv: Advantages) -> Optional[str]:
+    """The name of the first rollout or advantage quantity holding a NaN/inf on a real token
+    (padding may hold anything), or None when all are finite."""
+    mask = rollout.response_mask
+    per_sequence = {"rewards/scores": rollout.scores, "rewards/shaped_scores": adv.scores}
+    per_token = {
+        "logprobs/old": rollout.old_logprobs, "logprobs/ref": rollout.ref_logprobs, "values": rollout.values,
+        "rewards/per_token": adv.rewards, "advantages": adv.advantages, "returns": adv.returns,
+    }
+    for name, tensor in per_sequence.items():
+        if not torch.isfinite(tensor).all():
+            return name
+    for name, tensor in per_token.items():
+        if tensor is not None and not torch.isfinite(tensor[mask]).all():
+            return name
+    return None
+
+
+class TrainingHalted(RuntimeError):
+    """Too many updates in a row were skipped for NaN/inf; a checkpoint was saved first."""
 
 
 class PPOTrainer:
@@ -231,16 +274,27 @@ class PPOTrainer:
         reward_fn: optional Python reward `f(prompts, completions) -> list[float]`; overrides
             the recipe's reward section (handy from Python).
         progress: show a progress bar.
+        resume: "auto" (the newest complete checkpoint under output_dir/checkpoints/) or a
+            checkpoint folder, to continue a run exactly where that checkpoint left it.
     """
 
-    def __init__(self, recipe: Recipe, reward_fn: Optional[Callable] = None, progress: bool = True):
+    def __init__(
+        self, recipe: Recipe, reward_fn: Optional[Callable] = None, progress: bool = True,
+        resume: Optional[str | Path] = None,
+    ):
         from lora_ppo.model import load_base_model, load_tokenizer
         from lora_ppo.rewards import build_reward, build_side_metrics
 
         self.recipe = recipe
+        self.recipe_yaml = recipe_to_yaml(recipe)
         self.progress = progress
         self.output_dir = Path(recipe.train.output_dir)
-        self._check_output_dir()
+        self.resume_from: Optional[Path] = None
+        if resume is not None:
+            self.resume_from = checkpoint.resolve_resume(self.output_dir, resume)
+            self._check_resumable_recipe()
+        else:
+            self._check_output_dir()
         seed_everything(recipe.train.seed)
 
         self.tokenizer = load_tokenizer(recipe.model)
@@ -271,6 +325,15 @@ class PPOTrainer:
         self.step = 0
         self.kl_coef = ppo.kl_coef  # changes only under the adaptive controller (ppo.target_kl)
         self.score_moments = (0.0, 1.0, 0)  # running (mean, var, count) for ppo.score_norm
+        self.last_bad = ""
+        self.consecutive_skips = 0  # steps in a row whose update the NaN/inf guard skipped
+        self.eval_before: Optional[dict[str, float]] = None
+        self.last_metrics: dict = {}
+        self.resume_lines: Optional[tuple[int, int]] = None  # (metrics, samples) lines to keep
+        self._stop_requested = False
+        if self.resume_from is not None:
+            checkpoint.load_checkpoint(self, self.resume_from)
+            log.info("resuming from %s (step %d)", self.resume_from, self.step)
 
     # ---- output files -----------------------------------------------------------------------
 
@@ -281,11 +344,62 @@ class PPOTrainer:
                 "choose another folder or set train.overwrite=true"
             )
 
+    def _check_resumable_recipe(self) -> None:
+        """Refuse a resume whose recipe changes anything a step computes (model, adapters, sizes)."""
+        import yaml
+
+        run_dir = self.resume_from.parent.parent
+        saved_path = run_dir / RECIPE_FILE
+        if not saved_path.is_file():
+            raise RecipeError(f"--resume: {saved_path} is missing; cannot check the recipe matches")
+        saved = yaml.safe_load(saved_path.read_text(encoding="utf-8"))
+        differences = resume_differences(saved, self.recipe)
+        if differences:
+            raise RecipeError(
+                f"--resume: the recipe differs from the run's {saved_path} in fields a resumed run cannot "
+                f"change: {', '.join(differences)}"
+            )
+
     def _prepare_output_dir(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        for name in (METRICS_FILE, SAMPLES_FILE, SUMMARY_FILE):
-            (self.output_dir / name).unlink(missing_ok=True)
-        (self.output_dir / RECIPE_FILE).write_text(recipe_to_yaml(self.recipe), encoding="utf-8")
+        if self.resume_lines is not None:
+            # Lines a killed run wrote after its last checkpoint are replayed by the resumed run.
+            for name, keep in zip((METRICS_FILE, SAMPLES_FILE), self.resume_lines):
+                _truncate_lines(self.output_dir / name, keep)
+            (self.output_dir / SUMMARY_FILE).unlink(missing_ok=True)
+        else:
+            for name in (METRICS_FILE, SAMPLES_FILE, SUMMARY_FILE):
+                (self.output_dir / name).unlink(missing_ok=True)
+        (self.output_dir / RECIPE_FILE).write_text(self.recipe_yaml, encoding="utf-8")
+
+    def save_checkpoint(self) -> Path:
+        """A full-state checkpoint at checkpoints/step-N/ (keeping the newest train.keep_last)."""
+        folder = self.output_dir / checkpoint.CHECKPOINTS_DIR / f"step-{self.step}"
+        return checkpoint.save_checkpoint(self, folder, keep_last=self.recipe.train.keep_last)
+
+    @contextmanager
+    def _stop_signals(self) -> Iterator[None]:
+        """Ctrl-C / SIGTERM: the first finishes the current step, then saves and stops; a second
+        abandons the step at once (the newest checkpoint is then the place to resume from)."""
+        import signal
+
+        def handler(signum, frame):
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            self._stop_requested = True
+            print("\nstopping after this step to save a checkpoint (again to abandon the step)", file=sys.stderr)
+
+        previous = {}
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
 
     def _append_jsonl(self, name: str, record: dict) -> None:
         with open(self.output_dir / name, "a", encoding="utf-8") as f:
@@ -328,21 +442,43 @@ class PPOTrainer:
             r.data.chat_template, with_values=r.uses_critic, with_reference=r.adapters.reference_enabled,
         )
         mask = rollout.response_mask
+        moments = self.score_moments
         scores = self._shape_scores(rollout.scores, mask.sum(dim=1))
         adv = compute_advantages(rollout, r.ppo, self.kl_coef, scores, k)
+        bad = first_nonfinite(rollout, adv)
         t_update = time.perf_counter()
-        update = ppo_update(
-            self.roles, self.optimizer, self.scheduler, rollout, adv, r.ppo,
-            r.minibatch_size, r.micro_batch_size, r.rollout.temperature,
-            r.model.gradient_checkpointing, self.generator, kl_coef=self.kl_coef,
-        )
+        if bad is None:
+            update = ppo_update(
+                self.roles, self.optimizer, self.scheduler, rollout, adv, r.ppo,
+                r.minibatch_size, r.micro_batch_size, r.rollout.temperature,
+                r.model.gradient_checkpointing, self.generator, kl_coef=self.kl_coef,
+            )
+            bad = update.pop("guard/quantity", None)
+        else:
+            # The whole update is skipped: the adapters, the optimizer and the running score
+            # moments stay as they were; the lr schedule still counts the updates.
+            self.score_moments = moments
+            updates = r.ppo.num_epochs * r.ppo.num_minibatches
+            update = {"guard/skipped_minibatches": float(updates)}
+            if self.scheduler is not None:
+                for _ in range(updates):
+                    self.scheduler.step()
         t_end = time.perf_counter()
         self.step += 1
+        if bad is None:
+            self.consecutive_skips = 0
+        else:
+            self.consecutive_skips += 1
+            self.last_bad = f"non-finite {bad} at step {self.step}"
+            log.warning(
+                "step %d: non-finite %s, update skipped (%d in a row, limit %d)",
+                self.step, bad, self.consecutive_skips, r.train.max_consecutive_skips,
+            )
 
         kl_per_seq = adv.kl.sum(dim=1)
         n_tokens = int(rollout.attention_mask.sum())
         kl_coef_used = self.kl_coef
-        if r.ppo.target_kl is not None:
+        if r.ppo.target_kl is not None and bad is None:
             self.kl_coef = ppo_math.adaptive_kl_coef(
                 self.kl_coef, kl_per_seq.mean().item(), r.ppo.target_kl, r.ppo.kl_horizon, len(prompts)
             )
@@ -357,6 +493,8 @@ class PPOTrainer:
             "objective/rlhf_reward": (rollout.scores - kl_coef_used * kl_per_seq).mean().item(),
             # 1 with the value adapter as critic (GAE); 0 for RLOO / GRPO, which hold no value adapter.
             "algo/critic": float(r.uses_critic),
+            "guard/skipped": float(bad is not None),
+            "guard/consecutive_skips": float(self.consecutive_skips),
             **update,
             "response/length": mask.sum(dim=1).float().mean().item(),
             "response/stopped_frac": rollout.stopped.float().mean().item(),
@@ -393,34 +531,19 @@ class PPOTrainer:
         dropped = count_summary(self.train_prompts)
         if dropped:
             log.warning("dropped prompts from %s: %s", r.data.source, dropped)
-        before = self.evaluate() if r.train.eval and self.eval_prompts.prompts else {}
-        bar = tqdm(total=r.train.steps, desc="PPO", disable=not self.progress, dynamic_ncols=True, file=sys.stderr)
-        last: dict[str, float] = {}
+        if self.eval_before is None:
+            # A resumed run reuses the evaluation its first part made, so its summary matches.
+            self.eval_before = self.evaluate() if r.train.eval and self.eval_prompts.prompts else {}
+        before = self.eval_before
+        bar = tqdm(total=r.train.steps, initial=self.step, desc="PPO", disable=not self.progress,
+                   dynamic_ncols=True, file=sys.stderr)
         try:
-            while self.step < r.train.steps:
-                last, rollout = self.train_step()
-                self._append_jsonl(METRICS_FILE, last)
-                if r.train.sample_every and (self.step % r.train.sample_every == 0 or self.step == r.train.steps):
-                    for i in range(min(SAMPLES_PER_LOG, len(rollout.prompts))):
-                        self._append_jsonl(SAMPLES_FILE, {
-                            "step": self.step, "prompt": rollout.prompts[i],
-                            "completion": rollout.completions[i], "score": rollout.scores[i].item(),
-                        })
-                if r.train.save_every and self.step % r.train.save_every == 0 and self.step < r.train.steps:
-                    self.save_adapters(self.output_dir / "checkpoints" / f"step-{self.step}")
-                bar.update(1)
-                bar.set_postfix(score=f"{last['objective/scores']:.3f}", kl=f"{last['objective/kl']:.3f}")
-                if self.step % r.train.log_every == 0 and not self.progress:
-                    print(
-                        f"step {self.step}/{r.train.steps}  score {last['objective/scores']:.3f}  "
-                        f"kl {last['objective/kl']:.3f}  {last['time/step']:.1f}s", file=sys.stderr,
-                    )
-        except KeyboardInterrupt:
+            with self._stop_signals():
+                while self.step < r.train.steps:
+                    self._one_step(bar)
+        finally:
             bar.close()
-            folder = self.save_adapters(self.output_dir / "interrupted")
-            print(f"interrupted at step {self.step}: adapters saved to {folder}", file=sys.stderr)
-            raise
-        bar.close()
+        last = self.last_metrics
         self.save_adapters(self.output_dir / "final")
         after = self.evaluate() if r.train.eval and self.eval_prompts.prompts else {}
         summary = {
@@ -436,6 +559,49 @@ class PPOTrainer:
         }
         (self.output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2), encoding="utf-8")
         return summary
+
+    def _one_step(self, bar) -> None:
+        """One step with its logging, samples, guard and checkpoint."""
+        r = self.recipe
+        last, rollout = self.train_step()
+        self.last_metrics = last
+        self._append_jsonl(METRICS_FILE, last)
+        if r.train.sample_every and (self.step % r.train.sample_every == 0 or self.step == r.train.steps):
+            for i in range(min(SAMPLES_PER_LOG, len(rollout.prompts))):
+                self._append_jsonl(SAMPLES_FILE, {
+                    "step": self.step, "prompt": rollout.prompts[i],
+                    "completion": rollout.completions[i], "score": rollout.scores[i].item(),
+                })
+        if self.consecutive_skips >= r.train.max_consecutive_skips:
+            # Skipped updates left the adapters and optimizer moments at the last good update.
+            folder = self.save_checkpoint()
+            raise TrainingHalted(
+                f"step {self.step}: {self.consecutive_skips} updates in a row skipped for NaN/inf "
+                f"({self.last_bad}); the last good state is saved in {folder}"
+            )
+        if r.train.save_every and self.step % r.train.save_every == 0 and self.step < r.train.steps:
+            self.save_checkpoint()
+        bar.update(1)
+        bar.set_postfix(score=f"{last['objective/scores']:.3f}", kl=f"{last['objective/kl']:.3f}")
+        if self.step % r.train.log_every == 0 and not self.progress:
+            print(
+                f"step {self.step}/{r.train.steps}  score {last['objective/scores']:.3f}  "
+                f"kl {last['objective/kl']:.3f}  {last['time/step']:.1f}s", file=sys.stderr,
+            )
+        if self._stop_requested:
+            folder = self.save_checkpoint()
+            print(f"interrupted at step {self.step}: checkpoint saved to {folder}", file=sys.stderr)
+            raise KeyboardInterrupt
+
+
+def _truncate_lines(path: Path, keep: int) -> None:
+    """Keep the first `keep` lines of a text file (a missing file stays missing)."""
+    if not path.exists():
+        return
+    with open(path, "rb") as f:
+        lines = f.readlines()[:keep]
+    with open(path, "wb") as f:
+        f.writelines(lines)
 
 
 def format_summary(summary: dict) -> str:

@@ -1,0 +1,128 @@
+"""Guards: a NaN/inf in a step's quantities skips its update without touching the adapters;
+too many in a row stop the run with a checkpoint; Ctrl-C / SIGTERM finish the step, save and
+say how to resume; reward functions that misbehave are named."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import lora_ppo
+from lora_ppo import ppo_math, trainer as trainer_module
+from lora_ppo.cli import app
+from lora_ppo.rewards import RewardError
+from tests.conftest import tiny_recipe_dict
+from tests.reliability.conftest import adapter_tensors, write_recipe
+
+
+def _recipe(tiny_model_dir, out, **train):
+    return lora_ppo.recipe_from_dict(
+        tiny_recipe_dict(tiny_model_dir, out, train={"save_every": 1, "steps": 3, "eval": False, **train})
+    )
+
+
+def _poison_advantages(monkeypatch, bad_steps: set[int], counter: list[int]) -> None:
+    real = trainer_module.compute_advantages
+
+    def poisoned(*args, **kwargs):
+        adv = real(*args, **kwargs)
+        counter[0] += 1
+        if counter[0] in bad_steps:
+            return dataclasses.replace(adv, advantages=torch.full_like(adv.advantages, float("nan")))
+        return adv
+
+    monkeypatch.setattr(trainer_module, "compute_advantages", poisoned)
+
+
+def test_nan_advantages_skip_the_update_and_leave_adapters_untouched(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    _poison_advantages(monkeypatch, {2}, [0])
+    lora_ppo.PPOTrainer(_recipe(tiny_model_dir, tmp_path / "run", steps=4), progress=False).train()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["guard/skipped"] for m in metrics] == [0.0, 1.0, 0.0, 0.0]
+    assert [m["guard/consecutive_skips"] for m in metrics] == [0.0, 1.0, 0.0, 0.0]
+    assert "step 2: non-finite advantages, update skipped" in caplog.text
+    ckpts = tmp_path / "run" / "checkpoints"
+    for role in ("policy", "value"):
+        step1, step2, step3 = (adapter_tensors(ckpts / f"step-{n}" / role) for n in (1, 2, 3))
+        assert all(torch.equal(step1[k], step2[k]) for k in step1), f"{role} changed in a skipped step"
+        assert any(not torch.equal(step2[k], step3[k]) for k in step2), f"{role} did not train after the skip"
+
+
+def test_nan_loss_skips_the_minibatch(tmp_path, tiny_model_dir, monkeypatch):
+    real = ppo_math.policy_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(ppo_math, "policy_loss", nan_loss)
+    trainer = lora_ppo.PPOTrainer(_recipe(tiny_model_dir, tmp_path / "run", steps=1, save_every=0), progress=False)
+    before = {n: p.detach().clone() for n, p in trainer.roles.peft.named_parameters() if "lora_" in n}
+    trainer.train()
+    after = dict(trainer.roles.peft.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
+    assert metrics["guard/skipped"] == 1.0 and metrics["guard/skipped_minibatches"] == 2.0
+
+
+def test_consecutive_skips_stop_the_run_with_a_checkpoint(tmp_path, tiny_model_dir, monkeypatch):
+    _poison_advantages(monkeypatch, set(range(2, 100)), [0])
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run", steps=10, save_every=0,
+                          max_consecutive_skips=2, eval=False)
+    result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress"])
+    assert result.exit_code == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: step 3: 2 updates in a row skipped for NaN/inf (non-finite advantages at step 3)")
+    assert "Traceback" not in result.output
+    good = adapter_tensors(tmp_path / "run" / "checkpoints" / "step-3" / "policy")
+    # The halted checkpoint holds the adapters as step 1 left them.
+    monkeypatch.undo()
+    one = tmp_path / "one"
+    lora_ppo.PPOTrainer(_recipe(tiny_model_dir, one, steps=1, save_every=0), progress=False).train()
+    step1 = adapter_tensors(one / "final" / "policy")
+    assert all(torch.equal(good[k], step1[k]) for k in good)
+
+
+def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(tmp_path, tiny_model_dir, monkeypatch):
+    real_step = trainer_module.PPOTrainer.train_step
+
+    def step_then_term(self):
+        out = real_step(self)
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(trainer_module.PPOTrainer, "train_step", step_then_term)
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run", save_every=0, eval=False)
+    result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress"])
+    assert result.exit_code == 130
+    assert "interrupted at step 2: checkpoint saved to" in result.stderr
+    assert f"resume with: lora-ppo train {recipe} --resume auto" in result.stderr
+    assert (tmp_path / "run" / "checkpoints" / "step-2" / "manifest.json").is_file()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.parametrize("function, message", [
+    ("tests.reward_fns:raises", "reward function raises raised RuntimeError: reward server is down"),
+    ("tests.reward_fns:wrong_count", "reward function wrong_count returned 1 scores for 4 completions"),
+])
+def test_bad_reward_function_is_named(tmp_path, tiny_model_dir, function, message):
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run", eval=False)
+    result = CliRunner().invoke(app, ["train", str(recipe), f"reward.function={function}"])
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines()[-1] == f"error: {message}"
+
+
+def test_non_finite_reward_names_function_and_prompt_index(tmp_path, tiny_model_dir):
+    def half_nan(prompts, completions):
+        return [float("nan") if i == 1 else 0.0 for i in range(len(completions))]
+
+    trainer = lora_ppo.PPOTrainer(_recipe(tiny_model_dir, tmp_path / "run"), reward_fn=half_nan, progress=False)
+    with pytest.raises(RewardError, match="reward function half_nan returned nan for prompt index 1"):
+        trainer.train()

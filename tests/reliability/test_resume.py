@@ -1,0 +1,191 @@
+"""Exact resume: a run killed with SIGKILL (or mid-save) and resumed ends with the same adapters
+and metrics as an uninterrupted run; partial checkpoints are never picked; changed recipes are
+refused unless the change is harmless."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import lora_ppo
+from lora_ppo import checkpoint
+from lora_ppo.cli import app
+from lora_ppo.errors import RecipeError
+from tests.conftest import tiny_recipe_dict
+from tests.reliability.conftest import adapter_tensors, deterministic_metrics, write_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def _train_cmd(recipe: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "lora_ppo.cli", "train", str(recipe), "--no-progress", *extra]
+
+
+def _assert_same_run(a: Path, b: Path) -> None:
+    assert deterministic_metrics(a) == deterministic_metrics(b)
+    for role in ("policy", "value"):
+        ta, tb = adapter_tensors(a / "final" / role), adapter_tensors(b / "final" / role)
+        assert ta.keys() == tb.keys()
+        for key in ta:
+            assert torch.equal(ta[key], tb[key]), f"{role} {key} differs"
+    assert (a / "samples.jsonl").read_text() == (b / "samples.jsonl").read_text()
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, tiny_model_dir) -> Path:
+    """An uninterrupted 4-step run of the shared recipe, through the CLI in a subprocess."""
+    root = tmp_path_factory.mktemp("reference")
+    recipe = write_recipe(root / "tiny.yaml", tiny_model_dir, root / "run")
+    subprocess.run(_train_cmd(recipe), env=ENV, cwd=REPO, check=True, capture_output=True, timeout=300)
+    return root / "run"
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, tiny_model_dir, reference_run):
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run")
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_train_cmd(recipe), env=ENV, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        manifest = run / "checkpoints" / "step-2" / checkpoint.MANIFEST_FILE
+        deadline = time.monotonic() + 240
+        while not manifest.exists():
+            assert proc.poll() is None, "the run ended before its 2nd checkpoint"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(random.uniform(0.0, 0.3))  # somewhere in step 3
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not (run / "final").exists()
+    done = subprocess.run(_train_cmd(recipe, "--resume", "auto"), env=ENV, cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "from step" in done.stderr
+    _assert_same_run(reference_run, run)
+
+
+class SimulatedKill(BaseException):
+    """Stands in for SIGKILL landing inside a checkpoint write."""
+
+
+def test_kill_during_save_leaves_previous_checkpoint_and_resume_skips_partial(
+    tmp_path, tiny_model_dir, reference_run, monkeypatch
+):
+    recipe_dict = tiny_recipe_dict(tiny_model_dir, tmp_path / "run", train={"save_every": 1, "steps": 4})
+    real_fsync_tree = checkpoint._fsync_tree
+
+    def dies_on_step_2(folder):
+        if folder.name == ".step-2.tmp":
+            raise SimulatedKill  # everything is staged, nothing renamed, no manifest
+        real_fsync_tree(folder)
+
+    monkeypatch.setattr(checkpoint, "_fsync_tree", dies_on_step_2)
+    with pytest.raises(SimulatedKill):
+        lora_ppo.PPOTrainer(lora_ppo.recipe_from_dict(recipe_dict), progress=False).train()
+    monkeypatch.setattr(checkpoint, "_fsync_tree", real_fsync_tree)
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert (ckpts / ".step-2.tmp" / "policy").is_dir() and not (ckpts / "step-2").exists()
+    assert checkpoint.resolve_resume(tmp_path / "run", "auto") == ckpts / "step-1"
+    with pytest.raises(RecipeError, match="not a complete checkpoint"):
+        checkpoint.resolve_resume(tmp_path / "run", ckpts / ".step-2.tmp")
+
+    lora_ppo.PPOTrainer(lora_ppo.recipe_from_dict(recipe_dict), progress=False, resume="auto").train()
+    assert not (ckpts / ".step-2.tmp").exists()
+    _assert_same_run(reference_run, tmp_path / "run")
+
+
+def test_disk_full_while_saving_is_one_clear_error_and_previous_checkpoint_intact(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    import errno
+
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run", eval=False)
+    real_save = torch.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        if ".step-2.tmp" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress"])
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: could not save checkpoint")
+    assert "No space left on device" in lines[-1] and "earlier checkpoints are intact" in lines[-1]
+    assert "Traceback" not in result.output
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-1"]
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    trainer = lora_ppo.PPOTrainer(lora_ppo.load_recipe(recipe), progress=False, resume="auto")
+    assert trainer.step == 1
+
+
+def test_changed_recipe_is_refused_with_the_differences_and_harmless_changes_allowed(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run", steps=2, eval=False,
+                          keep_last=1)
+    runner = CliRunner()
+    first = runner.invoke(app, ["train", str(recipe), "--no-progress"])
+    assert first.exit_code == 0, first.output
+    refused = runner.invoke(
+        app, ["train", str(recipe), "rollout.batch_size=8", "adapters.policy.r=8", "train.steps=3",
+              "--resume", "auto"],
+    )
+    assert refused.exit_code == 2
+    assert refused.stderr.strip().splitlines() == [
+        f"error: --resume: the recipe differs from the run's {tmp_path / 'run' / 'recipe.yaml'} in fields a "
+        "resumed run cannot change: adapters.policy.r, rollout.batch_size"
+    ]
+    allowed = runner.invoke(
+        app, ["train", str(recipe), "train.steps=3", "train.log_every=2", "--resume", "auto"]
+    )
+    assert allowed.exit_code == 0, allowed.output
+    assert len(deterministic_metrics(tmp_path / "run")) == 3
+    # keep_last=1: only the newest checkpoint stays.
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-2"]
+
+
+def test_resume_without_checkpoint_fails_in_one_line(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run")
+    result = CliRunner().invoke(app, ["train", str(recipe), "--resume", "auto"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: --resume auto: no complete checkpoint under {tmp_path / 'run' / 'checkpoints'}"
+    ]
+
+
+def test_checkpoint_holds_the_whole_state(tmp_path, tiny_model_dir):
+    import json
+
+    recipe = lora_ppo.recipe_from_dict(
+        tiny_recipe_dict(tiny_model_dir, tmp_path / "run", train={"save_every": 1, "steps": 2, "eval": False},
+                         ppo={"lr_schedule": "linear", "target_kl": 0.1, "score_norm": True})
+    )
+    lora_ppo.PPOTrainer(recipe, progress=False).train()
+    folder = tmp_path / "run" / "checkpoints" / "step-1"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["step"] == 1 and set(manifest["versions"]) >= {"lora_ppo", "torch", "peft"}
+    assert len(manifest["recipe_sha256"]) == 64
+    for name in ("policy/adapter_model.safetensors", "value/adapter_model.safetensors",
+                 "value/value_head.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "trainer_state.json"):
+        assert (folder / name).is_file(), name
+    state = json.loads((folder / "trainer_state.json").read_text())
+    assert state["stream"]["cursor"] == 4 and state["metrics_lines"] == 1 and state["score_moments"][2] == 4
+    assert state["kl_coef"] != 0.05  # the adaptive controller moved it
+    for name in ("optimizer.pt", "scheduler.pt", "rng.pt"):
+        torch.load(folder / name, weights_only=True)
+    # merge-and-export still reads a checkpoint folder (its policy/ and the run's recipe.yaml).
+    report = lora_ppo.merge_and_export(folder, tmp_path / "exported", adapter_only=True)
+    assert (tmp_path / "exported" / "adapter_model.safetensors").is_file() and report.checkpoint == folder
