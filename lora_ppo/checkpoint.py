@@ -100,6 +100,47 @@ def _count_lines(path: Path) -> int:
         return sum(1 for _ in f)
 
 
+def _write_adapters(trainer: "PPOTrainer", staging: Path) -> None:
+    trainer.roles.save_adapter(POLICY, staging / POLICY)
+    if trainer.roles.has_value:
+        trainer.roles.save_adapter(VALUE, staging / VALUE)
+
+
+def _publish(staging: Path, folder: Path) -> None:
+    """Replace `folder` with the fully written, fsynced `staging` folder."""
+    _fsync(staging)
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(staging, folder)
+    _fsync(folder.parent)
+
+
+def _save_error(folder: Path, staging: Path, err: OSError, what: str) -> "CheckpointError":
+    shutil.rmtree(staging, ignore_errors=True)
+    return CheckpointError(f"could not save {what} {folder}: {err.strerror or err}; earlier checkpoints are intact")
+
+
+def save_final_adapters(trainer: "PPOTrainer", folder: Path) -> Path:
+    """Write policy/ (and value/ with a critic) plus trainer_state.json to `folder`, staged in a
+    hidden `.NAME.tmp` sibling, fsynced and renamed, like a checkpoint (without training state).
+
+    Raises CheckpointError (disk full, permissions).
+    """
+    folder = Path(folder)
+    staging = folder.with_name(f".{folder.name}.tmp")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        _write_adapters(trainer, staging)
+        (staging / STATE_FILE).write_text(json.dumps({"step": trainer.step}), encoding="utf-8")
+        _fsync_tree(staging)
+        _publish(staging, folder)
+    except OSError as err:
+        raise _save_error(folder, staging, err, "adapters") from None
+    return folder
+
+
 def save_checkpoint(trainer: "PPOTrainer", folder: Path, keep_last: Optional[int] = None) -> Path:
     """Write the trainer's whole state to `folder` (staged in a hidden `.NAME.tmp` sibling, fsynced,
     then renamed), and delete all but the newest `keep_last` complete checkpoints beside it.
@@ -114,9 +155,7 @@ def save_checkpoint(trainer: "PPOTrainer", folder: Path, keep_last: Optional[int
         folder.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        trainer.roles.save_adapter(POLICY, staging / POLICY)
-        if trainer.roles.has_value:
-            trainer.roles.save_adapter(VALUE, staging / VALUE)
+        _write_adapters(trainer, staging)
         torch.save(trainer.optimizer.state_dict(), staging / OPTIMIZER_FILE)
         if trainer.scheduler is not None:
             torch.save(trainer.scheduler.state_dict(), staging / SCHEDULER_FILE)
@@ -149,17 +188,9 @@ def save_checkpoint(trainer: "PPOTrainer", folder: Path, keep_last: Optional[int
             f.write(json.dumps(manifest, indent=2))
             f.flush()
             os.fsync(f.fileno())
-        _fsync(staging)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(staging, folder)
-        _fsync(folder.parent)
+        _publish(staging, folder)
     except OSError as err:
-        shutil.rmtree(staging, ignore_errors=True)
-        reason = err.strerror or str(err)
-        raise CheckpointError(
-            f"could not save checkpoint {folder}: {reason}; earlier checkpoints are intact"
-        ) from None
+        raise _save_error(folder, staging, err, "checkpoint") from None
     if keep_last is not None:
         prune_checkpoints(folder.parent, keep_last)
     return folder

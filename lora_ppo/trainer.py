@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
-import shutil
 import sys
 import time
 from contextlib import contextmanager
@@ -406,19 +404,8 @@ class PPOTrainer:
             f.write(json.dumps(record) + "\n")
 
     def save_adapters(self, folder: Path) -> Path:
-        """Write policy/ (and value/, with a critic) adapter folders under `folder`, atomically
-        (temp + rename)."""
-        folder = Path(folder)
-        staging = folder.with_name(folder.name + ".tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        self.roles.save_adapter(POLICY, staging / POLICY)
-        if self.roles.has_value:
-            self.roles.save_adapter(VALUE, staging / VALUE)
-        (staging / "trainer_state.json").write_text(json.dumps({"step": self.step}), encoding="utf-8")
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(staging, folder)
-        return folder
+        """Write policy/ (and value/, with a critic) adapter folders under `folder`, atomically."""
+        return checkpoint.save_final_adapters(self, folder)
 
     # ---- the loop ---------------------------------------------------------------------------
 

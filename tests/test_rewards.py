@@ -11,7 +11,6 @@ import torch
 from lora_ppo.config import RewardConfig
 from lora_ppo.errors import RecipeError
 from lora_ppo.rewards import RewardError, build_reward, build_side_metrics, score_completions
-from tests.conftest import build_tiny_tokenizer
 
 
 def test_vader_prefers_positive_text():
