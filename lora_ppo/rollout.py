@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from lora_ppo.config import RolloutConfig
+from lora_ppo.memory import PhasePeaks
 from lora_ppo.rewards import RewardFn, score_completions
 from lora_ppo.roles import POLICY, REFERENCE, VALUE, RoleModel
 
@@ -115,27 +116,95 @@ def tokenize_prompts(tokenizer, prompts: Sequence[str], chat_template: bool, dev
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
+class SampledTokenLogprobs:
+    """A logits processor that reads log p(sampled token) off the logits generation computes anyway.
+
+    `rollout.logprobs_from_generation` uses it in place of a separate scoring forward pass for the
+    old logprobs. transformers runs custom processors before its temperature/top-k/top-p warpers,
+    so the scores seen here are the raw logits: dividing by the temperature gives exactly the
+    full-vocabulary distribution a scoring pass computes (tests pin this ordering). Holds one
+    [B, V] row: at each step it takes the token chosen from the previous step's row.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self._previous: Optional[torch.Tensor] = None  # [B, V] log-softmax of the last step
+        self._steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._previous is not None:
+            self._steps.append(self._previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self._previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def logprobs(self, response_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T_gen] logprobs of `response_ids`, the tokens generate() returned."""
+        steps = list(self._steps)
+        if self._previous is not None:
+            steps.append(self._previous.gather(-1, response_ids[:, len(steps) : len(steps) + 1]).squeeze(-1))
+        if len(steps) != response_ids.shape[1]:
+            raise RuntimeError(f"recorded {len(steps)} sampling steps for {response_ids.shape[1]} generated tokens")
+        if not steps:
+            return response_ids.new_zeros(response_ids.shape, dtype=torch.float32)
+        return torch.stack(steps, dim=1)
+
+
 @torch.no_grad()
-def generate(roles: RoleModel, query_ids: torch.Tensor, query_mask: torch.Tensor, gen_config) -> torch.Tensor:
+def generate(
+    roles: RoleModel,
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    gen_config,
+    recorder: Optional[SampledTokenLogprobs] = None,
+) -> torch.Tensor:
     """Sample responses with the policy; returns the new tokens only, [B, T_gen]."""
+    from transformers import LogitsProcessorList
+
+    processors = LogitsProcessorList([recorder] if recorder is not None else [])
     with roles.as_role(POLICY):
-        out = roles.peft.generate(input_ids=query_ids, attention_mask=query_mask, generation_config=gen_config)
+        out = roles.peft.generate(
+            input_ids=query_ids, attention_mask=query_mask, generation_config=gen_config, logits_processor=processors
+        )
     return out[:, query_ids.shape[1] :]
+
+
+@dataclass(frozen=True)
+class Samples:
+    """What sampling returns: the left-padded queries, the responses cut after their stop token,
+    and (when asked for) the sampled tokens' logprobs under the policy at the sampling temperature."""
+
+    query_ids: torch.Tensor  # [B, P]
+    query_mask: torch.Tensor  # [B, P]
+    response_ids: torch.Tensor  # [B, T_resp]
+    response_mask: torch.Tensor  # [B, T_resp] bool
+    stopped: torch.Tensor  # [B] bool
+    completions: list[str]
+    logprobs: Optional[torch.Tensor] = None  # [B, T_resp], 0 on padding
 
 
 @torch.no_grad()
 def sample_responses(
-    roles: RoleModel, tokenizer, prompts: Sequence[str], cfg: RolloutConfig, chat_template: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+    roles: RoleModel,
+    tokenizer,
+    prompts: Sequence[str],
+    cfg: RolloutConfig,
+    chat_template: bool,
+    record_logprobs: bool = False,
+) -> Samples:
     """Generate with the policy (left-padded prompts, KV cache) and cut each response after its
-    stop token. Returns (query_ids, query_mask, response_ids, response_mask, stopped, completions)."""
+    stop token."""
     stop_id = stop_token_id(tokenizer, cfg.stop_token)
     query_ids, query_mask = tokenize_prompts(tokenizer, prompts, chat_template, roles.lm_head.weight.device)
-    raw_response = generate(roles, query_ids, query_mask, generation_config(cfg, tokenizer, stop_id))
+    recorder = SampledTokenLogprobs(cfg.temperature) if record_logprobs else None
+    raw_response = generate(roles, query_ids, query_mask, generation_config(cfg, tokenizer, stop_id), recorder)
     response_ids, response_mask, stopped = truncate_at_stop(raw_response, stop_id, tokenizer.pad_token_id)
+    logprobs = None
+    if recorder is not None:
+        logprobs = recorder.logprobs(raw_response)[:, : response_ids.shape[1]]
+        logprobs = torch.where(response_mask, logprobs, torch.zeros_like(logprobs))
     # Decoded for the reward source, which may have a tokenizer of its own.
     completions = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-    return query_ids, query_mask, response_ids, response_mask, stopped, completions
+    return Samples(query_ids, query_mask, response_ids, response_mask, stopped, completions, logprobs)
 
 
 @torch.no_grad()
@@ -148,17 +217,22 @@ def score_passes(
     forward_batch_size: int,
     with_values: bool = True,
     with_reference: bool = True,
+    old_logprobs: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Old logprobs (policy), reference logprobs and values, in micro-batches.
 
-    Without a reference the reference logprobs are the old ones, so every KL estimate is 0.
+    Old logprobs already recorded during sampling are used as given (no policy pass). Without a
+    reference the reference logprobs are the old ones, so every KL estimate is 0.
     """
     old, ref, vals = [], [], []
     for start in range(0, input_ids.shape[0], forward_batch_size):
         ids = input_ids[start : start + forward_batch_size]
         mask = attention_mask[start : start + forward_batch_size]
-        with roles.as_role(POLICY):
-            old.append(roles.response_logprobs(ids, mask, response_start, temperature)[0])
+        if old_logprobs is not None:
+            old.append(old_logprobs[start : start + forward_batch_size])
+        else:
+            with roles.as_role(POLICY):
+                old.append(roles.response_logprobs(ids, mask, response_start, temperature)[0])
         if with_reference:
             with roles.as_role(REFERENCE):
                 ref.append(roles.response_logprobs(ids, mask, response_start, temperature)[0])
@@ -180,6 +254,7 @@ def collect_rollout(
     chat_template: bool,
     with_values: bool = True,
     with_reference: bool = True,
+    peaks: Optional[PhasePeaks] = None,
 ) -> Rollout:
     """Generate responses to `prompts` and score them; everything under no_grad.
 
@@ -187,31 +262,40 @@ def collect_rollout(
     """
     device = roles.lm_head.weight.device
     timings: dict[str, float] = {}
+    peaks = peaks if peaks is not None else PhasePeaks()
 
     # 1-2. Generate with the policy, truncate after the stop token (what follows is padding).
     t0 = time.perf_counter()
-    query_ids, query_mask, response_ids, response_mask, stopped, completions = sample_responses(
-        roles, tokenizer, prompts, cfg, chat_template
+    with peaks.phase("generate"):
+        samples = sample_responses(roles, tokenizer, prompts, cfg, chat_template, cfg.logprobs_from_generation)
+    query_ids, query_mask, response_ids, response_mask = (
+        samples.query_ids, samples.query_mask, samples.response_ids, samples.response_mask
     )
+    stopped, completions = samples.stopped, samples.completions
     timings["generate"] = time.perf_counter() - t0
 
-    # 3. Old logprobs, reference logprobs and values on the exact tokens sampled.
+    # 3. Old logprobs (unless sampling recorded them), reference logprobs and values on the
+    # exact tokens sampled.
     t0 = time.perf_counter()
     input_ids = torch.cat([query_ids, response_ids], dim=1)
     attention_mask = torch.cat([query_mask, response_mask.to(query_mask.dtype)], dim=1)
-    old_logprobs, ref_logprobs, values = score_passes(
-        roles, input_ids, attention_mask, query_ids.shape[1], cfg.temperature, cfg.forward_batch_size,
-        with_values=with_values, with_reference=with_reference,
-    )
+    with peaks.phase("score"):
+        old_logprobs, ref_logprobs, values = score_passes(
+            roles, input_ids, attention_mask, query_ids.shape[1], cfg.temperature, cfg.forward_batch_size,
+            with_values=with_values, with_reference=with_reference, old_logprobs=samples.logprobs,
+        )
     timings["score_forward"] = time.perf_counter() - t0
 
     # 4. Scores from the reward source, on the decoded text.
     t0 = time.perf_counter()
-    raw_scores = torch.tensor(score_completions(reward_fn, prompts, completions), dtype=torch.float32, device=device)
+    with peaks.phase("reward"):
+        raw_scores = torch.tensor(
+            score_completions(reward_fn, prompts, completions), dtype=torch.float32, device=device
+        )
+        side = {name: score_completions(fn, prompts, completions) for name, fn in side_metrics.items()}
     scores = raw_scores
     if cfg.missing_eos_penalty is not None and cfg.stop_token is not None:
         scores = raw_scores - cfg.missing_eos_penalty * (~stopped).float()
-    side = {name: score_completions(fn, prompts, completions) for name, fn in side_metrics.items()}
     timings["reward"] = time.perf_counter() - t0
 
     return Rollout(
@@ -255,7 +339,7 @@ def evaluate_prompts(
         torch.manual_seed(seed)
         for start in range(0, len(prompts), cfg.batch_size):
             batch = list(prompts[start : start + cfg.batch_size])
-            completions = sample_responses(roles, tokenizer, batch, cfg, chat_template)[-1]
+            completions = sample_responses(roles, tokenizer, batch, cfg, chat_template).completions
             totals["score"] += sum(score_completions(reward_fn, batch, completions))
             for name, fn in side_metrics.items():
                 totals[name] += sum(score_completions(fn, batch, completions))

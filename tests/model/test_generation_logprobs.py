@@ -1,0 +1,96 @@
+"""rollout.logprobs_from_generation: the old logprobs read off generation's own logits must be
+the ones a scoring pass computes, on left-padded prompts, at a temperature, with stopped rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_ppo.config import AdaptersConfig, ModelConfig, RolloutConfig
+from lora_ppo.model import load_base_model, load_tokenizer
+from lora_ppo.roles import RoleModel
+from lora_ppo.rollout import collect_rollout, sample_responses, score_passes
+from tests.reward_fns import count_letter_e
+
+PROMPTS = ["This movie was", "The acting in this film was quite", "Honestly", "I rented the sequel on a whim and"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(ModelConfig(name=str(tiny_model_dir)))
+
+
+@pytest.fixture(scope="module")
+def roles(tiny_model_dir):
+    model = RoleModel(load_base_model(ModelConfig(name=str(tiny_model_dir))),
+                      AdaptersConfig(policy={"r": 4, "alpha": 8}, value={"r": 4, "alpha": 8}))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # a policy that differs from the base, so the adapter must be in play
+        for p in model.policy_parameters():
+            if p.ndim == 2 and p.shape[1] == 4:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def _scored_old_logprobs(roles, samples, temperature):
+    ids = torch.cat([samples.query_ids, samples.response_ids], dim=1)
+    mask = torch.cat([samples.query_mask, samples.response_mask.long()], dim=1)
+    return score_passes(roles, ids, mask, samples.query_ids.shape[1], temperature, forward_batch_size=4,
+                        with_values=False, with_reference=False)[0]
+
+
+def _stop_token_sampled_early(roles, tokenizer, cfg) -> str:
+    """A token the seeded sampler emits at step 2 of row 0, so a rerun with it as the stop token
+    stops that row early (a random tiny model rarely samples its eos). The stop token changes
+    nothing sampled before it, so the rerun draws the same tokens up to there."""
+    torch.manual_seed(11)
+    first = sample_responses(roles, tokenizer, PROMPTS, cfg.model_copy(update={"stop_token": None}), False)
+    return tokenizer.convert_ids_to_tokens(int(first.response_ids[0, 2]))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_recorded_logprobs_equal_a_scoring_pass(roles, tokenizer, temperature):
+    cfg = RolloutConfig(batch_size=4, max_new_tokens=6, temperature=temperature)
+    cfg = cfg.model_copy(update={"stop_token": _stop_token_sampled_early(roles, tokenizer, cfg)})
+    torch.manual_seed(11)
+    samples = sample_responses(roles, tokenizer, PROMPTS, cfg, False, record_logprobs=True)
+    assert bool(samples.stopped[0]) and int(samples.response_mask[0].sum()) <= 3  # a stopped row is covered
+    assert samples.logprobs.shape == samples.response_ids.shape
+    scored = _scored_old_logprobs(roles, samples, temperature)
+    m = samples.response_mask
+    torch.testing.assert_close(samples.logprobs[m], scored[m], atol=1e-4, rtol=0)
+    assert (samples.logprobs[~m] == 0).all()
+
+
+def test_recording_does_not_change_what_is_sampled(roles, tokenizer):
+    cfg = RolloutConfig(batch_size=4, max_new_tokens=6, temperature=0.8)
+    torch.manual_seed(5)
+    plain = sample_responses(roles, tokenizer, PROMPTS, cfg, False)
+    torch.manual_seed(5)
+    recorded = sample_responses(roles, tokenizer, PROMPTS, cfg, False, record_logprobs=True)
+    assert torch.equal(plain.response_ids, recorded.response_ids)
+    assert plain.logprobs is None
+
+
+def test_rollout_with_generation_logprobs_matches_a_rescored_rollout(roles, tokenizer):
+    base = dict(batch_size=4, max_new_tokens=6, temperature=0.9, forward_batch_size=3)
+    torch.manual_seed(2)
+    rescored = collect_rollout(roles, tokenizer, PROMPTS, RolloutConfig(**base), count_letter_e, {}, False)
+    torch.manual_seed(2)
+    recorded = collect_rollout(roles, tokenizer, PROMPTS, RolloutConfig(**base, logprobs_from_generation=True),
+                               count_letter_e, {}, False)
+    assert torch.equal(rescored.response_ids, recorded.response_ids)
+    m = rescored.response_mask
+    torch.testing.assert_close(recorded.old_logprobs[m], rescored.old_logprobs[m], atol=1e-4, rtol=0)
+    torch.testing.assert_close(recorded.ref_logprobs, rescored.ref_logprobs)
+    torch.testing.assert_close(recorded.values, rescored.values)
+
+
+def test_top_k_and_top_p_sampling_still_record_full_vocabulary_logprobs(roles, tokenizer):
+    """Scoring ignores top-k/top-p (the logprobs are over the whole vocabulary at the sampling
+    temperature); the recorded ones must be the same quantity."""
+    cfg = RolloutConfig(batch_size=4, max_new_tokens=5, temperature=0.8, top_k=20, top_p=0.9, stop_token=None)
+    torch.manual_seed(4)
+    samples = sample_responses(roles, tokenizer, PROMPTS, cfg, False, record_logprobs=True)
+    scored = _scored_old_logprobs(roles, samples, 0.8)
+    torch.testing.assert_close(samples.logprobs, scored, atol=1e-4, rtol=0)
