@@ -20,6 +20,7 @@ from lora_ppo import checkpoint, ppo_math
 from lora_ppo.config import PPOConfig, Recipe, recipe_to_yaml, resume_differences
 from lora_ppo.data import PromptStream, count_summary, load_prompt_sets
 from lora_ppo.errors import RecipeError
+from lora_ppo.memory import PhasePeaks, run_peak_gb
 from lora_ppo.rollout import Rollout, collect_rollout, evaluate_prompts
 from lora_ppo.roles import POLICY, VALUE, RoleModel
 
@@ -38,15 +39,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def peak_memory_gb() -> float:
-    """Peak GPU memory allocated (GPU), or the process's peak resident memory (CPU), in GB."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 1e9
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
 @dataclass
@@ -412,8 +404,11 @@ class PPOTrainer:
     def evaluate(self) -> dict[str, float]:
         """Mean held-out score (and side metrics) with a fixed sampling seed."""
         r = self.recipe
+        rollout_cfg = r.rollout
+        if r.data.eval_batch_size is not None:
+            rollout_cfg = rollout_cfg.model_copy(update={"batch_size": r.data.eval_batch_size})
         return evaluate_prompts(
-            self.roles, self.tokenizer, self.eval_prompts.prompts, r.rollout, self.reward_fn,
+            self.roles, self.tokenizer, self.eval_prompts.prompts, rollout_cfg, self.reward_fn,
             self.side_metrics, r.data.chat_template, seed=r.train.seed,
         )
 
@@ -424,9 +419,11 @@ class PPOTrainer:
         k = r.rollout.samples_per_prompt
         # Each prompt k times in a row: group baselines (RLOO / GRPO) rely on the grouping.
         prompts = [p for p in self.stream.next_batch(r.rollout.batch_size // k) for _ in range(k)]
+        peaks = PhasePeaks()
         rollout = collect_rollout(
             self.roles, self.tokenizer, prompts, r.rollout, self.reward_fn, self.side_metrics,
             r.data.chat_template, with_values=r.uses_critic, with_reference=r.adapters.reference_enabled,
+            peaks=peaks,
         )
         mask = rollout.response_mask
         moments = self.score_moments
@@ -435,11 +432,12 @@ class PPOTrainer:
         bad = first_nonfinite(rollout, adv)
         t_update = time.perf_counter()
         if bad is None:
-            update = ppo_update(
-                self.roles, self.optimizer, self.scheduler, rollout, adv, r.ppo,
-                r.minibatch_size, r.micro_batch_size, r.rollout.temperature,
-                r.model.gradient_checkpointing, self.generator, kl_coef=self.kl_coef,
-            )
+            with peaks.phase("update"):
+                update = ppo_update(
+                    self.roles, self.optimizer, self.scheduler, rollout, adv, r.ppo,
+                    r.minibatch_size, r.micro_batch_size, r.rollout.temperature,
+                    r.model.gradient_checkpointing, self.generator, kl_coef=self.kl_coef,
+                )
             bad = update.pop("guard/quantity", None)
         else:
             # The whole update is skipped: the adapters, the optimizer and the running score
@@ -490,7 +488,9 @@ class PPOTrainer:
             "time/update": t_end - t_update,
             "time/step": t_end - t_start,
             "tokens_per_s": n_tokens / max(t_end - t_start, 1e-9),
-            "memory/peak_gb": peak_memory_gb(),
+            "memory/peak_gb": run_peak_gb(),
+            # Per phase: GPU max_memory_allocated, or the CPU process's peak resident memory.
+            **{f"memory/{name}_gb": gb for name, gb in peaks.peaks_gb.items()},
         }
         if r.uses_critic:
             metrics["value/explained_var"] = ppo_math.explained_variance(rollout.values, adv.returns, mask).item()
@@ -541,7 +541,7 @@ class PPOTrainer:
             **{f"heldout_{k}_after": v for k, v in after.items() if k != "score"},
             "final_kl": last.get("objective/kl"),
             "wall_time_s": time.perf_counter() - t0,
-            "peak_memory_gb": peak_memory_gb(),
+            "peak_memory_gb": run_peak_gb(),
             "output_dir": str(self.output_dir),
         }
         (self.output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2), encoding="utf-8")

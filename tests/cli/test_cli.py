@@ -103,8 +103,13 @@ def test_train_end_to_end_writes_every_output(tmp_path, tiny_model_dir):
         "objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl", "policy/clipfrac",
         "policy/entropy", "loss/policy", "loss/value", "value/explained_var", "time/generate",
         "time/score_forward", "time/update", "tokens_per_s", "memory/peak_gb",
+        "memory/generate_gb", "memory/score_gb", "memory/update_gb",
     ]:
         assert key in metrics[0], key
+    # Per-phase peaks are real resident memory: more than a process with torch loaded, each at
+    # most the run's overall peak.
+    for phase in ("generate", "score", "update"):
+        assert 0.1 < metrics[0][f"memory/{phase}_gb"] <= metrics[0]["memory/peak_gb"] + 1e-6
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert samples and {"step", "prompt", "completion", "score"} <= samples[0].keys()
     summary = json.loads((out / "summary.json").read_text())

@@ -1,0 +1,36 @@
+"""Per-phase peak memory in metrics.jsonl: each phase gets its own high-water mark, and the
+run-wide peak survives the per-phase resets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_ppo import memory
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU (resident memory) path")
+
+
+def _reset_supported() -> bool:
+    memory.reset_peak()
+    before = memory.peak_bytes()
+    x = torch.ones(50_000_000)  # 200 MB touched
+    x += 1
+    del x
+    memory.release_memory()
+    memory.reset_peak()
+    return memory.peak_bytes() < before + 100e6
+
+
+@pytest.mark.skipif(not _reset_supported(), reason="this kernel does not let a process reset its peak RSS")
+def test_a_transient_allocation_shows_in_its_own_phase_only():
+    peaks = memory.PhasePeaks()
+    with peaks.phase("big"):
+        x = torch.ones(75_000_000)  # 300 MB, touched, then freed inside the phase
+        x += 1
+        del x
+    with peaks.phase("small"):
+        torch.ones(1000).sum()
+    assert peaks.peaks_gb["big"] - peaks.peaks_gb["small"] > 0.25
+    # The run-wide peak still remembers the big phase after the reset for "small".
+    assert memory.run_peak_gb() >= peaks.peaks_gb["big"] - 1e-6
