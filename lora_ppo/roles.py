@@ -158,14 +158,26 @@ class RoleModel:
     @contextlib.contextmanager
     def gradient_checkpointing(self, enabled: bool) -> Iterator[None]:
         """Checkpoint decoder layers inside the block (for updates); generation keeps its KV cache."""
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
         base = self.peft.get_base_model()
         if not enabled or not base.supports_gradient_checkpointing:
             yield
             return
+        # transformers checkpoints a layer only while that layer is in training mode, and the
+        # model stays in eval mode here (no dropout: ratios must be exactly 1 before the first
+        # update). So the layers' own flag is set, not their children's: without this the
+        # setting silently did nothing (update peaks were identical with and without it).
+        layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
+        was_training = [m.training for m in layers]
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for layer in layers:
+            layer.training = True
         try:
             yield
         finally:
+            for layer, flag in zip(layers, was_training):
+                layer.training = flag
             base.gradient_checkpointing_disable()
 
     # ---- forwards ---------------------------------------------------------------------------
