@@ -38,6 +38,8 @@ def _quiet_libraries() -> None:
     # bitsandbytes warns at import that an optional hub-downloaded CPU kernel is missing;
     # it falls back to its own kernel, and the hub is off limits anyway.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # Offline, the hub client logs each retry; the one-line error at the end says it all.
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -97,6 +99,42 @@ def validate(recipe: Path = typer.Argument(..., help="YAML recipe file."),
     except RecipeError as err:
         _fail(str(err))
     typer.echo(recipe_to_yaml(cfg), nl=False)
+
+
+@app.command()
+def estimate(
+    recipe: Path = typer.Argument(..., help="YAML recipe file."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="Overrides like model.name=Qwen/Qwen2.5-7B."),
+    gpu_gb: Optional[float] = typer.Option(None, "--gpu-gb", help="Memory budget in GB: say whether it fits."),
+    device: str = typer.Option("cuda", "--device", help="cuda (bf16 compute by default) or cpu (fp32)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Predict peak memory per phase from the model config and the recipe (no weights loaded)."""
+    import json
+
+    from lora_ppo.config import load_recipe
+
+    if device not in ("cuda", "cpu"):
+        _fail(f"--device must be cuda or cpu, got {device!r}")
+    if gpu_gb is not None and gpu_gb <= 0:
+        _fail(f"--gpu-gb must be > 0, got {gpu_gb:g}")
+    try:
+        cfg = load_recipe(recipe, overrides or [])
+    except RecipeError as err:
+        _fail(str(err))
+    _quiet_libraries()
+    from lora_ppo import estimate as est_mod
+
+    try:
+        est = est_mod.estimate_recipe(cfg, device=device, budget_gb=gpu_gb)
+    except RecipeError as err:
+        _fail(str(err))
+    if as_json:
+        typer.echo(json.dumps(est_mod.as_json(est)))
+    else:
+        typer.echo(est_mod.format_estimate(est, cfg, device))
+    if est.fits is False:
+        raise typer.Exit(1)
 
 
 @app.command("merge-and-export")

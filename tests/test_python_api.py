@@ -48,3 +48,27 @@ def test_python_reward_callable_overrides_recipe(tmp_path, tiny_model_dir):
                                        ["train.steps=1", "train.eval=false"])
     lora_ppo.PPOTrainer(recipe, reward_fn=reward, progress=False).train()
     assert calls == [4]
+
+
+def test_eval_batch_size_sets_how_many_held_out_prompts_generate_at_once(tmp_path, tiny_model_dir, monkeypatch):
+    """data.eval_batch_size changes only the evaluation's generation batch, not training's."""
+    import lora_ppo.rollout as rollout_mod
+
+    batches = []
+    real = rollout_mod.sample_responses
+
+    def spy(roles, tokenizer, prompts, cfg, *args, **kwargs):
+        batches.append(len(prompts))
+        return real(roles, tokenizer, prompts, cfg, *args, **kwargs)
+
+    monkeypatch.setattr(rollout_mod, "sample_responses", spy)
+    d = tiny_recipe_dict(tiny_model_dir, tmp_path / "run")
+    d["data"] = {**d.get("data", {}), "eval_size": 6, "eval_batch_size": 6}
+    d["rollout"] = {**d.get("rollout", {}), "batch_size": 2}
+    d["ppo"] = {**d.get("ppo", {}), "num_minibatches": 1, "grad_accum_steps": 1}
+    trainer = lora_ppo.PPOTrainer(lora_ppo.recipe_from_dict(d), progress=False)
+    trainer.evaluate()
+    assert batches == [6]
+    batches.clear()
+    trainer.train_step()
+    assert batches == [2]

@@ -1,0 +1,58 @@
+"""The README's memory-plan table: what `lora-ppo estimate` predicts for common models on 8, 12,
+16 and 24 GB cards, at recipes/single_gpu_8b.yaml with only the model swapped. Reads the model
+configs saved in bench/model_configs/ (copied from the hub; no weights, no network).
+
+    python bench/estimate_table.py [--recipe recipes/single_gpu_8b.yaml] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MODELS = ["smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama-3.1-8b"]
+BUDGETS = [8, 12, 16, 24]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default=str(REPO / "recipes" / "single_gpu_8b.yaml"))
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    from lora_ppo import load_recipe
+    from lora_ppo.estimate import GB, estimate_recipe
+
+    rows = []
+    for name in MODELS:
+        folder = REPO / "bench" / "model_configs" / name
+        source = json.loads((folder / "config.json").read_text()).get("_source", name)
+        recipe = load_recipe(args.recipe, [f"model.name={folder}", *args.overrides])
+        row = {"model": source, "params_b": None, "phases_gb": None, "budgets": {}}
+        for budget in BUDGETS:
+            est = estimate_recipe(recipe, device="cuda", budget_gb=budget)
+            row["params_b"] = round(est.shape.total_params / 1e9, 2)
+            row["phases_gb"] = {k: round(v / GB, 2) for k, v in est.phases.items()}
+            row["budgets"][budget] = {"fits": est.fits, "largest_micro_batch": est.largest["micro_batch_size"]}
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print("| model | params | generate | score | update | " + " | ".join(f"{b} GB" for b in BUDGETS) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(BUDGETS))
+    for r in rows:
+        p = r["phases_gb"]
+        cells = [f"fits (micro-batch up to {v['largest_micro_batch']})" if v["fits"] else "no"
+                 for v in r["budgets"].values()]
+        print(f"| {r['model']} | {r['params_b']}B | {p['generate']} GB | {p['score']} GB | {p['update']} GB | "
+              + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

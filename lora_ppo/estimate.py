@@ -1,0 +1,364 @@
+"""Predict peak memory per phase of a recipe from the model's config alone (no weights loaded).
+
+The model is a decoder-only transformer (Llama/Qwen/Mistral shapes: attention with grouped
+KV heads, a gated MLP). Every term is counted in bytes:
+
+  static   = quantized linear weights + unquantized parts (embeddings, LM head, norms)
+             + adapters (policy, value, frozen reference) + AdamW state + value head
+             + reward model + a fixed runtime cost (CUDA context, or the Python process on CPU)
+  generate = static + KV cache + per-step logits + one dequantized weight + prefill activations
+  score    = static + one micro-batch forward (one layer live at a time) + a logits chunk
+  update   = static + adapter gradients + activations kept for backward (all layers, or only
+             layer inputs under gradient checkpointing) + a checkpointed logits chunk
+
+The activation constants were fitted to peaks measured on CPU (bench/memory_scaling.py); the
+README lists the check against measured peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from lora_ppo.config import Recipe
+from lora_ppo.errors import RecipeError
+from lora_ppo.logprobs import DEFAULT_CHUNK_TOKENS
+
+GB = 1e9
+PHASES = ("generate", "score", "update")
+
+# Bytes per quantized linear weight parameter. NF4 packs two weights per byte plus one absmax per
+# 64 weights: an fp32 absmax (+4/64), or with double quantization an 8-bit one with an fp32
+# scale per 256 blocks (+1/64 + 4/(64*256)). LLM.int8 stores one int8 per weight plus fp32
+# row statistics (negligible).
+FOUR_BIT_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}
+EIGHT_BIT_BYTES = 1.0
+# Trainable adapter parameters are kept in fp32 (PEFT upcasts them): weight + grad + 2 Adam moments.
+ADAPTER_WEIGHT_BYTES = 4
+ADAPTER_GRAD_BYTES = 4
+ADAM_BYTES = 8
+# Fixed cost beyond the tensors: the CUDA context and allocator slack on GPU; the Python process
+# with torch, transformers, peft and bitsandbytes imported on CPU (measured: see bench/README.md).
+RUNTIME_BYTES = {"cuda": 0.6 * GB, "cpu": 0.62 * GB}
+# Values kept for backward per token per decoder layer, in units of (hidden, intermediate, kv
+# width) elements: norms, q/k/v/o inputs and outputs, attention output, gate/up/act/product.
+ACT_HIDDEN_TERMS = 10
+ACT_INTERMEDIATE_TERMS = 4
+ACT_KV_TERMS = 2
+# The update's peak is a multiple of those saved values: while backward runs, the gradients of
+# the activations and the backward's temporaries (dequantized weights, allocator slack) come on
+# top. The saved values alone matched the terms above to 10% (counted with
+# torch.autograd.graph.saved_tensors_hooks on a 135M model); measured update peaks on CPU implied
+# 2.2-3.7x them (bench/memory_scaling.py, 30M-360M models), hence 3.
+BACKWARD_FACTOR = 3.0
+# Live values of a no-grad forward per token: the residual stream, one layer's MLP intermediates.
+FWD_HIDDEN_TERMS = 4
+FWD_INTERMEDIATE_TERMS = 3
+# fp32 [positions, vocab] tensors alive at once in a logits chunk: logits, softmax, log-softmax
+# (and their gradient under autograd).
+LOGIT_COPIES_NO_GRAD = 3
+LOGIT_COPIES_GRAD = 5
+# Generation keeps the step's logits, the processed scores and the sampling probabilities.
+GEN_LOGIT_COPIES = 3
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs from a causal LM's config."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "vocab_size") if getattr(text, k, None) is None]
+        if missing:
+            raise RecipeError(
+                f"model.name: config of type {type(text).__name__} lacks {', '.join(missing)}; "
+                "the estimate knows decoder-only transformers (Llama, Qwen, Mistral shapes)"
+            )
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(
+            hidden=text.hidden_size,
+            intermediate=text.intermediate_size,
+            layers=text.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab=text.vocab_size,
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear layer of one decoder layer."""
+        h, q, kv, i = self.hidden, self.q_width, self.kv_width, self.intermediate
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters in the decoder layers' linear layers (what bitsandbytes quantizes)."""
+        return self.layers * sum(a * b for a, b in self.linear_shapes().values())
+
+    @property
+    def unquantized_params(self) -> int:
+        """Embeddings, the LM head when untied, and the RMSNorm weights."""
+        embed = self.vocab * self.hidden
+        return embed * (1 if self.tied_embeddings else 2) + (2 * self.layers + 1) * self.hidden
+
+    @property
+    def total_params(self) -> int:
+        return self.linear_params + self.unquantized_params
+
+    def lora_params(self, r: int, target_modules) -> int:
+        shapes = self.linear_shapes()
+        names = shapes if target_modules == "all-linear" else [m for m in target_modules if m in shapes]
+        return self.layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in names)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per component and per phase, plus the largest batch sizes that fit a budget."""
+
+    shape: ModelShape
+    components: dict[str, float]
+    phases: dict[str, float]
+    budget_gb: Optional[float]
+    largest: dict[str, int]
+
+    @property
+    def peak(self) -> float:
+        return max(self.phases.values())
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.budget_gb is None else self.peak <= self.budget_gb * GB
+
+
+def _dtype_bytes(recipe: Recipe, device: str) -> int:
+    dtype = recipe.model.compute_dtype
+    if dtype == "auto":
+        return 2 if device == "cuda" else 4
+    return 4 if dtype == "float32" else 2
+
+
+def _weight_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int) -> float:
+    q = recipe.model.quantization
+    if q == "4bit":
+        linear = shape.linear_params * FOUR_BIT_BYTES[recipe.model.double_quant]
+    elif q == "8bit":
+        linear = shape.linear_params * EIGHT_BIT_BYTES
+    else:
+        linear = shape.linear_params * act_bytes
+    return linear + shape.unquantized_params * act_bytes
+
+
+def _adapter_params(shape: ModelShape, recipe: Recipe) -> tuple[int, int]:
+    """(trainable, frozen) LoRA parameter counts."""
+    ad = recipe.adapters
+    trainable = shape.lora_params(ad.policy.r, ad.policy.target_modules)
+    if recipe.uses_critic:
+        trainable += shape.lora_params(ad.value.r, ad.value.target_modules) + shape.hidden + 1
+    frozen = shape.lora_params(ad.policy.r, ad.policy.target_modules) if ad.reference_adapter_path else 0
+    return trainable, frozen
+
+
+def _reward_bytes(recipe: Recipe, reward_shape: Optional[ModelShape], act_bytes: int) -> float:
+    if recipe.reward.kind != "classifier" or reward_shape is None:
+        return 0.0  # vader, textblob, Python functions: negligible
+    return reward_shape.total_params * act_bytes
+
+
+def _dequantized_weight_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int) -> float:
+    """A quantized layer's weight is dequantized to the compute dtype for each matmul."""
+    if recipe.model.quantization == "none":
+        return 0.0
+    return max(a * b for a, b in shape.linear_shapes().values()) * act_bytes
+
+
+def _seq_len(recipe: Recipe) -> int:
+    return recipe.data.max_prompt_tokens + recipe.rollout.max_new_tokens
+
+
+def generate_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int) -> float:
+    """KV cache for the whole sequence, the step's vocabulary logits, one dequantized weight,
+    and prefill activations of one layer."""
+    tokens = batch * _seq_len(recipe)
+    kv = 2 * shape.layers * shape.kv_width * tokens * act_bytes
+    logits = GEN_LOGIT_COPIES * batch * shape.vocab * 4
+    dequant = _dequantized_weight_bytes(shape, recipe, act_bytes)
+    prefill = batch * recipe.data.max_prompt_tokens * (
+        FWD_HIDDEN_TERMS * shape.hidden + FWD_INTERMEDIATE_TERMS * shape.intermediate
+    ) * act_bytes
+    return kv + logits + dequant + prefill
+
+
+def score_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int) -> float:
+    tokens = rows * _seq_len(recipe)
+    layer = tokens * (FWD_HIDDEN_TERMS * shape.hidden + FWD_INTERMEDIATE_TERMS * shape.intermediate) * act_bytes
+    chunk = min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.max_new_tokens)
+    logits = LOGIT_COPIES_NO_GRAD * chunk * shape.vocab * 4
+    dequant = _dequantized_weight_bytes(shape, recipe, act_bytes)
+    return layer + logits + dequant
+
+
+def update_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int) -> float:
+    tokens = rows * _seq_len(recipe)
+    per_layer = tokens * (
+        ACT_HIDDEN_TERMS * shape.hidden + ACT_INTERMEDIATE_TERMS * shape.intermediate + ACT_KV_TERMS * shape.kv_width
+    ) * act_bytes
+    if recipe.model.gradient_checkpointing:
+        # Layer inputs stay; one layer's activations are rebuilt at a time during backward.
+        acts = shape.layers * tokens * shape.hidden * act_bytes + BACKWARD_FACTOR * per_layer
+    else:
+        acts = BACKWARD_FACTOR * shape.layers * per_layer
+    chunk = min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.max_new_tokens)
+    logits = LOGIT_COPIES_GRAD * chunk * shape.vocab * 4
+    dequant = _dequantized_weight_bytes(shape, recipe, act_bytes)
+    return acts + logits + dequant
+
+
+def estimate(
+    shape: ModelShape,
+    recipe: Recipe,
+    device: str = "cuda",
+    budget_gb: Optional[float] = None,
+    reward_shape: Optional[ModelShape] = None,
+) -> Estimate:
+    """Peak bytes per phase for `recipe` on a model of `shape`, on "cuda" or "cpu"."""
+    act = _dtype_bytes(recipe, device)
+    trainable, frozen = _adapter_params(shape, recipe)
+    components = {
+        "weights": _weight_bytes(shape, recipe, act),
+        "adapters": (trainable + frozen) * ADAPTER_WEIGHT_BYTES,
+        "optimizer": trainable * ADAM_BYTES,
+        "reward_model": _reward_bytes(recipe, reward_shape, act),
+        "runtime": RUNTIME_BYTES[device],
+    }
+    static = sum(components.values())
+    grads = trainable * ADAPTER_GRAD_BYTES
+    ro = recipe.rollout
+    phases = {
+        "generate": static + generate_bytes(shape, recipe, act, ro.batch_size),
+        "score": static + score_bytes(shape, recipe, act, min(ro.forward_batch_size, ro.batch_size)),
+        "update": static + grads + update_bytes(shape, recipe, act, recipe.micro_batch_size),
+    }
+    largest: dict[str, int] = {}
+    if budget_gb is not None:
+        room = budget_gb * GB - static
+
+        def biggest(cost) -> int:
+            n = 0
+            while n < 4096 and cost(n + 1) <= room:
+                n += 1
+            return n
+
+        largest = {
+            "rollout.batch_size": biggest(lambda n: generate_bytes(shape, recipe, act, n)),
+            "rollout.forward_batch_size": biggest(lambda n: score_bytes(shape, recipe, act, n)),
+            "micro_batch_size": biggest(lambda n: grads + update_bytes(shape, recipe, act, n)),
+        }
+    return Estimate(shape, components, phases, budget_gb, largest)
+
+
+def load_shape(name: str, trust_remote_code: bool = False) -> ModelShape:
+    """The config of a hub id, a local folder or a builtin model, without loading weights."""
+    from transformers import AutoConfig
+
+    from lora_ppo.model import BUILTIN_MODELS, BUILTIN_PREFIX, _find_packaged_gguf, cache_dir, resolve_model_path
+
+    try:
+        if name.startswith(BUILTIN_PREFIX):
+            key = name[len(BUILTIN_PREFIX):]
+            if key in BUILTIN_MODELS and not (cache_dir() / key / "config.json").is_file():
+                gguf = _find_packaged_gguf(*BUILTIN_MODELS[key])  # metadata only: no conversion
+                return ModelShape.from_config(AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
+        config = AutoConfig.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
+    except RecipeError:
+        raise
+    except Exception as err:  # noqa: BLE001 - hub/network/parse errors become one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RecipeError(f"model.name: cannot read the config of {name!r}: {first}") from None
+    return ModelShape.from_config(config)
+
+
+def estimate_recipe(recipe: Recipe, device: str = "cuda", budget_gb: Optional[float] = None) -> Estimate:
+    shape = load_shape(recipe.model.name, recipe.model.trust_remote_code)
+    reward_shape = None
+    if recipe.reward.kind == "classifier" and recipe.reward.model:
+        reward_shape = _classifier_shape(recipe.reward.model, recipe.model.trust_remote_code)
+    return estimate(shape, recipe, device, budget_gb, reward_shape)
+
+
+def _classifier_shape(name: str, trust_remote_code: bool) -> Optional[ModelShape]:
+    """Reward classifiers are often encoders (BERT-like): count their parameters the same way."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001
+        raise RecipeError(f"reward.model: cannot read the config of {name!r}: {str(err).strip().splitlines()[0]}") from None
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    inter = getattr(config, "intermediate_size", 4 * hidden)
+    heads = config.num_attention_heads
+    return ModelShape(hidden, inter, layers, heads, heads, hidden // heads, config.vocab_size, True)
+
+
+def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
+    s = est.shape
+    lines = [
+        f"model: {recipe.model.name}  ({s.total_params / 1e9:.2f}B parameters: {s.layers} layers, hidden {s.hidden}, "
+        f"vocab {s.vocab}), quantization {recipe.model.quantization}, on {device}",
+        f"recipe: batch {recipe.rollout.batch_size}, prompt <= {recipe.data.max_prompt_tokens} + "
+        f"{recipe.rollout.max_new_tokens} new tokens, scoring rows {min(recipe.rollout.forward_batch_size, recipe.rollout.batch_size)}, "
+        f"update micro-batch {recipe.micro_batch_size}, gradient checkpointing "
+        f"{'on' if recipe.model.gradient_checkpointing else 'off'}",
+        "",
+        "always resident:",
+    ]
+    for name, value in est.components.items():
+        lines.append(f"  {name:<14}{value / GB:8.2f} GB")
+    lines.append("peak per phase:")
+    for name in PHASES:
+        lines.append(f"  {name:<14}{est.phases[name] / GB:8.2f} GB")
+    lines.append(f"peak: {est.peak / GB:.2f} GB")
+    if est.budget_gb is not None:
+        verdict = "fits" if est.fits else "does NOT fit"
+        lines.append(f"{verdict} in {est.budget_gb:g} GB")
+        lines.append("largest sizes that fit (others as in the recipe): " + ", ".join(
+            f"{k} {v}" for k, v in est.largest.items()))
+    return "\n".join(lines)
+
+
+def as_json(est: Estimate) -> dict:
+    return {
+        "params": est.shape.total_params,
+        "components_gb": {k: round(v / GB, 3) for k, v in est.components.items()},
+        "phases_gb": {k: round(v / GB, 3) for k, v in est.phases.items()},
+        "peak_gb": round(est.peak / GB, 3),
+        "budget_gb": est.budget_gb,
+        "fits": est.fits,
+        "largest": est.largest,
+    }
+
+
+__all__ = ["ModelShape", "Estimate", "estimate", "estimate_recipe", "load_shape", "format_estimate", "as_json"]
