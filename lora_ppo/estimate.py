@@ -45,12 +45,19 @@ RUNTIME_BYTES = {"cuda": 0.6 * GB, "cpu": 0.62 * GB}
 ACT_HIDDEN_TERMS = 10
 ACT_INTERMEDIATE_TERMS = 4
 ACT_KV_TERMS = 2
-# The update's peak is a multiple of those saved values: while backward runs, the gradients of
-# the activations and the backward's temporaries (dequantized weights, allocator slack) come on
-# top. The saved values alone matched the terms above to 10% (counted with
-# torch.autograd.graph.saved_tensors_hooks on a 135M model); measured update peaks on CPU implied
-# 2.2-3.7x them (bench/memory_scaling.py, 30M-360M models), hence 3.
-BACKWARD_FACTOR = 3.0
+# The update's peak holds the saved values plus, while backward runs, the gradients of the
+# activations and the backward's temporaries: about twice the saved values. The saved values
+# alone matched the terms above to 10% (counted with torch.autograd.graph.saved_tensors_hooks on
+# a 135M model).
+BACKWARD_FACTOR = 2.0
+# On CPU the update's peak resident memory also grows with the base model: glibc keeps the
+# per-layer fp32 temporaries of backward (dequantized weights, weight-sized gradient buffers) as
+# heap it does not hand back within the phase. Fitted together with BACKWARD_FACTOR on 19
+# measured update peaks (bench/memory_scaling.py: 30M-360M models, 4bit/8bit/none, with and
+# without gradient checkpointing): half the fp32 size of the linear layers; the int8 backward
+# leaves about twice that (fitted on two sizes). GPU memory is counted as live tensors
+# (max_memory_allocated), which this slack is not.
+CPU_BACKWARD_SLACK = {"4bit": 0.5, "none": 0.5, "8bit": 1.0}
 # Live values of a no-grad forward per token: the residual stream, one layer's MLP intermediates.
 FWD_HIDDEN_TERMS = 4
 FWD_INTERMEDIATE_TERMS = 3
@@ -221,7 +228,7 @@ def score_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int) ->
     return layer + logits + dequant
 
 
-def update_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int) -> float:
+def update_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int, device: str = "cuda") -> float:
     tokens = rows * _seq_len(recipe)
     per_layer = tokens * (
         ACT_HIDDEN_TERMS * shape.hidden + ACT_INTERMEDIATE_TERMS * shape.intermediate + ACT_KV_TERMS * shape.kv_width
@@ -234,7 +241,8 @@ def update_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int) -
     chunk = min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.max_new_tokens)
     logits = LOGIT_COPIES_GRAD * chunk * shape.vocab * 4
     dequant = _dequantized_weight_bytes(shape, recipe, act_bytes)
-    return acts + logits + dequant
+    slack = CPU_BACKWARD_SLACK[recipe.model.quantization] * shape.linear_params * 4 if device == "cpu" else 0.0
+    return acts + logits + dequant + slack
 
 
 def estimate(
@@ -260,7 +268,7 @@ def estimate(
     phases = {
         "generate": static + generate_bytes(shape, recipe, act, ro.batch_size),
         "score": static + score_bytes(shape, recipe, act, min(ro.forward_batch_size, ro.batch_size)),
-        "update": static + grads + update_bytes(shape, recipe, act, recipe.micro_batch_size),
+        "update": static + grads + update_bytes(shape, recipe, act, recipe.micro_batch_size, device),
     }
     largest: dict[str, int] = {}
     if budget_gb is not None:
@@ -275,7 +283,7 @@ def estimate(
         largest = {
             "rollout.batch_size": biggest(lambda n: generate_bytes(shape, recipe, act, n)),
             "rollout.forward_batch_size": biggest(lambda n: score_bytes(shape, recipe, act, n)),
-            "micro_batch_size": biggest(lambda n: grads + update_bytes(shape, recipe, act, n)),
+            "micro_batch_size": biggest(lambda n: grads + update_bytes(shape, recipe, act, n, device)),
         }
     return Estimate(shape, components, phases, budget_gb, largest)
 

@@ -170,7 +170,10 @@ class RoleModel:
         # setting silently did nothing (update peaks were identical with and without it).
         layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
         was_training = [m.training for m in layers]
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2 name
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for layer in layers:
             layer.training = True
         try:
@@ -178,7 +181,10 @@ class RoleModel:
         finally:
             for layer, flag in zip(layers, was_training):
                 layer.training = flag
-            base.gradient_checkpointing_disable()
+            if hasattr(base, "activation_checkpointing_disable"):
+                base.activation_checkpointing_disable()
+            else:
+                base.gradient_checkpointing_disable()
 
     # ---- forwards ---------------------------------------------------------------------------
 
