@@ -103,6 +103,9 @@ class DataConfig(Section):
     # Responses generated at once when evaluating; null: rollout.batch_size. Generation on CPU
     # costs about the same per step for 16 or 32 rows, so a larger one evaluates faster.
     eval_batch_size: Optional[int] = Field(None, gt=0)
+    # Completions sampled per held-out prompt: the held-out mean is a mean over prompts of
+    # their samples' mean, so more samples lower the sampling noise of before/after scores.
+    eval_samples_per_prompt: int = Field(1, gt=0)
 
 
 class RolloutConfig(Section):
@@ -229,7 +232,7 @@ class Recipe(Section):
 RESUME_ALLOWED = frozenset({
     "train.steps", "train.log_every", "train.sample_every", "train.save_every", "train.keep_last",
     "train.eval", "train.overwrite", "train.max_consecutive_skips", "data.eval_size",
-    "data.eval_batch_size",
+    "data.eval_batch_size", "data.eval_samples_per_prompt",
 })
 
 

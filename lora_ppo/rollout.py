@@ -326,21 +326,35 @@ def evaluate_prompts(
     side_metrics: dict[str, RewardFn],
     chat_template: bool,
     seed: int,
+    samples_per_prompt: int = 1,
 ) -> dict[str, float]:
-    """Mean reward (and side scores) of policy samples on `prompts`.
+    """Mean reward (and side scores) of policy samples on `prompts`, and its standard error.
 
-    Sampling uses a fixed seed inside a forked RNG, so the same policy gets the same
-    completions and the training RNG stream is left untouched.
+    Each prompt is sampled `samples_per_prompt` times; the score is the mean over prompts of
+    each prompt's mean, and `score_se` its standard error across prompts (how far the mean
+    would move with other draws and other prompts like these). Sampling uses a fixed seed
+    inside a forked RNG, so the same policy gets the same completions and the training RNG
+    stream is left untouched.
     """
     device = roles.lm_head.weight.device
-    totals: dict[str, float] = {"score": 0.0, **{name: 0.0 for name in side_metrics}}
+    rows = [p for p in prompts for _ in range(samples_per_prompt)]
+    scores: dict[str, list[float]] = {"score": [], **{name: [] for name in side_metrics}}
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        for start in range(0, len(prompts), cfg.batch_size):
-            batch = list(prompts[start : start + cfg.batch_size])
+        for start in range(0, len(rows), cfg.batch_size):
+            batch = rows[start : start + cfg.batch_size]
             completions = sample_responses(roles, tokenizer, batch, cfg, chat_template).completions
-            totals["score"] += sum(score_completions(reward_fn, batch, completions))
+            scores["score"] += score_completions(reward_fn, batch, completions)
             for name, fn in side_metrics.items():
-                totals[name] += sum(score_completions(fn, batch, completions))
-    return {name: total / max(1, len(prompts)) for name, total in totals.items()}
+                scores[name] += score_completions(fn, batch, completions)
+    if not prompts:
+        return {name: 0.0 for name in scores} | {"score_se": 0.0}
+    per_prompt = {
+        name: torch.tensor(values, dtype=torch.float64).view(len(prompts), samples_per_prompt).mean(dim=1)
+        for name, values in scores.items()
+    }
+    result = {name: means.mean().item() for name, means in per_prompt.items()}
+    n = len(prompts)
+    result["score_se"] = (per_prompt["score"].std().item() / n**0.5) if n > 1 else 0.0
+    return result

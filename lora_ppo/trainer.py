@@ -410,6 +410,7 @@ class PPOTrainer:
         return evaluate_prompts(
             self.roles, self.tokenizer, self.eval_prompts.prompts, rollout_cfg, self.reward_fn,
             self.side_metrics, r.data.chat_template, seed=r.train.seed,
+            samples_per_prompt=r.data.eval_samples_per_prompt,
         )
 
     def train_step(self) -> tuple[dict[str, float], Rollout]:
@@ -537,8 +538,10 @@ class PPOTrainer:
             "steps": self.step,
             "heldout_score_before": before.get("score"),
             "heldout_score_after": after.get("score"),
-            **{f"heldout_{k}_before": v for k, v in before.items() if k != "score"},
-            **{f"heldout_{k}_after": v for k, v in after.items() if k != "score"},
+            "heldout_score_se_before": before.get("score_se"),
+            "heldout_score_se_after": after.get("score_se"),
+            **{f"heldout_{k}_before": v for k, v in before.items() if k not in ("score", "score_se")},
+            **{f"heldout_{k}_after": v for k, v in after.items() if k not in ("score", "score_se")},
             "final_kl": last.get("objective/kl"),
             "wall_time_s": time.perf_counter() - t0,
             "peak_memory_gb": run_peak_gb(),
@@ -596,11 +599,14 @@ def format_summary(summary: dict) -> str:
     def fmt(x):
         return "n/a" if x is None else f"{x:.3f}"
 
-    lines = [
-        f"held-out mean score: {fmt(summary.get('heldout_score_before'))} -> {fmt(summary.get('heldout_score_after'))}",
-    ]
+    def with_se(when: str) -> str:
+        se = summary.get(f"heldout_score_se_{when}")
+        return fmt(summary.get(f"heldout_score_{when}")) + ("" if se is None else f" (± {se:.3f})")
+
+    lines = [f"held-out mean score: {with_se('before')} -> {with_se('after')}"]
     for key in summary:
-        if key.startswith("heldout_") and key.endswith("_before") and key != "heldout_score_before":
+        if (key.startswith("heldout_") and key.endswith("_before")
+                and key not in ("heldout_score_before", "heldout_score_se_before")):
             name = key[len("heldout_") : -len("_before")]
             lines.append(f"held-out {name}: {fmt(summary[key])} -> {fmt(summary.get(f'heldout_{name}_after'))}")
     lines += [

@@ -72,3 +72,34 @@ def test_eval_batch_size_sets_how_many_held_out_prompts_generate_at_once(tmp_pat
     batches.clear()
     trainer.train_step()
     assert batches == [2]
+
+
+def test_eval_samples_per_prompt_averages_within_prompts_and_reports_standard_error(tmp_path, tiny_model_dir):
+    """Each held-out prompt is sampled eval_samples_per_prompt times; the score is the mean of
+    the prompts' means and score_se the standard error across prompts."""
+    seen = []
+
+    def reward(prompts, completions):
+        seen.extend(prompts)
+        return [float(len(p)) for p in prompts]  # depends on the prompt only: means known exactly
+
+    d = tiny_recipe_dict(tiny_model_dir, tmp_path / "run")
+    d["data"] = {**d["data"], "eval_size": 3, "eval_samples_per_prompt": 4, "eval_batch_size": 5}
+    trainer = lora_ppo.PPOTrainer(lora_ppo.recipe_from_dict(d), reward_fn=reward, progress=False)
+    prompts = trainer.eval_prompts.prompts
+    result = trainer.evaluate()
+    assert seen == [p for p in prompts for _ in range(4)]  # 12 rows, 4 of each, in batches of 5
+    lengths = torch.tensor([float(len(p)) for p in prompts], dtype=torch.float64)
+    assert abs(result["score"] - lengths.mean().item()) < 1e-9
+    assert abs(result["score_se"] - lengths.std().item() / 3**0.5) < 1e-9
+
+
+def test_summary_reports_heldout_standard_error(tmp_path, tiny_model_dir):
+    from lora_ppo.trainer import format_summary
+
+    recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run"), ["train.steps=1"])
+    summary = lora_ppo.PPOTrainer(recipe, progress=False).train()
+    assert summary["heldout_score_se_before"] > 0 and summary["heldout_score_se_after"] > 0
+    first = format_summary(summary).splitlines()[0]
+    assert f"(± {summary['heldout_score_se_before']:.3f})" in first
+    assert "score_se" not in format_summary(summary)
