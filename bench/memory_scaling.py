@@ -6,9 +6,18 @@ process; the second step's per-phase peaks are reported (the first one allocates
 state). Also prints what `lora-ppo estimate --device cpu` predicts for the same recipe, and the
 fitted slope of peak memory against base parameters. Run alone: it is CPU-heavy.
 
-    python bench/memory_scaling.py [--sizes 30m 70m 135m 360m 500m] [--quant 4bit 8bit none] [--no-checkpointing]
+    python bench/memory_scaling.py [--sizes 30m 70m 135m 360m 500m] [--quant 4bit 8bit none]
+                                   [--no-checkpointing] [--allocator default|strict]
 
 On CPU the peaks are the process's peak resident memory per phase (VmHWM, reset between phases).
+glibc's malloc keeps memory a phase has freed (transient dequantized weights, activations) in
+its heap, so with `--allocator default` a peak includes that retained memory, as a CPU user
+sees it. `--allocator strict` runs each point with MALLOC_MMAP_THRESHOLD_=65536: every
+allocation over 64 KiB gets its own mapping and goes back to the OS when freed, so the peak is
+the memory actually live at once (what `torch.cuda.max_memory_allocated` reports on a GPU),
+at about twice the run time. Each point also counts, exactly, the bytes of the base model's
+weights, of the adapters and value head, and of the AdamW state, so the slopes split into
+weights, trainable state and the rest (activations, allocator).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -36,34 +46,49 @@ PROMPT_WORDS = 24  # every prompt is the same length, so the estimate sees the r
 BATCH, NEW_TOKENS = 8, 16
 
 
-def build_model(size: str, folder: Path) -> None:
-    """Save a random-init Llama of `size` with the builtin SmolLM2 tokenizer (skip if present)."""
+def build_model(size: str, folder: Path, tokenizer_dir: Optional[str] = None, config_dir: Optional[str] = None) -> None:
+    """Save a random-init model (skip if present): a Llama of `size` from SIZES, or the shape of
+    `config_dir`'s config.json (saved in bf16, built on the GPU when there is one). The tokenizer
+    is the builtin SmolLM2 one unless `tokenizer_dir` names another (it must not be larger than
+    the model's vocabulary)."""
     if (folder / "config.json").is_file():
         return
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from lora_ppo.model import resolve_builtin
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_builtin("builtin:smollm2-135m-instruct"))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or resolve_builtin("builtin:smollm2-135m-instruct"))
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, max_position_embeddings=2048,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, **SIZES[size])
     staging = folder.with_name(folder.name + ".partial")
-    LlamaForCausalLM(config).save_pretrained(staging)
+    if config_dir is None:
+        config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, max_position_embeddings=2048,
+                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id, **SIZES[size])
+        LlamaForCausalLM(config).save_pretrained(staging)
+    else:
+        config = AutoConfig.from_pretrained(config_dir)
+        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(staging, max_shard_size="4GB")
+        del model
     tokenizer.save_pretrained(staging)
     staging.rename(folder)
 
 
 GRADIENT_CHECKPOINTING = "true"  # --no-checkpointing measures the update without it
+COMPUTE_DTYPE = "auto"  # --compute-dtype bfloat16: unquantized parts as on a GPU (fp32 on CPU otherwise)
+# glibc: a fixed mmap threshold (this also switches off its dynamic growth up to 32 MiB).
+STRICT_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def recipe_overrides(model_dir: Path, quant: str, prompts: Path, out: Path) -> list[str]:
     return [
         f"model.name={model_dir}", f"model.quantization={quant}",
-        f"model.gradient_checkpointing={GRADIENT_CHECKPOINTING}",
-        f"data.source={prompts}", "data.eval_size=0", f"data.max_prompt_tokens={PROMPT_WORDS + 8}",
+        f"model.gradient_checkpointing={GRADIENT_CHECKPOINTING}", f"model.compute_dtype={COMPUTE_DTYPE}",
+        "data.eval_size=0", "reward.also_log=[]", f"data.max_prompt_tokens={PROMPT_WORDS + 8}",
         f"rollout.batch_size={BATCH}", f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.stop_token=null",
         f"rollout.forward_batch_size={BATCH}", "ppo.num_epochs=1", "ppo.num_minibatches=2",
         "train.eval=false", f"train.output_dir={out}", "train.overwrite=true",
@@ -76,11 +101,15 @@ def measure_one(model_dir: Path, quant: str, prompts: Path, out: Path) -> dict:
 
     import lora_ppo
     from lora_ppo import memory
+    from lora_ppo.data import PromptStream
     from lora_ppo.estimate import as_json, estimate_recipe
 
     baseline = memory.resident_bytes()
     recipe = lora_ppo.load_recipe(REPO / "recipes" / "quickstart.yaml", recipe_overrides(model_dir, quant, prompts, out))
     trainer = lora_ppo.PPOTrainer(recipe, progress=False)
+    # Every prompt the same length, so the estimate sees the real sequence length.
+    trainer.train_prompts.prompts = prompts.read_text().splitlines()
+    trainer.stream = PromptStream(trainer.train_prompts.prompts, recipe.train.seed)
     prompt_tokens = max(len(trainer.tokenizer(p)["input_ids"]) for p in trainer.train_prompts.prompts)
     memory.release_memory()
     loaded = memory.resident_bytes()
@@ -88,36 +117,83 @@ def measure_one(model_dir: Path, quant: str, prompts: Path, out: Path) -> dict:
     trainer.train_step()
     metrics, _ = trainer.train_step()
     seconds = time.perf_counter() - t0
+    tensors = tensor_bytes(trainer)
     # The estimate for exactly this recipe, with the real prompt length.
     exact = lora_ppo.load_recipe(REPO / "recipes" / "quickstart.yaml",
                                  [*recipe_overrides(model_dir, quant, prompts, out), f"data.max_prompt_tokens={prompt_tokens}"])
-    predicted = as_json(estimate_recipe(exact, device="cpu"))
+    predicted = as_json(estimate_recipe(exact, device="cuda" if torch.cuda.is_available() else "cpu"))
     measured = {k.split("/")[1][: -len("_gb")]: round(v, 3) for k, v in metrics.items()
                 if k.startswith("memory/") and k.endswith("_gb") and k != "memory/peak_gb"}
     return {
         "params": predicted["params"],
         "quantization": quant,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "threads": torch.get_num_threads(),
         "prompt_tokens": prompt_tokens,
         "process_baseline_gb": round(baseline / 1e9, 3),
         "after_load_gb": round(loaded / 1e9, 3),
+        "tensors_gb": {k: round(v / 1e9, 4) for k, v in tensors.items()},
         "measured_gb": measured,
         "estimated_gb": {k: predicted["phases_gb"][k] for k in measured if k in predicted["phases_gb"]},
         "two_steps_s": round(seconds, 1),
     }
 
 
+def _storage_bytes(tensors, seen: set) -> int:
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def tensor_bytes(trainer) -> dict[str, int]:
+    """Exact bytes held by tensors, by kind: the base model's weights (4-bit packed data and its
+    quantization constants included), the adapters + value head, and the AdamW state."""
+    model = trainer.roles.peft
+    seen: set = set()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if trainer.roles.value_head is not None:
+        trainable += list(trainer.roles.value_head.parameters())
+    adapters = _storage_bytes(trainable + [p for n, p in model.named_parameters() if "lora_" in n], seen)
+    quant_constants = []
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None:
+            quant_constants += [state.absmax, state.code]
+            if state.state2 is not None:
+                quant_constants += [state.state2.absmax, state.state2.code]
+            if getattr(state, "offset", None) is not None:
+                quant_constants.append(state.offset)
+        for attr in ("SCB", "CB"):  # 8-bit row scales
+            value = getattr(getattr(module, "weight", None), attr, None)
+            if value is not None:
+                quant_constants.append(value)
+    base = _storage_bytes([*model.parameters(), *model.buffers(), *quant_constants], seen)
+    optimizer = _storage_bytes([v for state in trainer.optimizer.state.values()
+                                for v in state.values() if hasattr(v, "untyped_storage")], seen)
+    return {"base_weights": base, "adapters": adapters, "optimizer": optimizer}
+
+
 def fit_slope(rows: list[dict], quant: str) -> dict:
     """Least-squares fits of memory = fixed + slope * params: for the step's peak (max over
-    phases, activations included) and for what stays resident (the reward phase, where only
-    weights, adapters, optimizer state and the runtime are held)."""
+    phases, activations included), for what stays resident (the reward phase, where only
+    weights, adapters, optimizer state and the runtime are held), and for the exactly counted
+    tensor bytes of the base weights and of the trainable state (adapters, head, AdamW)."""
     ok = [r for r in rows if r.get("quantization") == quant and "measured_gb" in r]
     if len(ok) < 2:
         return {}
-    return {
+    fits = {
         "peak": _line([(r["params"], max(r["measured_gb"].values()) * 1e9) for r in ok]),
         "resident": _line([(r["params"], r["measured_gb"]["reward"] * 1e9) for r in ok]),
     }
+    if all("tensors_gb" in r for r in ok):
+        fits["base_weights"] = _line([(r["params"], r["tensors_gb"]["base_weights"] * 1e9) for r in ok])
+        fits["trainable_state"] = _line(
+            [(r["params"], (r["tensors_gb"]["adapters"] + r["tensors_gb"]["optimizer"]) * 1e9) for r in ok])
+    return fits
 
 
 def _line(pts: list[tuple[float, float]]) -> dict:
@@ -131,14 +207,22 @@ def _line(pts: list[tuple[float, float]]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--configs", nargs="*", default=[],
+                        help="also folders holding a config.json (e.g. bench/model_configs/qwen2.5-7b): random-init models of those shapes")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder for the random models (default: the builtin SmolLM2 one)")
     parser.add_argument("--quant", nargs="+", default=["4bit", "8bit", "none"], choices=["4bit", "8bit", "none"])
     parser.add_argument("--work", default="/tmp/lora_ppo_bench_memory", help="where the random models are saved")
     parser.add_argument("--no-checkpointing", action="store_true", help="update without gradient checkpointing")
+    parser.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="dtype of compute and of the unquantized parts (auto: float32 on CPU)")
+    parser.add_argument("--allocator", choices=["default", "strict"], default="default",
+                        help="strict: glibc returns every allocation over 64 KiB at once (peak = live memory)")
     parser.add_argument("--one", nargs=2, metavar=("SIZE", "QUANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global GRADIENT_CHECKPOINTING
+    global GRADIENT_CHECKPOINTING, COMPUTE_DTYPE
     GRADIENT_CHECKPOINTING = "false" if args.no_checkpointing else "true"
+    COMPUTE_DTYPE = args.compute_dtype
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     prompts = work / "prompts.txt"
@@ -150,13 +234,16 @@ def main() -> None:
         return
 
     rows = []
-    for size in args.sizes:
-        build_model(size, work / size)
+    points = [(size, None) for size in args.sizes] + [(Path(c).name, c) for c in args.configs]
+    for size, config_dir in points:
+        build_model(size, work / size, args.tokenizer, config_dir)
         for quant in args.quant:
             # A fresh process per point: peak RSS of one configuration must not include another's.
             flags = ["--no-checkpointing"] if args.no_checkpointing else []
+            flags += ["--compute-dtype", args.compute_dtype]
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", **(STRICT_ALLOCATOR_ENV if args.allocator == "strict" else {})}
             proc = subprocess.run([sys.executable, __file__, "--work", str(work), *flags, "--one", size, quant],
-                                  capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                  capture_output=True, text=True, env=env)
             if proc.returncode != 0:
                 last = (proc.stderr.strip().splitlines() or ["?"])[-1]
                 row = {"size": size, "quantization": quant, "error": last}
@@ -166,6 +253,7 @@ def main() -> None:
             rows.append(row)
     slopes = {q: fit_slope(rows, q) for q in args.quant}
     print(json.dumps({"batch": BATCH, "new_tokens": NEW_TOKENS, "gradient_checkpointing": not args.no_checkpointing,
+                      "allocator": args.allocator, "compute_dtype": args.compute_dtype,
                       "rows": rows, "slopes": slopes}, indent=2))
 
 

@@ -1,0 +1,169 @@
+"""GPU check of the memory claim: PPO steps of a real-size model inside a capped GPU budget.
+
+Builds a random-init model from a `config.json` (default: Llama-3.1-8B's shape, in
+`model_configs/`; no weights are downloaded, the memory is the same as the real model's),
+saves it in bf16, then loads it through lora_ppo's own path in 4-bit and runs PPO steps of a
+recipe (default `recipes/single_gpu_8b.yaml`) with the process's CUDA allocator capped so that
+the whole process, CUDA context included, stays within `--gpu-gb`: an allocation beyond it
+raises out-of-memory. Responses are forced to full length (no stop token) and prompts are
+as long as `data.max_prompt_tokens` allows, the worst case the estimate plans for. Prints one
+JSON object: per-phase peaks (`torch.cuda.max_memory_allocated`, reset per phase), the
+allocator's reserved peak, the CUDA context, seconds per phase, and `lora-ppo estimate`'s
+prediction for the same recipe.
+
+    python bench/gpu_memory_check.py [--config bench/model_configs/llama-3.1-8b] [--tokenizer DIR]
+                                     [--gpu-gb 12] [--steps 2] [overrides ...]
+
+Needs a CUDA GPU with room for the bf16 model while it is built (16 GB for 8B; the cap applies
+only once it is saved) and disk for the saved copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+GB = 1e9
+
+
+def build_random_model(config_dir: Path, tokenizer_dir: str, folder: Path) -> None:
+    """Random-init weights of `config_dir`'s shape, saved in bf16 with the given tokenizer."""
+    if (folder / "config.json").is_file():
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(config_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if len(tokenizer) > config.vocab_size:
+        raise SystemExit(f"tokenizer has {len(tokenizer)} tokens, the model only {config.vocab_size}")
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    staging = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(staging, max_shard_size="4GB")
+    tokenizer.save_pretrained(staging)
+    staging.rename(folder)
+    del model
+    torch.cuda.empty_cache()
+
+
+def long_prompts(tokenizer, max_tokens: int, chat_template: bool, n: int = 64) -> tuple[list[str], int]:
+    """Prompts of one repeated word, as long as `max_tokens` allows (with the chat template if used)."""
+    def length(text: str) -> int:
+        if chat_template:
+            return len(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                     add_generation_prompt=True, return_dict=False))
+        return len(tokenizer(text)["input_ids"])
+
+    words = max_tokens
+    while words > 1 and length(" ".join(["the"] * words)) > max_tokens:
+        words -= 1
+    text = " ".join(["the"] * words)
+    return [text] * n, length(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "bench" / "model_configs" / "llama-3.1-8b"))
+    parser.add_argument("--tokenizer", required=True, help="a tokenizer folder (any tokenizer smaller than the vocabulary)")
+    parser.add_argument("--recipe", default=str(REPO / "recipes" / "single_gpu_8b.yaml"))
+    parser.add_argument("--gpu-gb", type=float, default=12.0)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--work", default="/tmp/lora_ppo_gpu_check")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    import torch
+
+    import lora_ppo
+    from lora_ppo.estimate import as_json, estimate_recipe
+
+    from lora_ppo import memory
+    from lora_ppo.data import PromptStream
+
+    cuda = torch.cuda.is_available()  # without one it runs as a smoke test of itself, uncapped
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = work / Path(args.config).name
+    t0 = time.perf_counter()
+    build_random_model(Path(args.config), args.tokenizer, model_dir)
+    build_s = time.perf_counter() - t0
+
+    # The CUDA context (and whatever else the driver holds for this process) counts against a
+    # real card but not against the allocator: measure it and cap the allocator at the rest.
+    context = cap = 0.0
+    reserved_peak = [0]
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        context = total - free - torch.cuda.memory_reserved()
+        cap = args.gpu_gb * GB - context
+        torch.cuda.set_per_process_memory_fraction(cap / total)
+        torch.cuda.reset_peak_memory_stats()
+        # Phases reset the CUDA peak counters; keep the largest reserved peak across them.
+        real_reset = memory.reset_peak
+
+        def reset_peak_keeping_reserved() -> None:
+            reserved_peak[0] = max(reserved_peak[0], torch.cuda.max_memory_reserved())
+            real_reset()
+
+        memory.reset_peak = reset_peak_keeping_reserved
+
+    from transformers import AutoTokenizer
+
+    base = lora_ppo.load_recipe(args.recipe, [f"model.name={model_dir}", *args.overrides])
+    prompts, prompt_tokens = long_prompts(AutoTokenizer.from_pretrained(model_dir), base.data.max_prompt_tokens,
+                                          base.data.chat_template)
+    overrides = [f"model.name={model_dir}", "data.eval_source=null", "data.eval_size=0", "train.eval=false",
+                 "rollout.stop_token=null", f"train.output_dir={work / 'run'}", "train.overwrite=true", *args.overrides]
+    recipe = lora_ppo.load_recipe(args.recipe, overrides)
+    exact = lora_ppo.load_recipe(args.recipe, [*overrides, f"data.max_prompt_tokens={prompt_tokens}"])
+    predicted = as_json(estimate_recipe(exact, device="cuda" if cuda else "cpu", budget_gb=args.gpu_gb))
+    t1 = time.perf_counter()
+    steps, error = [], None
+    try:
+        trainer = lora_ppo.PPOTrainer(recipe, progress=False)
+        # The longest prompts the recipe admits, in place of the builtin short ones.
+        trainer.stream = PromptStream(prompts, recipe.train.seed)
+        load_s = time.perf_counter() - t1
+        after_load = torch.cuda.memory_allocated() if cuda else memory.resident_bytes()
+        load_peak = torch.cuda.max_memory_allocated() if cuda else memory.resident_bytes("VmHWM")
+        for _ in range(args.steps):
+            metrics, _rollout = trainer.train_step()
+            steps.append({k: round(v, 3) for k, v in metrics.items()
+                          if k.startswith(("memory/", "time/", "tokens_per_s"))})
+            print(json.dumps(steps[-1]), file=sys.stderr, flush=True)
+    except torch.OutOfMemoryError as err:  # did not fit under the cap: say where
+        error = f"out of memory after {len(steps)} step(s): {str(err).splitlines()[0]}"
+        load_s = after_load = load_peak = float("nan")
+    if cuda:
+        reserved_peak[0] = max(reserved_peak[0], torch.cuda.max_memory_reserved())
+    print(json.dumps({
+        "fits": error is None, "error": error,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "config": args.config, "recipe": args.recipe, "overrides": args.overrides,
+        "params": predicted["params"], "prompt_tokens": prompt_tokens,
+        "max_new_tokens": recipe.rollout.max_new_tokens, "batch": recipe.rollout.batch_size,
+        "micro_batch": recipe.micro_batch_size,
+        "gpu_gb_budget": args.gpu_gb, "cuda_context_gb": round(context / GB, 3),
+        "allocator_cap_gb": round(cap / GB, 3),
+        "after_load_gb": round(after_load / GB, 3), "load_peak_gb": round(load_peak / GB, 3),
+        "max_allocated_gb": round(memory.run_peak_gb(), 3),
+        "max_reserved_gb": round(reserved_peak[0] / GB, 3),
+        "process_peak_gb": round((reserved_peak[0] + context) / GB, 3),
+        "steps": steps,
+        "estimated": predicted,
+        "build_s": round(build_s, 1), "load_s": round(load_s, 1),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

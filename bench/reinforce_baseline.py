@@ -1,0 +1,83 @@
+"""The issue's yardstick: a plain REINFORCE loop on the quickstart task, for comparison with PPO.
+
+Same 4-bit SmolLM2-135M-Instruct, same policy LoRA, same prompts, batch, sampling settings and
+held-out evaluation as `recipes/quickstart.yaml`; no critic, no KL, no clipping, one gradient
+step per batch: loss = -(score - batch mean score) * sum of the response's logprobs, averaged
+over tokens. It runs for a wall-clock budget (default 6 minutes, the budget the yardstick was
+quoted with) and evaluates the held-out prompts before and after. Prints one JSON object; run
+alone (CPU-heavy).
+
+    python bench/reinforce_baseline.py [--budget-s 360] [--lr 1e-3] [overrides of the quickstart recipe ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default=str(REPO / "recipes" / "quickstart.yaml"))
+    parser.add_argument("--budget-s", type=float, default=360.0, help="training wall time (evaluation excluded)")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: the recipe's ppo.learning_rate)")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. data.eval_samples_per_prompt=4")
+    args = parser.parse_args()
+
+    import torch
+
+    import lora_ppo
+    from lora_ppo.rewards import score_completions
+    from lora_ppo.rollout import sample_responses
+
+    recipe = lora_ppo.load_recipe(args.recipe, ["train.output_dir=runs/bench-reinforce", "train.overwrite=true",
+                                                *args.overrides])
+    trainer = lora_ppo.PPOTrainer(recipe, progress=False)  # for its model, prompts, reward and evaluation
+    roles, cfg = trainer.roles, recipe.rollout
+    optimizer = torch.optim.AdamW(roles.policy_parameters(), lr=args.lr or recipe.ppo.learning_rate,
+                                  weight_decay=0.0, eps=1e-5)
+    before = trainer.evaluate()
+    t0 = time.perf_counter()
+    steps, curve = 0, []
+    while time.perf_counter() - t0 < args.budget_s:
+        prompts = trainer.stream.next_batch(cfg.batch_size)
+        with roles.as_role("policy"):
+            samples = sample_responses(roles, trainer.tokenizer, prompts, cfg, recipe.data.chat_template)
+        scores = torch.tensor(score_completions(trainer.reward_fn, prompts, samples.completions))
+        advantage = scores - scores.mean()
+        input_ids = torch.cat([samples.query_ids, samples.response_ids], dim=1)
+        attention_mask = torch.cat([samples.query_mask, samples.response_mask.long()], dim=1)
+        mask = samples.response_mask.float()
+        with roles.as_role("policy"):
+            logprobs, _ = roles.response_logprobs(input_ids, attention_mask, samples.query_ids.shape[1],
+                                                  cfg.temperature)
+        loss = -(advantage[:, None] * logprobs * mask).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(roles.policy_parameters(), recipe.ppo.max_grad_norm)
+        optimizer.step()
+        steps += 1
+        curve.append(round(scores.mean().item(), 3))
+        print(json.dumps({"step": steps, "score": curve[-1], "elapsed_s": round(time.perf_counter() - t0, 1)}),
+              file=sys.stderr, flush=True)
+    train_s = time.perf_counter() - t0
+    after = trainer.evaluate()
+    print(json.dumps({
+        "algorithm": "reinforce (batch-mean baseline, no KL, one step per batch)",
+        "steps": steps, "train_wall_s": round(train_s, 1), "learning_rate": optimizer.param_groups[0]["lr"],
+        "heldout_score_before": round(before["score"], 4), "heldout_score_se_before": round(before["score_se"], 4),
+        "heldout_score_after": round(after["score"], 4), "heldout_score_se_after": round(after["score_se"], 4),
+        **{f"heldout_{k}_before": round(v, 4) for k, v in before.items() if k not in ("score", "score_se")},
+        **{f"heldout_{k}_after": round(v, 4) for k, v in after.items() if k not in ("score", "score_se")},
+        "batch_scores": curve,
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
