@@ -32,6 +32,11 @@ class ModelConfig(Section):
     # Recompute decoder activations during the update (never during generation): the update's
     # activation memory drops to the layer inputs. The quickstart's 135M model turns it off for speed.
     gradient_checkpointing: bool = True
+    # Dequantize the 4-bit layers once per PPO step (and per evaluation) and compute with that
+    # copy, instead of dequantizing in every forward and backward pass. Same numbers, about 25%
+    # faster steps on CPU, but the layers are held unquantized in the compute dtype during the
+    # step: worth it for small models on CPU, never for a large model on a GPU.
+    dequantize_per_step: bool = False
     trust_remote_code: bool = False
 
 
@@ -205,6 +210,10 @@ class Recipe(Section):
             raise ValueError(
                 f"ppo.advantage_estimator {self.ppo.advantage_estimator!r} needs rollout.samples_per_prompt >= 2 (got {k})"
             )
+        if self.model.dequantize_per_step and self.model.quantization != "4bit":
+            raise ValueError(
+                f"model.dequantize_per_step: needs model.quantization 4bit (got {self.model.quantization!r})"
+            )
         parts = self.ppo.num_minibatches * self.ppo.grad_accum_steps
         if self.rollout.batch_size % parts:
             raise ValueError(
@@ -232,7 +241,7 @@ class Recipe(Section):
 RESUME_ALLOWED = frozenset({
     "train.steps", "train.log_every", "train.sample_every", "train.save_every", "train.keep_last",
     "train.eval", "train.overwrite", "train.max_consecutive_skips", "data.eval_size",
-    "data.eval_batch_size", "data.eval_samples_per_prompt",
+    "data.eval_batch_size", "data.eval_samples_per_prompt", "model.dequantize_per_step",
 })
 
 

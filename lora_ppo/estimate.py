@@ -196,9 +196,12 @@ def _reward_bytes(recipe: Recipe, reward_shape: Optional[ModelShape], act_bytes:
 
 
 def _dequantized_weight_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int) -> float:
-    """A quantized layer's weight is dequantized to the compute dtype for each matmul."""
+    """A quantized layer's weight is dequantized to the compute dtype for each matmul; with
+    `model.dequantize_per_step` every linear layer is held dequantized through the step."""
     if recipe.model.quantization == "none":
         return 0.0
+    if recipe.model.dequantize_per_step:
+        return shape.linear_params * act_bytes
     return max(a * b for a, b in shape.linear_shapes().values()) * act_bytes
 
 
@@ -241,7 +244,10 @@ def update_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int, d
     chunk = min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.max_new_tokens)
     logits = LOGIT_COPIES_GRAD * chunk * shape.vocab * 4
     dequant = _dequantized_weight_bytes(shape, recipe, act_bytes)
-    slack = CPU_BACKWARD_SLACK[recipe.model.quantization] * shape.linear_params * 4 if device == "cpu" else 0.0
+    # The CPU allocator keeps the weights dequantized per pass during backward; with one
+    # dequantized copy per step there are none.
+    per_pass = not recipe.model.dequantize_per_step
+    slack = CPU_BACKWARD_SLACK[recipe.model.quantization] * shape.linear_params * 4 if device == "cpu" and per_pass else 0.0
     return acts + logits + dequant + slack
 
 

@@ -9,7 +9,7 @@ import logging
 import random
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -21,6 +21,7 @@ from lora_ppo.config import PPOConfig, Recipe, recipe_to_yaml, resume_difference
 from lora_ppo.data import PromptStream, count_summary, load_prompt_sets
 from lora_ppo.errors import RecipeError
 from lora_ppo.memory import PhasePeaks, run_peak_gb
+from lora_ppo.model import compute_dtype, dequantized_4bit_layers
 from lora_ppo.rollout import Rollout, collect_rollout, evaluate_prompts
 from lora_ppo.roles import POLICY, VALUE, RoleModel
 
@@ -407,14 +408,25 @@ class PPOTrainer:
         rollout_cfg = r.rollout
         if r.data.eval_batch_size is not None:
             rollout_cfg = rollout_cfg.model_copy(update={"batch_size": r.data.eval_batch_size})
-        return evaluate_prompts(
-            self.roles, self.tokenizer, self.eval_prompts.prompts, rollout_cfg, self.reward_fn,
-            self.side_metrics, r.data.chat_template, seed=r.train.seed,
-            samples_per_prompt=r.data.eval_samples_per_prompt,
-        )
+        with self._dequantized_once():
+            return evaluate_prompts(
+                self.roles, self.tokenizer, self.eval_prompts.prompts, rollout_cfg, self.reward_fn,
+                self.side_metrics, r.data.chat_template, seed=r.train.seed,
+                samples_per_prompt=r.data.eval_samples_per_prompt,
+            )
+
+    def _dequantized_once(self):
+        """With `model.dequantize_per_step`, the 4-bit layers dequantized once for the duration."""
+        if not self.recipe.model.dequantize_per_step:
+            return nullcontext()
+        return dequantized_4bit_layers(self.roles.peft, compute_dtype(self.recipe.model))
 
     def train_step(self) -> tuple[dict[str, float], Rollout]:
         """One PPO iteration: rollout, advantages, update. Returns (metrics, rollout)."""
+        with self._dequantized_once():
+            return self._train_step()
+
+    def _train_step(self) -> tuple[dict[str, float], Rollout]:
         r = self.recipe
         t_start = time.perf_counter()
         k = r.rollout.samples_per_prompt

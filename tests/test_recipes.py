@@ -47,6 +47,7 @@ def test_reference_resolution():
     ({"train": {"output_dir": 3}}, "train.output_dir"),
     ({"reward": {"kind": "function", "function": "no_colon"}}, "module:function"),
     ({"model": "x"}, "model"),
+    ({"model": {"quantization": "none", "dequantize_per_step": True}}, "model.dequantize_per_step"),
 ])
 def test_errors_name_the_field(data, field):
     with pytest.raises(RecipeError) as err:

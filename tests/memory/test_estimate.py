@@ -74,6 +74,21 @@ def test_gradient_checkpointing_keeps_only_layer_inputs():
     assert off - on == pytest.approx(k * 2 * per_layer - (2 * tokens * 64 * 4 + k * per_layer))
 
 
+def test_dequantize_per_step_holds_every_linear_layer_unquantized():
+    """Per pass, one dequantized weight at a time (the largest, 64x128); with
+    model.dequantize_per_step all 73728 linear weights in the compute dtype, in every phase,
+    and no CPU backward term for per-pass copies."""
+    base = _recipe(data={"max_prompt_tokens": 10}, rollout={"max_new_tokens": 6})
+    held = _recipe(data={"max_prompt_tokens": 10}, rollout={"max_new_tokens": 6}, model={"dequantize_per_step": True})
+    extra = (73728 - 64 * 128) * 4
+    assert est.generate_bytes(TINY, held, 4, 2) - est.generate_bytes(TINY, base, 4, 2) == pytest.approx(extra)
+    assert est.score_bytes(TINY, held, 4, 2) - est.score_bytes(TINY, base, 4, 2) == pytest.approx(extra)
+    slack = est.CPU_BACKWARD_SLACK["4bit"] * 73728 * 4
+    cpu_gap = est.update_bytes(TINY, held, 4, 2, "cpu") - est.update_bytes(TINY, base, 4, 2, "cpu")
+    assert cpu_gap == pytest.approx(extra - slack)
+    assert est.update_bytes(TINY, held, 4, 2, "cuda") - est.update_bytes(TINY, base, 4, 2, "cuda") == pytest.approx(extra)
+
+
 def test_largest_sizes_fit_and_one_more_does_not():
     r = _recipe()
     e = est.estimate(TINY, r, device="cuda", budget_gb=0.62)

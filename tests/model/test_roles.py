@@ -53,6 +53,12 @@ def _batch(tokenizer, prompts, response_len=5, seed=0):
     return ids, mask, enc["input_ids"].shape[1]
 
 
+def _bnb_4bit_layers(roles) -> list:
+    import bitsandbytes as bnb
+
+    return [m for m in roles.peft.modules() if isinstance(m, bnb.nn.Linear4bit)]
+
+
 def _is_4bit(roles) -> bool:
     import bitsandbytes as bnb
 
@@ -241,3 +247,46 @@ def test_init_from_adapter_becomes_frozen_reference(roles, model_cfg, tokenizer,
             pol_after, _ = started.response_logprobs(ids, mask, start, 1.0)
     torch.testing.assert_close(ref_after, sft_lp, atol=ATOL, rtol=1e-5)
     assert (pol_after - sft_lp).abs().max() > 1e-3
+
+
+def test_dequantized_once_gives_same_logprobs_values_and_gradients(roles, tokenizer):
+    # model.dequantize_per_step computes each 4-bit layer from one dequantized copy: what
+    # bitsandbytes computes per pass, so logprobs, values and adapter gradients must not move.
+    from lora_ppo.model import dequantized_4bit_layers
+
+    ids, mask, start = _batch(tokenizer, ["This movie was", "The acting in the remake"])
+
+    def run():
+        for p in roles.policy_parameters() + roles.value_parameters():
+            p.grad = None
+        with roles.as_role(POLICY):
+            lp, ent = roles.response_logprobs(ids, mask, start, 0.7)
+            lp.sum().backward()
+        with roles.as_role(VALUE):
+            values = roles.values(ids, mask, start)
+            values.sum().backward()
+        grads = [p.grad.clone() for p in roles.policy_parameters() + roles.value_parameters()]
+        return lp.detach(), ent.detach(), values.detach(), grads
+
+    plain = run()
+    with dequantized_4bit_layers(roles.peft, torch.float32) as held_bytes:
+        assert held_bytes > 0
+        assert all("forward" in vars(m) for m in _bnb_4bit_layers(roles))
+        cached = run()
+    for a, b in zip(plain[:3], cached[:3]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(plain[3], cached[3]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    # On exit every layer computes from its 4 bits again, and the base is unchanged.
+    assert _is_4bit(roles)
+    assert not any("forward" in vars(m) for m in _bnb_4bit_layers(roles))
+    torch.testing.assert_close(run()[0], plain[0], atol=0, rtol=0)
+
+
+def test_dequantized_once_is_undone_after_an_error(roles):
+    from lora_ppo.model import dequantized_4bit_layers
+
+    with pytest.raises(KeyboardInterrupt):
+        with dequantized_4bit_layers(roles.peft, torch.float32):
+            raise KeyboardInterrupt
+    assert not any("forward" in vars(m) for m in _bnb_4bit_layers(roles))
