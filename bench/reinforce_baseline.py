@@ -33,40 +33,26 @@ def main() -> None:
     import torch
 
     import lora_ppo
-    from lora_ppo.rewards import score_completions
-    from lora_ppo.rollout import sample_responses
 
     recipe = lora_ppo.load_recipe(args.recipe, ["train.output_dir=runs/bench-reinforce", "train.overwrite=true",
                                                 *args.overrides])
     trainer = lora_ppo.PPOTrainer(recipe, progress=False)  # for its model, prompts, reward and evaluation
-    roles, cfg = trainer.roles, recipe.rollout
-    optimizer = torch.optim.AdamW(roles.policy_parameters(), lr=args.lr or recipe.ppo.learning_rate,
+    optimizer = torch.optim.AdamW(trainer.roles.policy_parameters(), lr=args.lr or recipe.ppo.learning_rate,
                                   weight_decay=0.0, eps=1e-5)
     before = trainer.evaluate()
     t0 = time.perf_counter()
-    steps, curve = 0, []
+    steps, curve, kl_curve = 0, [], []
     while time.perf_counter() - t0 < args.budget_s:
-        prompts = trainer.stream.next_batch(cfg.batch_size)
-        with roles.as_role("policy"):
-            samples = sample_responses(roles, trainer.tokenizer, prompts, cfg, recipe.data.chat_template)
-        scores = torch.tensor(score_completions(trainer.reward_fn, prompts, samples.completions))
-        advantage = scores - scores.mean()
-        input_ids = torch.cat([samples.query_ids, samples.response_ids], dim=1)
-        attention_mask = torch.cat([samples.query_mask, samples.response_mask.long()], dim=1)
-        mask = samples.response_mask.float()
-        with roles.as_role("policy"):
-            logprobs, _ = roles.response_logprobs(input_ids, attention_mask, samples.query_ids.shape[1],
-                                                  cfg.temperature)
-        loss = -(advantage[:, None] * logprobs * mask).sum() / mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(roles.policy_parameters(), recipe.ppo.max_grad_norm)
-        optimizer.step()
+        # The recipe's model.dequantize_per_step, as the PPO trainer applies it to each step.
+        with dequantized(trainer, recipe):
+            prompts, samples, scores, kl = reinforce_step(trainer, recipe, optimizer)
+        t0 += kl["measure_s"]  # measuring the KL is not training: kept out of the budget
         steps += 1
         curve.append(round(scores.mean().item(), 3))
-        print(json.dumps({"step": steps, "score": curve[-1], "elapsed_s": round(time.perf_counter() - t0, 1)}),
-              file=sys.stderr, flush=True)
-    train_s = time.perf_counter() - t0
+        kl_curve.append(round(kl["kl"], 3))
+        print(json.dumps({"step": steps, "score": curve[-1], "kl": kl_curve[-1],
+                          "elapsed_s": round(time.perf_counter() - t0, 1)}), file=sys.stderr, flush=True)
+    train_s = time.perf_counter() - t0  # training time only (KL measurement excluded)
     after = trainer.evaluate()
     print(json.dumps({
         "algorithm": "reinforce (batch-mean baseline, no KL, one step per batch)",
@@ -75,8 +61,54 @@ def main() -> None:
         "heldout_score_after": round(after["score"], 4), "heldout_score_se_after": round(after["score_se"], 4),
         **{f"heldout_{k}_before": round(v, 4) for k, v in before.items() if k not in ("score", "score_se")},
         **{f"heldout_{k}_after": round(v, 4) for k, v in after.items() if k not in ("score", "score_se")},
+        "final_kl": kl_curve[-1] if kl_curve else None,
         "batch_scores": curve,
+        "batch_kl": kl_curve,
+        "last_batch_samples": [{"prompt": p, "completion": c} for p, c in zip(prompts[:4], samples.completions[:4])],
     }, indent=2))
+
+
+def dequantized(trainer, recipe):
+    from contextlib import nullcontext
+
+    from lora_ppo.model import compute_dtype, dequantized_4bit_layers
+
+    if not recipe.model.dequantize_per_step:
+        return nullcontext()
+    return dequantized_4bit_layers(trainer.roles.peft, compute_dtype(recipe.model))
+
+
+def reinforce_step(trainer, recipe, optimizer):
+    """Sample a batch, score it, one gradient step on -(score - batch mean) * logprob."""
+    import torch
+
+    from lora_ppo.rewards import score_completions
+    from lora_ppo.rollout import sample_responses
+
+    roles, cfg = trainer.roles, recipe.rollout
+    prompts = trainer.stream.next_batch(cfg.batch_size)
+    with roles.as_role("policy"):
+        samples = sample_responses(roles, trainer.tokenizer, prompts, cfg, recipe.data.chat_template)
+    scores = torch.tensor(score_completions(trainer.reward_fn, prompts, samples.completions))
+    advantage = scores - scores.mean()
+    input_ids = torch.cat([samples.query_ids, samples.response_ids], dim=1)
+    attention_mask = torch.cat([samples.query_mask, samples.response_mask.long()], dim=1)
+    mask = samples.response_mask.float()
+    start = samples.query_ids.shape[1]
+    with roles.as_role("policy"):
+        logprobs, _ = roles.response_logprobs(input_ids, attention_mask, start, cfg.temperature)
+    loss = -(advantage[:, None] * logprobs * mask).sum() / mask.sum()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(roles.policy_parameters(), recipe.ppo.max_grad_norm)
+    optimizer.step()
+    # KL of the sampling policy to the starting model on this batch (k1 summed over each
+    # response, as PPO's objective/kl): REINFORCE has no penalty, so this shows how far it went.
+    t_kl = time.perf_counter()
+    with torch.no_grad(), roles.as_role("reference"):
+        ref_logprobs, _ = roles.response_logprobs(input_ids, attention_mask, start, cfg.temperature)
+    kl = ((logprobs.detach() - ref_logprobs) * mask).sum(dim=1).mean().item()
+    return prompts, samples, scores, {"kl": kl, "measure_s": time.perf_counter() - t_kl}
 
 
 if __name__ == "__main__":
