@@ -259,8 +259,8 @@ def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype) -> Iterator[fl
     """Compute every 4-bit layer from one dequantized copy of its weight, for the duration.
 
     bitsandbytes dequantizes a 4-bit weight in every forward and again in every backward
-    pass; on CPU that is about half of a small layer's time (measured on SmolLM2-135M:
-    generating 20 tokens dequantizes the whole model 21 times). Inside this context each
+    pass: on CPU about half of a SmolLM2-sized layer's time (profiled), and generating 20
+    tokens dequantizes the whole model 21 times. Inside this context each
     Linear4bit computes `linear(x, W)` with W dequantized once on entry, which is what
     bitsandbytes' CPU path computes anyway (dequantize to the input's dtype, then linear), so
     outputs and gradients are unchanged. The weights are held unquantized in `dtype` meanwhile;
