@@ -29,31 +29,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from random_models import build_random_model  # noqa: E402  (bench/, beside this script)
+
 GB = 1e9
-
-
-def build_random_model(config_dir: Path, tokenizer_dir: str, folder: Path) -> None:
-    """Random-init weights of `config_dir`'s shape, saved in bf16 with the given tokenizer."""
-    if (folder / "config.json").is_file():
-        return
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    config = AutoConfig.from_pretrained(config_dir)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    if len(tokenizer) > config.vocab_size:
-        raise SystemExit(f"tokenizer has {len(tokenizer)} tokens, the model only {config.vocab_size}")
-    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-    config.pad_token_id = tokenizer.pad_token_id
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    staging = folder.with_name(folder.name + ".partial")
-    model.save_pretrained(staging, max_shard_size="4GB")
-    tokenizer.save_pretrained(staging)
-    staging.rename(folder)
-    del model
-    torch.cuda.empty_cache()
 
 
 def long_prompts(tokenizer, max_tokens: int, chat_template: bool, n: int = 64) -> tuple[list[str], int]:
@@ -85,10 +63,9 @@ def main() -> None:
     import torch
 
     import lora_ppo
-    from lora_ppo.estimate import as_json, estimate_recipe
-
     from lora_ppo import memory
     from lora_ppo.data import PromptStream
+    from lora_ppo.estimate import as_json, estimate_recipe
 
     cuda = torch.cuda.is_available()  # without one it runs as a smoke test of itself, uncapped
     work = Path(args.work)

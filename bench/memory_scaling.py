@@ -34,6 +34,8 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from random_models import build_random_model  # noqa: E402  (bench/, beside this script)
+
 # Llama proportions; vocabulary 49152 (SmolLM2's tokenizer), tied embeddings.
 SIZES = {
     "30m": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2),
@@ -48,32 +50,26 @@ BATCH, NEW_TOKENS = 8, 16
 
 def build_model(size: str, folder: Path, tokenizer_dir: Optional[str] = None, config_dir: Optional[str] = None) -> None:
     """Save a random-init model (skip if present): a Llama of `size` from SIZES, or the shape of
-    `config_dir`'s config.json (saved in bf16, built on the GPU when there is one). The tokenizer
-    is the builtin SmolLM2 one unless `tokenizer_dir` names another (it must not be larger than
-    the model's vocabulary)."""
+    `config_dir`'s config.json (see random_models). The tokenizer is the builtin SmolLM2 one
+    unless `tokenizer_dir` names another (it must not be larger than the model's vocabulary)."""
     if (folder / "config.json").is_file():
         return
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     from lora_ppo.model import resolve_builtin
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or resolve_builtin("builtin:smollm2-135m-instruct"))
+    tokenizer_dir = tokenizer_dir or str(resolve_builtin("builtin:smollm2-135m-instruct"))
+    if config_dir is not None:
+        build_random_model(Path(config_dir), tokenizer_dir, folder)
+        return
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, max_position_embeddings=2048,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, **SIZES[size])
     staging = folder.with_name(folder.name + ".partial")
-    if config_dir is None:
-        config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, max_position_embeddings=2048,
-                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, **SIZES[size])
-        LlamaForCausalLM(config).save_pretrained(staging)
-    else:
-        config = AutoConfig.from_pretrained(config_dir)
-        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-        config.pad_token_id = tokenizer.pad_token_id
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        model.save_pretrained(staging, max_shard_size="4GB")
-        del model
+    LlamaForCausalLM(config).save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     staging.rename(folder)
 
