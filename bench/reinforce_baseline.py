@@ -44,7 +44,7 @@ def main() -> None:
     steps, curve, kl_curve = 0, [], []
     while time.perf_counter() - t0 < args.budget_s:
         # The recipe's model.dequantize_per_step, as the PPO trainer applies it to each step.
-        with dequantized(trainer, recipe):
+        with trainer.dequantized_once():
             prompts, samples, scores, kl = reinforce_step(trainer, recipe, optimizer)
         t0 += kl["measure_s"]  # measuring the KL is not training: kept out of the budget
         steps += 1
@@ -66,16 +66,6 @@ def main() -> None:
         "batch_kl": kl_curve,
         "last_batch_samples": [{"prompt": p, "completion": c} for p, c in zip(prompts[:4], samples.completions[:4])],
     }, indent=2))
-
-
-def dequantized(trainer, recipe):
-    from contextlib import nullcontext
-
-    from lora_ppo.model import compute_dtype, dequantized_4bit_layers
-
-    if not recipe.model.dequantize_per_step:
-        return nullcontext()
-    return dequantized_4bit_layers(trainer.roles.peft, compute_dtype(recipe.model))
 
 
 def reinforce_step(trainer, recipe, optimizer):

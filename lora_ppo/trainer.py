@@ -408,22 +408,23 @@ class PPOTrainer:
         rollout_cfg = r.rollout
         if r.data.eval_batch_size is not None:
             rollout_cfg = rollout_cfg.model_copy(update={"batch_size": r.data.eval_batch_size})
-        with self._dequantized_once():
+        with self.dequantized_once():
             return evaluate_prompts(
                 self.roles, self.tokenizer, self.eval_prompts.prompts, rollout_cfg, self.reward_fn,
                 self.side_metrics, r.data.chat_template, seed=r.train.seed,
                 samples_per_prompt=r.data.eval_samples_per_prompt,
             )
 
-    def _dequantized_once(self):
-        """With `model.dequantize_per_step`, the 4-bit layers dequantized once for the duration."""
+    def dequantized_once(self):
+        """With `model.dequantize_per_step`, the 4-bit layers dequantized once for the duration
+        (each training step and each evaluation run inside one; a nullcontext otherwise)."""
         if not self.recipe.model.dequantize_per_step:
             return nullcontext()
         return dequantized_4bit_layers(self.roles.peft, compute_dtype(self.recipe.model))
 
     def train_step(self) -> tuple[dict[str, float], Rollout]:
         """One PPO iteration: rollout, advantages, update. Returns (metrics, rollout)."""
-        with self._dequantized_once():
+        with self.dequantized_once():
             return self._train_step()
 
     def _train_step(self) -> tuple[dict[str, float], Rollout]:

@@ -60,9 +60,7 @@ def _bnb_4bit_layers(roles) -> list:
 
 
 def _is_4bit(roles) -> bool:
-    import bitsandbytes as bnb
-
-    return any(isinstance(m, bnb.nn.Linear4bit) for m in roles.peft.modules())
+    return bool(_bnb_4bit_layers(roles))
 
 
 def test_backbone_is_real_4bit(roles):
