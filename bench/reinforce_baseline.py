@@ -30,19 +30,27 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. data.eval_samples_per_prompt=4")
     args = parser.parse_args()
 
-    import torch
-
     import lora_ppo
 
     recipe = lora_ppo.load_recipe(args.recipe, ["train.output_dir=runs/bench-reinforce", "train.overwrite=true",
                                                 *args.overrides])
+    print(json.dumps(run_reinforce(recipe, args.budget_s, args.lr), indent=2))
+
+
+def run_reinforce(recipe, budget_s: float, lr: float | None = None) -> dict:
+    """Train the recipe's policy with plain REINFORCE for `budget_s` seconds of training (held-out
+    evaluation and KL measurement excluded); returns the results as a JSON-ready dict."""
+    import torch
+
+    import lora_ppo
+
     trainer = lora_ppo.PPOTrainer(recipe, progress=False)  # for its model, prompts, reward and evaluation
-    optimizer = torch.optim.AdamW(trainer.roles.policy_parameters(), lr=args.lr or recipe.ppo.learning_rate,
+    optimizer = torch.optim.AdamW(trainer.roles.policy_parameters(), lr=lr or recipe.ppo.learning_rate,
                                   weight_decay=0.0, eps=1e-5)
     before = trainer.evaluate()
     t0 = time.perf_counter()
-    steps, curve, kl_curve = 0, [], []
-    while time.perf_counter() - t0 < args.budget_s:
+    steps, curve, kl_curve, elapsed = 0, [], [], []
+    while time.perf_counter() - t0 < budget_s:
         # The recipe's model.dequantize_per_step, as the PPO trainer applies it to each step.
         with trainer.dequantized_once():
             prompts, samples, scores, kl = reinforce_step(trainer, recipe, optimizer)
@@ -50,11 +58,12 @@ def main() -> None:
         steps += 1
         curve.append(round(scores.mean().item(), 3))
         kl_curve.append(round(kl["kl"], 3))
-        print(json.dumps({"step": steps, "score": curve[-1], "kl": kl_curve[-1],
-                          "elapsed_s": round(time.perf_counter() - t0, 1)}), file=sys.stderr, flush=True)
+        elapsed.append(round(time.perf_counter() - t0, 1))
+        print(json.dumps({"step": steps, "score": curve[-1], "kl": kl_curve[-1], "elapsed_s": elapsed[-1]}),
+              file=sys.stderr, flush=True)
     train_s = time.perf_counter() - t0  # training time only (KL measurement excluded)
     after = trainer.evaluate()
-    print(json.dumps({
+    return {
         "algorithm": "reinforce (batch-mean baseline, no KL, one step per batch)",
         "steps": steps, "train_wall_s": round(train_s, 1), "learning_rate": optimizer.param_groups[0]["lr"],
         "heldout_score_before": round(before["score"], 4), "heldout_score_se_before": round(before["score_se"], 4),
@@ -64,8 +73,9 @@ def main() -> None:
         "final_kl": kl_curve[-1] if kl_curve else None,
         "batch_scores": curve,
         "batch_kl": kl_curve,
+        "elapsed_s": elapsed,
         "last_batch_samples": [{"prompt": p, "completion": c} for p, c in zip(prompts[:4], samples.completions[:4])],
-    }, indent=2))
+    }
 
 
 def reinforce_step(trainer, recipe, optimizer):
