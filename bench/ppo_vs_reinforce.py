@@ -53,11 +53,18 @@ def main() -> None:
     }, indent=2))
 
 
+def seeded_recipe(recipe_path: str, seed: int, out: str, overrides: list[str]):
+    """The recipe with this seed and output folder, and the user's overrides, for either algorithm."""
+    import lora_ppo
+
+    return lora_ppo.load_recipe(recipe_path, [f"train.seed={seed}", f"train.output_dir={out}",
+                                              "train.overwrite=true", *overrides])
+
+
 def run_ppo(recipe_path: str, seed: int, out: str, overrides: list[str]) -> dict:
     import lora_ppo
 
-    recipe = lora_ppo.load_recipe(recipe_path, [f"train.seed={seed}", f"train.output_dir={out}",
-                                                "train.overwrite=true", *overrides])
+    recipe = seeded_recipe(recipe_path, seed, out, overrides)
     summary = lora_ppo.PPOTrainer(recipe, progress=False).train()
     metrics = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     samples = [json.loads(line) for line in (Path(out) / "samples.jsonl").read_text().splitlines()]
@@ -77,12 +84,9 @@ def run_ppo(recipe_path: str, seed: int, out: str, overrides: list[str]) -> dict
 
 def run_reinforce_for(recipe_path: str, seed: int, out: str, overrides: list[str], budget_s: float,
                       ppo_kl: float) -> dict:
-    import lora_ppo
     from reinforce_baseline import run_reinforce
 
-    recipe = lora_ppo.load_recipe(recipe_path, [f"train.seed={seed}", f"train.output_dir={out}",
-                                                "train.overwrite=true", *overrides])
-    result = run_reinforce(recipe, budget_s)
+    result = run_reinforce(seeded_recipe(recipe_path, seed, out, overrides), budget_s)
     reached = next((i for i, kl in enumerate(result["batch_kl"]) if kl >= ppo_kl), None)
     return {
         "steps": result["steps"],
