@@ -1,0 +1,156 @@
+"""The run folder: what a run writes where, defined once.
+
+    output_dir/
+      recipe.yaml           the resolved recipe (every default filled in)
+      metrics.jsonl         one line per step
+      samples.jsonl         a few completions every train.sample_every steps
+      summary.json          held-out scores before/after, final KL, time, memory
+      checkpoints/step-N/   full-state checkpoints (complete when they hold manifest.json)
+      final/                the full-state checkpoint at the end of training
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+RECIPE_FILE = "recipe.yaml"
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+SUMMARY_FILE = "summary.json"
+CHECKPOINTS_DIR = "checkpoints"
+FINAL_DIR = "final"
+# Written last into a checkpoint: a folder with a manifest is complete, anything else is not.
+MANIFEST_FILE = "manifest.json"
+STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def is_checkpoint(folder: Path) -> bool:
+    """Whether `folder` is a complete checkpoint (what resume and export accept)."""
+    return (Path(folder) / MANIFEST_FILE).is_file()
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """A checkpoint's manifest; raises OSError or ValueError when it cannot be read."""
+    manifest = json.loads((Path(folder) / MANIFEST_FILE).read_text(encoding="utf-8"))
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{MANIFEST_FILE} is not a JSON object")
+    return manifest
+
+
+def find_run_root(checkpoint: Path) -> Optional[Path]:
+    """The run folder a checkpoint belongs to: the nearest of itself, its parent and its
+    grandparent that holds a recipe.yaml (final/ and checkpoints/step-N/ both find it)."""
+    checkpoint = Path(checkpoint)
+    for folder in (checkpoint, checkpoint.parent, checkpoint.parent.parent):
+        if (folder / RECIPE_FILE).is_file():
+            return folder
+    return None
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths and file operations of one run folder."""
+
+    root: Path
+
+    def __init__(self, root: str | Path):
+        object.__setattr__(self, "root", Path(root))
+
+    @property
+    def recipe(self) -> Path:
+        return self.root / RECIPE_FILE
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS_FILE
+
+    @property
+    def samples(self) -> Path:
+        return self.root / SAMPLES_FILE
+
+    @property
+    def summary(self) -> Path:
+        return self.root / SUMMARY_FILE
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS_DIR
+
+    @property
+    def final(self) -> Path:
+        return self.root / FINAL_DIR
+
+    def step_checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step}"
+
+    def holds_run(self) -> bool:
+        """Whether a run already wrote here (its recipe or metrics)."""
+        return self.recipe.exists() or self.metrics.exists()
+
+    def complete_checkpoints(self) -> list[Path]:
+        """Complete checkpoints/step-N folders, oldest first."""
+        if not self.checkpoints.is_dir():
+            return []
+        found = []
+        for child in self.checkpoints.iterdir():
+            match = _STEP_DIR.match(child.name)
+            if match and is_checkpoint(child):
+                found.append((int(match.group(1)), child))
+        return [path for _, path in sorted(found)]
+
+    def move_aside(self) -> Path:
+        """Rename this run folder to a free `NAME.old-YYYYmmdd-HHMMSS[-N]` sibling; returns it."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target = self.root.with_name(f"{self.root.name}.old-{stamp}")
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.root.with_name(f"{self.root.name}.old-{stamp}-{n}")
+        os.replace(self.root, target)
+        return target
+
+    def start(self, recipe_yaml: str) -> None:
+        """Create the folder for a fresh run and write its resolved recipe."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.recipe.write_text(recipe_yaml, encoding="utf-8")
+
+    def resume(self, recipe_yaml: str, metrics_lines: int, samples_lines: int) -> None:
+        """Prepare the folder for a resumed run: lines written after the checkpoint are dropped
+        (the resumed run writes them again), the old summary goes, the recipe is rewritten
+        (a resume may change fields such as train.steps)."""
+        truncate_lines(self.metrics, metrics_lines)
+        truncate_lines(self.samples, samples_lines)
+        self.summary.unlink(missing_ok=True)
+        self.recipe.write_text(recipe_yaml, encoding="utf-8")
+
+    def write_summary(self, summary: dict) -> None:
+        self.summary.write_text(json.dumps(summary, indent=2), encoding="utf-8")
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every record of a JSONL file (an empty list when it does not exist)."""
+    if not Path(path).exists():
+        return []
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def truncate_lines(path: Path, keep: int) -> None:
+    """Keep the first `keep` lines of a text file (a missing file stays missing)."""
+    if not Path(path).exists():
+        return
+    with open(path, "rb") as f:
+        lines = f.readlines()[:keep]
+    with open(path, "wb") as f:
+        f.writelines(lines)
