@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from lora_ppo.errors import RecipeError
+from lora_ppo.errors import RecipeError, first_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RLHF with PPO on one 4-bit backbone.")
 
@@ -66,14 +66,15 @@ def train(
     _quiet_libraries()
     from lora_ppo.checkpoint import CheckpointError
     from lora_ppo.rewards import RewardError
-    from lora_ppo.trainer import PPOTrainer, TrainingHalted, format_summary
+    from lora_ppo.summary import format_summary
+    from lora_ppo.trainer import PPOTrainer, TrainingHalted
 
     try:
         trainer = PPOTrainer(cfg, progress=not no_progress and sys.stderr.isatty(), resume=resume)
         start = f" from step {trainer.step} ({trainer.resume_from})" if trainer.resume_from else ""
         typer.echo(
             f"training {cfg.model.name} ({cfg.model.quantization}) for {cfg.train.steps} steps{start} "
-            f"on {len(trainer.train_prompts.prompts)} prompts -> {cfg.train.output_dir}",
+            f"on {len(trainer.parts.train_prompts.prompts)} prompts -> {cfg.train.output_dir}",
             err=True,
         )
         summary = trainer.train()
@@ -172,8 +173,7 @@ def merge_and_export(
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED)
     except Exception as err:  # a library failure mid-export: one line, and nothing was left at --out
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        _fail(f"export failed ({type(err).__name__}): {first}", code=1)
+        _fail(f"export failed ({type(err).__name__}): {first_line(err)}", code=1)
     typer.echo(report.format())
 
 

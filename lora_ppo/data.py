@@ -11,7 +11,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
 
-from lora_ppo.errors import RecipeError
+from lora_ppo.errors import RecipeError, first_line
+from lora_ppo.state import PromptPosition
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,7 @@ def load_prompt_texts(source: str, split: str, column: str, field_name: str = "d
     except RecipeError:
         raise
     except Exception as err:  # datasets raises many types; all mean "this source is unusable"
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RecipeError(f"{field_name}: cannot load {source!r}: {first_line}") from None
+        raise RecipeError(f"{field_name}: cannot load {source!r}: {first_line(err)}") from None
     if column not in dataset.column_names:
         raise RecipeError(
             f"data.prompt_column: column {column!r} not in {source!r} (columns: {', '.join(dataset.column_names)})"
@@ -67,10 +67,6 @@ class PromptSet:
 
     prompts: list[str]
     dropped: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def dropped_total(self) -> int:
-        return sum(self.dropped.values())
 
 
 def format_prompt(text: str, tokenizer, chat_template: bool) -> str:
@@ -128,38 +124,32 @@ def load_prompt_sets(data_cfg, tokenizer, seed: int) -> tuple[PromptSet, PromptS
 class PromptStream:
     """Endless batches of prompts, reshuffled each pass with a seeded RNG.
 
-    The position (`epoch`, `cursor`) is plain state, so a resumed run continues the same order.
+    The stream holds no position of its own: `take` reads one and returns the next, so the
+    position lives in the run's TrainState and a resumed run continues the same order.
     """
 
     def __init__(self, prompts: list[str], seed: int):
         self.prompts = prompts
         self.seed = seed
-        self.epoch = 0
-        self.cursor = 0
-        self._order = self._shuffled(0)
+        self._orders: dict[int, list[int]] = {}
 
-    def _shuffled(self, epoch: int) -> list[int]:
-        order = list(range(len(self.prompts)))
-        random.Random(self.seed * 100_003 + epoch).shuffle(order)
-        return order
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.prompts)))
+            random.Random(self.seed * 100_003 + epoch).shuffle(order)
+            self._orders = {epoch: order}  # only the current pass is ever needed again
+        return self._orders[epoch]
 
-    def next_batch(self, size: int) -> list[str]:
+    def take(self, size: int, position: PromptPosition) -> tuple[list[str], PromptPosition]:
+        """The next `size` prompts from `position`, and the position after them."""
+        epoch, cursor = position
         batch: list[str] = []
         while len(batch) < size:
-            if self.cursor >= len(self._order):
-                self.epoch += 1
-                self.cursor = 0
-                self._order = self._shuffled(self.epoch)
-            batch.append(self.prompts[self._order[self.cursor]])
-            self.cursor += 1
-        return batch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "cursor": self.cursor}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self._order = self._shuffled(self.epoch)
+            if cursor >= len(self.prompts):
+                epoch, cursor = epoch + 1, 0
+            batch.append(self.prompts[self._order(epoch)[cursor]])
+            cursor += 1
+        return batch, PromptPosition(epoch, cursor)
 
 
 def count_summary(prompt_set: PromptSet) -> Optional[str]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lora_ppo.config import Recipe
-from lora_ppo.errors import RecipeError
+from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.logprobs import DEFAULT_CHUNK_TOKENS
 
 GB = 1e9
@@ -298,20 +298,20 @@ def load_shape(name: str, trust_remote_code: bool = False) -> ModelShape:
     """The config of a hub id, a local folder or a builtin model, without loading weights."""
     from transformers import AutoConfig
 
-    from lora_ppo.model import BUILTIN_MODELS, BUILTIN_PREFIX, _find_packaged_gguf, cache_dir, resolve_model_path
+    from lora_ppo.builtin_model import BUILTIN_MODELS, BUILTIN_PREFIX, cache_dir, find_packaged_gguf
+    from lora_ppo.model import resolve_model_path
 
     try:
         if name.startswith(BUILTIN_PREFIX):
             key = name[len(BUILTIN_PREFIX):]
             if key in BUILTIN_MODELS and not (cache_dir() / key / "config.json").is_file():
-                gguf = _find_packaged_gguf(*BUILTIN_MODELS[key])  # metadata only: no conversion
+                gguf = find_packaged_gguf(*BUILTIN_MODELS[key])  # metadata only: no conversion
                 return ModelShape.from_config(AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
         config = AutoConfig.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
     except RecipeError:
         raise
     except Exception as err:  # noqa: BLE001 - hub/network/parse errors become one line
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RecipeError(f"model.name: cannot read the config of {name!r}: {first}") from None
+        raise RecipeError(f"model.name: cannot read the config of {name!r}: {first_line(err)}") from None
     return ModelShape.from_config(config)
 
 
@@ -330,7 +330,7 @@ def _classifier_shape(name: str, trust_remote_code: bool) -> Optional[ModelShape
     try:
         config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except Exception as err:  # noqa: BLE001
-        raise RecipeError(f"reward.model: cannot read the config of {name!r}: {str(err).strip().splitlines()[0]}") from None
+        raise RecipeError(f"reward.model: cannot read the config of {name!r}: {first_line(err)}") from None
     hidden, layers = config.hidden_size, config.num_hidden_layers
     inter = getattr(config, "intermediate_size", 4 * hidden)
     heads = config.num_attention_heads

@@ -14,7 +14,7 @@ from torch import nn
 from lora_ppo.config import AdaptersConfig, LoraSettings
 from lora_ppo.errors import RecipeError
 from lora_ppo.logprobs import token_logprobs
-from lora_ppo.model import keep_4bit_weights_differentiable
+from lora_ppo.bnb_workarounds import keep_4bit_weights_differentiable
 
 Role = Literal["policy", "value", "reference", "reward"]
 POLICY: Role = "policy"

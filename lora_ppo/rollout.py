@@ -16,6 +16,19 @@ from lora_ppo.rewards import RewardFn, score_completions
 from lora_ppo.roles import POLICY, REFERENCE, VALUE, RoleModel
 
 
+def join_prompt_response(
+    query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The left-padded prompt followed by the response, as model input:
+    (input_ids, attention_mask), each [B, P + T_resp]; the response starts at column P.
+
+        | [PAD] [PAD] prompt prompt | answer answer [EOS] [PAD] |
+    """
+    input_ids = torch.cat([query_ids, response_ids], dim=1)
+    attention_mask = torch.cat([query_mask, response_mask.to(query_mask.dtype)], dim=1)
+    return input_ids, attention_mask
+
+
 @dataclass(frozen=True)
 class Rollout:
     """One batch of experience. Per-token tensors are [B, T_resp]; `response_mask` is True on
@@ -38,11 +51,11 @@ class Rollout:
 
     @property
     def input_ids(self) -> torch.Tensor:
-        return torch.cat([self.query_ids, self.response_ids], dim=1)
+        return join_prompt_response(self.query_ids, self.query_mask, self.response_ids, self.response_mask)[0]
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.query_mask, self.response_mask.to(self.query_mask.dtype)], dim=1)
+        return join_prompt_response(self.query_ids, self.query_mask, self.response_ids, self.response_mask)[1]
 
     @property
     def response_start(self) -> int:
@@ -181,6 +194,10 @@ class Samples:
     completions: list[str]
     logprobs: Optional[torch.Tensor] = None  # [B, T_resp], 0 on padding
 
+    def model_input(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask) of prompt + response, [B, P + T_resp]."""
+        return join_prompt_response(self.query_ids, self.query_mask, self.response_ids, self.response_mask)
+
 
 @torch.no_grad()
 def sample_responses(
@@ -277,8 +294,7 @@ def collect_rollout(
     # 3. Old logprobs (unless sampling recorded them), reference logprobs and values on the
     # exact tokens sampled.
     t0 = time.perf_counter()
-    input_ids = torch.cat([query_ids, response_ids], dim=1)
-    attention_mask = torch.cat([query_mask, response_mask.to(query_mask.dtype)], dim=1)
+    input_ids, attention_mask = samples.model_input()
     with peaks.phase("score"):
         old_logprobs, ref_logprobs, values = score_passes(
             roles, input_ids, attention_mask, query_ids.shape[1], cfg.temperature, cfg.forward_batch_size,

@@ -95,3 +95,33 @@ def tiny_recipe_dict(model_dir: Path, output_dir: Path, **sections) -> dict:
     for name, values in sections.items():
         recipe.setdefault(name, {}).update(values)
     return recipe
+
+
+def perturb_lora_b(roles, adapter: str, seed: int, scale: float) -> None:
+    """Give an adapter's LoRA B matrices random values: PEFT starts B at zero, so a fresh adapter
+    equals the base model and ratios, KLs and role differences would be trivially 0."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in roles.peft.named_parameters():
+            if f"lora_B.{adapter}." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+@pytest.fixture(scope="session")
+def make_roles(tiny_model_dir):
+    """Build a RoleModel (r=4 policy and value adapters) on the tiny 4-bit model, with the LoRA B
+    matrices of `perturbed` adapters randomised (seed, seed + 1, ...)."""
+    from lora_ppo.config import AdaptersConfig, ModelConfig
+    from lora_ppo.model import load_base_model
+    from lora_ppo.roles import RoleModel
+
+    def make(seed: int = 0, scale: float = 0.3, perturbed=("policy", "value"), **adapters):
+        settings = {"policy": {"r": 4, "alpha": 8}, "value": {"r": 4, "alpha": 8}, **adapters}
+        roles = RoleModel(load_base_model(ModelConfig(name=str(tiny_model_dir))), AdaptersConfig(**settings))
+        for offset, adapter in enumerate(perturbed):
+            perturb_lora_b(roles, adapter, seed + offset, scale)
+        return roles
+
+    return make

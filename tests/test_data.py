@@ -10,6 +10,7 @@ import pytest
 from lora_ppo.config import DataConfig
 from lora_ppo.data import PromptStream, load_prompt_sets, load_prompt_texts, prepare_prompts
 from lora_ppo.errors import RecipeError
+from lora_ppo.state import PromptPosition
 
 ROWS = ["This movie was", "The acting in this film", "Honestly, the sequel"]
 
@@ -80,16 +81,23 @@ def test_builtin_held_out_set_differs_from_training(tokenizer):
     assert not set(train.prompts) & set(held.prompts)
 
 
-def test_prompt_stream_is_seeded_and_resumable():
+def test_prompt_stream_is_seeded_and_resumable_from_a_position():
     prompts = [f"p{i}" for i in range(7)]
     stream = PromptStream(prompts, seed=3)
-    first = [stream.next_batch(3) for _ in range(4)]  # crosses an epoch boundary
+    position = PromptPosition()
+    first = []
+    for _ in range(4):  # crosses a pass boundary
+        batch, position = stream.take(3, position)
+        first.append(batch)
     assert sorted(first[0] + first[1] + [first[2][0]]) == sorted(prompts)  # each prompt once per pass
+    assert first[0] != prompts[:3] or first[1] != prompts[3:6]  # shuffled
 
-    replay = PromptStream(prompts, seed=3)
-    replay.next_batch(3)
-    replay.next_batch(3)
-    state = replay.state_dict()
+    # A new stream (a resumed run) continues the same order from a saved position.
+    _, after_two = stream.take(6, PromptPosition())
     resumed = PromptStream(prompts, seed=3)
-    resumed.load_state_dict(state)
-    assert [resumed.next_batch(3) for _ in range(2)] == first[2:]
+    second_half = []
+    for _ in range(2):
+        batch, after_two = resumed.take(3, after_two)
+        second_half.append(batch)
+    assert second_half == first[2:]
+    assert PromptStream(prompts, seed=4).take(7, PromptPosition())[0] != stream.take(7, PromptPosition())[0]

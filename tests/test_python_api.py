@@ -13,7 +13,8 @@ def test_python_api_trains_and_saved_adapter_reproduces_logits(tmp_path, tiny_mo
     from peft import PeftModel
 
     from lora_ppo.config import ModelConfig
-    from lora_ppo.model import keep_4bit_weights_differentiable, load_base_model
+    from lora_ppo.bnb_workarounds import keep_4bit_weights_differentiable
+    from lora_ppo.model import load_base_model
 
     recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run"), ["train.steps=2"])
     trainer = lora_ppo.PPOTrainer(recipe, progress=False)
@@ -86,7 +87,7 @@ def test_eval_samples_per_prompt_averages_within_prompts_and_reports_standard_er
     d = tiny_recipe_dict(tiny_model_dir, tmp_path / "run")
     d["data"] = {**d["data"], "eval_size": 3, "eval_samples_per_prompt": 4, "eval_batch_size": 5}
     trainer = lora_ppo.PPOTrainer(lora_ppo.recipe_from_dict(d), reward_fn=reward, progress=False)
-    prompts = trainer.eval_prompts.prompts
+    prompts = trainer.parts.eval_prompts.prompts
     result = trainer.evaluate()
     assert seen == [p for p in prompts for _ in range(4)]  # 12 rows, 4 of each, in batches of 5
     lengths = torch.tensor([float(len(p)) for p in prompts], dtype=torch.float64)
@@ -95,7 +96,7 @@ def test_eval_samples_per_prompt_averages_within_prompts_and_reports_standard_er
 
 
 def test_summary_reports_heldout_standard_error(tmp_path, tiny_model_dir):
-    from lora_ppo.trainer import format_summary
+    from lora_ppo.summary import format_summary
 
     recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run"), ["train.steps=1"])
     summary = lora_ppo.PPOTrainer(recipe, progress=False).train()

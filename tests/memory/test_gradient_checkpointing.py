@@ -6,22 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_ppo.config import AdaptersConfig, ModelConfig
-from lora_ppo.model import load_base_model
-from lora_ppo.roles import POLICY, VALUE, RoleModel
+from lora_ppo.roles import POLICY, VALUE
 
 
 @pytest.fixture(scope="module")
-def roles(tiny_model_dir):
-    model = RoleModel(load_base_model(ModelConfig(name=str(tiny_model_dir))),
-                      AdaptersConfig(policy={"r": 4, "alpha": 8}, value={"r": 4, "alpha": 8}))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # non-zero LoRA B matrices, so every adapter weight gets a gradient
-        for p in model.policy_parameters() + model.value_parameters():
-            if p.ndim == 2 and p.shape[1] == 4:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        # The score head starts at zero, which would zero every value-side gradient.
-        model.value_head.weight.copy_(torch.randn(model.value_head.weight.shape, generator=g))
+def roles(make_roles):
+    model = make_roles(seed=1)  # non-zero LoRA B matrices, so every adapter weight gets a gradient
+    with torch.no_grad():  # the score head starts at zero, which would zero every value-side gradient
+        model.value_head.weight.copy_(torch.randn(model.value_head.weight.shape, generator=torch.Generator().manual_seed(9)))
     return model
 
 

@@ -12,7 +12,7 @@ import torch
 
 import lora_ppo
 from lora_ppo.config import PPOConfig
-from lora_ppo.trainer import compute_advantages, ppo_update
+from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
 from tests.conftest import tiny_recipe_dict
 
 
@@ -33,7 +33,7 @@ def test_critic_free_modes_create_no_value_adapter(tmp_path, tiny_model_dir, est
     ])
     assert not trainer.roles.has_value and trainer.roles.value_parameters() == []
     assert "value" not in trainer.roles.peft.peft_config
-    assert len(trainer.optimizer.param_groups) == 1
+    assert len(trainer.parts.optimizer.param_groups) == 1
     assert all(m["algo/critic"] == 0.0 and "loss/value" not in m for m in metrics)
     assert (tmp_path / "run" / "final" / "policy" / "adapter_config.json").is_file()
     assert not (tmp_path / "run" / "final" / "value").exists()
@@ -87,11 +87,23 @@ def test_kl_loss_term_and_options_run(tmp_path, tiny_model_dir):
     _, metrics = _train(tmp_path, tiny_model_dir, [
         "ppo.kl_penalty=loss", "ppo.kl_estimator=k3", "ppo.dual_clip=3.0", "ppo.clip_value_loss=false",
         "ppo.loss_aggregation=sequence", "ppo.score_norm=true", "ppo.score_clip=2.0", "ppo.length_penalty=0.01",
-        "ppo.whiten_rewards=true", "ppo.entropy_coef=0.01", "train.steps=2",
+        "ppo.whiten_rewards=true", "ppo.entropy_coef=0.01", "train.steps=2", "ppo.learning_rate=0.05",
     ])
     assert all(torch.isfinite(torch.tensor(v)) for m in metrics for v in m.values())
-    # The penalty is in the loss, so the reward carries no KL term.
-    assert all(m["objective/non_score_reward"] != 0.0 or m["objective/kl"] == 0.0 for m in metrics)
+    # The penalty is a loss term: the reward carries no KL, and the loss term is logged instead.
+    assert metrics[1]["objective/kl"] > 0
+    for m in metrics:
+        assert m["objective/non_score_reward"] == 0.0
+        assert m["objective/rlhf_reward"] == pytest.approx(m["objective/scores"], abs=1e-6)
+    assert metrics[0]["loss/kl"] >= 0 and metrics[1]["loss/kl"] > 0
+
+
+def test_kl_in_the_reward_is_reported_as_the_non_score_reward(tmp_path, tiny_model_dir):
+    _, metrics = _train(tmp_path, tiny_model_dir, ["ppo.kl_coef=0.2", "train.steps=2", "ppo.learning_rate=0.05"])
+    m = metrics[1]
+    assert m["objective/kl"] != 0 and "loss/kl" not in m
+    assert m["objective/non_score_reward"] == pytest.approx(-0.2 * m["objective/kl"], rel=1e-5)
+    assert m["objective/rlhf_reward"] == pytest.approx(m["objective/scores"] - 0.2 * m["objective/kl"], rel=1e-5)
 
 
 def test_ratio_threshold_skips_a_drifted_minibatch(tmp_path, tiny_model_dir):
@@ -99,16 +111,18 @@ def test_ratio_threshold_skips_a_drifted_minibatch(tmp_path, tiny_model_dir):
     trainer = lora_ppo.PPOTrainer(recipe, progress=False)
     from lora_ppo.rollout import collect_rollout
 
-    rollout = collect_rollout(trainer.roles, trainer.tokenizer, ["This movie", "The plot", "I", "Honestly"],
-                              recipe.rollout, trainer.reward_fn, {}, False)
+    parts = trainer.parts
+    rollout = collect_rollout(parts.roles, parts.tokenizer, ["This movie", "The plot", "I", "Honestly"],
+                              recipe.rollout, parts.reward_fn, {}, False)
     # Pretend the rollout policy gave every token e^-1 of its probability: ratio = e > 2.
     drifted = dataclasses.replace(rollout, old_logprobs=rollout.old_logprobs - 1.0)
     before_policy = [p.detach().clone() for p in trainer.roles.policy_parameters()]
     before_value = [p.detach().clone() for p in trainer.roles.value_parameters()]
     cfg = PPOConfig(num_epochs=1, num_minibatches=1, ratio_threshold=2.0, learning_rate=0.05)
     adv = compute_advantages(drifted, cfg, cfg.kl_coef, drifted.scores)
-    stats = ppo_update(trainer.roles, trainer.optimizer, None, drifted, adv, cfg, 4, 4, recipe.rollout.temperature,
-                       False, torch.Generator().manual_seed(0))
-    assert stats["policy/skipped_minibatch_frac"] == 1.0
+    settings = UpdateSettings(4, 4, recipe.rollout.temperature, gradient_checkpointing=False)
+    stats = ppo_update(parts.roles, parts.optimizer, None, drifted, adv, cfg, settings, cfg.kl_coef,
+                       torch.Generator().manual_seed(0))
+    assert stats.skipped_minibatch_frac == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before_policy, trainer.roles.policy_parameters()))
     assert any(not torch.equal(a, b) for a, b in zip(before_value, trainer.roles.value_parameters()))

@@ -4,7 +4,7 @@ import gguf
 import numpy as np
 import pytest
 
-from lora_ppo.model import _gguf_parsed_once
+from lora_ppo.builtin_model import _gguf_parsed_once
 
 
 @pytest.fixture

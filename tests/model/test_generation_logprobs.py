@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_ppo.config import AdaptersConfig, ModelConfig, RolloutConfig
-from lora_ppo.model import load_base_model, load_tokenizer
-from lora_ppo.roles import RoleModel
+from lora_ppo.config import ModelConfig, RolloutConfig
+from lora_ppo.model import load_tokenizer
 from lora_ppo.rollout import collect_rollout, sample_responses, score_passes
 from tests.reward_fns import count_letter_e
 
@@ -21,15 +20,8 @@ def tokenizer(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def roles(tiny_model_dir):
-    model = RoleModel(load_base_model(ModelConfig(name=str(tiny_model_dir))),
-                      AdaptersConfig(policy={"r": 4, "alpha": 8}, value={"r": 4, "alpha": 8}))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():  # a policy that differs from the base, so the adapter must be in play
-        for p in model.policy_parameters():
-            if p.ndim == 2 and p.shape[1] == 4:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
+def roles(make_roles):
+    return make_roles(seed=3, perturbed=("policy",))  # the policy must differ from the base
 
 
 def _scored_old_logprobs(roles, samples, temperature):

@@ -10,9 +10,9 @@ import torch
 
 from lora_ppo.config import AdaptersConfig, ModelConfig, PPOConfig, RolloutConfig
 from lora_ppo.model import load_base_model, load_tokenizer
-from lora_ppo.roles import POLICY, VALUE, RoleModel
+from lora_ppo.roles import POLICY, RoleModel
 from lora_ppo.rollout import Rollout, collect_rollout, score_passes
-from lora_ppo.trainer import compute_advantages, ppo_update
+from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
 from tests.reward_fns import count_letter_e
 
 TOL = dict(atol=2e-5, rtol=1e-4)
@@ -26,15 +26,8 @@ def tokenizer(tiny_model_dir):
 
 
 @pytest.fixture()
-def roles(tiny_model_dir):
-    model = RoleModel(load_base_model(ModelConfig(name=str(tiny_model_dir))),
-                      AdaptersConfig(policy={"r": 4, "alpha": 8}, value={"r": 4, "alpha": 8}))
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():  # make policy != reference so ratios and KLs are not trivially 0
-        for p in model.policy_parameters() + model._params[VALUE]:
-            if p.ndim == 2 and p.shape[1] == 4:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
+def roles(make_roles):
+    return make_roles(seed=7)
 
 
 LENGTHS = [8, 3, 5, 1, 8, 6, 2, 7]
@@ -66,9 +59,8 @@ def _restore(roles, snapshot):
 def _update(roles, rollout, cfg, micro, lr=0.5, temperature=1.0):
     adv = compute_advantages(rollout, cfg, cfg.kl_coef, rollout.scores)
     optimizer = torch.optim.SGD(roles.policy_parameters() + roles.value_parameters(), lr=lr)
-    stats = ppo_update(roles, optimizer, None, rollout, adv, cfg, minibatch_size=rollout.response_ids.shape[0],
-                       micro_batch_size=micro, temperature=temperature, gradient_checkpointing=False,
-                       generator=torch.Generator().manual_seed(0))
+    settings = UpdateSettings(rollout.response_ids.shape[0], micro, temperature, gradient_checkpointing=False)
+    stats = ppo_update(roles, optimizer, None, rollout, adv, cfg, settings, cfg.kl_coef, torch.Generator().manual_seed(0))
     return stats, adv
 
 
@@ -123,9 +115,10 @@ def test_padding_changes_no_logprob_advantage_loss_or_metric(roles, tokenizer):
     stats_a, _ = _update(roles, base, cfg, micro=4, lr=0.0)
     _restore(roles, start)
     stats_b, _ = _update(roles, padded, cfg, micro=4, lr=0.0)
-    assert stats_a.keys() == stats_b.keys()
-    for key in stats_a:
-        assert stats_a[key] == pytest.approx(stats_b[key], abs=2e-5, rel=1e-4), key
+    metrics_a, metrics_b = stats_a.as_metrics(), stats_b.as_metrics()
+    assert metrics_a.keys() == metrics_b.keys()
+    for key in metrics_a:
+        assert metrics_a[key] == pytest.approx(metrics_b[key], abs=2e-5, rel=1e-4), key
 
 
 def test_a_samples_advantages_do_not_depend_on_its_batchmates(roles, tokenizer):
@@ -149,8 +142,8 @@ def test_ratio_is_one_before_the_first_update_at_any_temperature(roles, tokenize
     rollout = _rollout(roles, tokenizer, temperature=0.7)
     cfg = PPOConfig(num_epochs=1, num_minibatches=1)
     stats, _ = _update(roles, rollout, cfg, micro=micro, lr=0.0, temperature=0.7)
-    assert abs(stats["policy/ratio"] - 1.0) < 1e-5
-    assert stats["policy/approxkl"] < 1e-10
+    assert abs(stats.ratio - 1.0) < 1e-5
+    assert stats.approxkl < 1e-10
 
 
 def test_kl_is_zero_at_step_zero_when_policy_starts_as_reference(tiny_model_dir, tokenizer, tmp_path):

@@ -10,19 +10,9 @@ from lora_ppo.config import AdaptersConfig, ModelConfig, PPOConfig
 from lora_ppo.model import load_base_model, load_tokenizer
 from lora_ppo.roles import POLICY, REFERENCE, VALUE, RoleModel
 from lora_ppo.rollout import Rollout, score_passes
-from lora_ppo.trainer import compute_advantages, ppo_update
+from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
 
 ATOL = 1e-5
-
-
-def _perturb_lora_b(params, seed: int) -> None:
-    # Fresh LoRA has B = 0, so policy == base by construction; perturb B to make the
-    # adapters really different from the base model.
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in params:
-            if p.ndim == 2 and p.shape[1] <= 16:  # lora_B: [out, r]
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +26,8 @@ def tokenizer(model_cfg):
 
 
 @pytest.fixture()
-def roles(model_cfg):
-    adapters = AdaptersConfig(policy={"r": 4, "alpha": 8}, value={"r": 4, "alpha": 8})
-    model = RoleModel(load_base_model(model_cfg), adapters)
-    _perturb_lora_b(model.policy_parameters(), seed=1)
-    _perturb_lora_b(model._params[VALUE], seed=2)
-    return model
+def roles(make_roles):
+    return make_roles(seed=1, scale=0.5)
 
 
 def _batch(tokenizer, prompts, response_len=5, seed=0):
@@ -157,10 +143,8 @@ def test_ppo_update_moves_adapters_but_not_base_or_reference(roles, tokenizer):
     optimizer = torch.optim.AdamW(
         [{"params": roles.policy_parameters()}, {"params": roles.value_parameters()}], lr=cfg.learning_rate
     )
-    stats = ppo_update(
-        roles, optimizer, None, rollout, adv, cfg, minibatch_size=2, micro_batch_size=1,
-        temperature=1.0, gradient_checkpointing=False, generator=torch.Generator().manual_seed(0),
-    )
+    stats = ppo_update(roles, optimizer, None, rollout, adv, cfg, UpdateSettings(2, 1, 1.0, False), cfg.kl_coef,
+                       torch.Generator().manual_seed(0))
     after = dict(roles.peft.named_parameters())
     changed = {n for n in snapshot if not torch.equal(snapshot[n], after[n].detach())}
     assert any("lora_B.policy" in n for n in changed)
@@ -171,7 +155,7 @@ def test_ppo_update_moves_adapters_but_not_base_or_reference(roles, tokenizer):
     with torch.no_grad(), roles.as_role(REFERENCE):
         ref_after, _ = roles.response_logprobs(rollout.input_ids, rollout.attention_mask, rollout.response_start, 1.0)
     torch.testing.assert_close(ref_before, ref_after, atol=0, rtol=0)
-    assert all(torch.isfinite(torch.tensor(v)) for v in stats.values())
+    assert all(torch.isfinite(torch.tensor(v)) for v in stats.as_metrics().values())
 
 
 @pytest.mark.parametrize("grad_accum_steps", [1, 2, 4])
@@ -182,14 +166,11 @@ def test_first_update_sees_rollout_logprobs(roles, tokenizer, grad_accum_steps):
     cfg = PPOConfig(num_epochs=1, num_minibatches=1, grad_accum_steps=grad_accum_steps)
     adv = compute_advantages(rollout, cfg, cfg.kl_coef, rollout.scores)
     optimizer = torch.optim.SGD(roles.policy_parameters() + roles.value_parameters(), lr=0.0)
-    stats = ppo_update(
-        roles, optimizer, None, rollout, adv, cfg, minibatch_size=4,
-        micro_batch_size=4 // grad_accum_steps, temperature=1.0, gradient_checkpointing=False,
-        generator=torch.Generator().manual_seed(0),
-    )
-    assert abs(stats["policy/ratio"] - 1.0) < 1e-5
-    assert stats["policy/approxkl"] < 1e-10
-    assert stats["policy/clipfrac"] == 0.0
+    stats = ppo_update(roles, optimizer, None, rollout, adv, cfg, UpdateSettings(4, 4 // grad_accum_steps, 1.0, False),
+                       cfg.kl_coef, torch.Generator().manual_seed(0))
+    assert abs(stats.ratio - 1.0) < 1e-5
+    assert stats.approxkl < 1e-10
+    assert stats.clipfrac == 0.0
 
 
 def test_4bit_backward_reaches_early_layers_after_inference(roles, tokenizer):
@@ -250,7 +231,7 @@ def test_init_from_adapter_becomes_frozen_reference(roles, model_cfg, tokenizer,
 def test_dequantized_once_gives_same_logprobs_values_and_gradients(roles, tokenizer):
     # model.dequantize_per_step computes each 4-bit layer from one dequantized copy: what
     # bitsandbytes computes per pass, so logprobs, values and adapter gradients must not move.
-    from lora_ppo.model import dequantized_4bit_layers
+    from lora_ppo.bnb_workarounds import dequantized_4bit_layers
 
     ids, mask, start = _batch(tokenizer, ["This movie was", "The acting in the remake"])
 
@@ -282,7 +263,7 @@ def test_dequantized_once_gives_same_logprobs_values_and_gradients(roles, tokeni
 
 
 def test_dequantized_once_is_undone_after_an_error(roles):
-    from lora_ppo.model import dequantized_4bit_layers
+    from lora_ppo.bnb_workarounds import dequantized_4bit_layers
 
     with pytest.raises(KeyboardInterrupt):
         with dequantized_4bit_layers(roles.peft, torch.float32):

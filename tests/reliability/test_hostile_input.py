@@ -35,7 +35,7 @@ def test_malformed_rows_are_counted_and_reported(tmp_path, tiny_model_dir, caplo
         train={"steps": 1, "eval": False},
     ))
     trainer = lora_ppo.PPOTrainer(recipe, progress=False)
-    assert trainer.train_prompts.prompts == ["The movie was", "I think the film"]
+    assert trainer.parts.train_prompts.prompts == ["The movie was", "I think the film"]
     trainer.train()
     assert "1 not text, 1 empty, 1 too long" in caplog.text
 

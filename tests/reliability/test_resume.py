@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import lora_ppo
 from lora_ppo import checkpoint
 from lora_ppo.cli import app
 from lora_ppo.errors import RecipeError
+from lora_ppo.run_dir import MANIFEST_FILE, RunDir
 from tests.conftest import tiny_recipe_dict
 from tests.reliability.conftest import adapter_tensors, deterministic_metrics, write_recipe
 
@@ -56,7 +58,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, tiny_model_dir,
     proc = subprocess.Popen(_train_cmd(recipe), env=ENV, cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        manifest = run / "checkpoints" / "step-2" / checkpoint.MANIFEST_FILE
+        manifest = run / "checkpoints" / "step-2" / MANIFEST_FILE
         deadline = time.monotonic() + 240
         while not manifest.exists():
             assert proc.poll() is None, "the run ended before its 2nd checkpoint"
@@ -77,32 +79,39 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, tiny_model_dir,
 
 
 class SimulatedKill(BaseException):
-    """Stands in for SIGKILL landing inside a checkpoint write."""
+    """Stands in for a kill landing inside a checkpoint write."""
 
 
 def test_kill_during_save_leaves_previous_checkpoint_and_resume_skips_partial(
     tmp_path, tiny_model_dir, reference_run, monkeypatch
 ):
+    from lora_ppo import atomic
+
     recipe_dict = tiny_recipe_dict(tiny_model_dir, tmp_path / "run", train={"save_every": 1, "steps": 4})
-    real_fsync_tree = checkpoint._fsync_tree
+    real_fsync_tree = atomic.fsync_tree
 
     def dies_on_step_2(folder):
-        if folder.name == ".step-2.tmp":
-            raise SimulatedKill  # everything is staged, nothing renamed, no manifest
+        if folder.name.startswith(".step-2.tmp-"):
+            raise SimulatedKill  # everything is staged, nothing renamed
         real_fsync_tree(folder)
 
-    monkeypatch.setattr(checkpoint, "_fsync_tree", dies_on_step_2)
+    monkeypatch.setattr(atomic, "fsync_tree", dies_on_step_2)
     with pytest.raises(SimulatedKill):
         lora_ppo.PPOTrainer(lora_ppo.recipe_from_dict(recipe_dict), progress=False).train()
-    monkeypatch.setattr(checkpoint, "_fsync_tree", real_fsync_tree)
-    ckpts = tmp_path / "run" / "checkpoints"
-    assert (ckpts / ".step-2.tmp" / "policy").is_dir() and not (ckpts / "step-2").exists()
-    assert checkpoint.resolve_resume(tmp_path / "run", "auto") == ckpts / "step-1"
+    monkeypatch.setattr(atomic, "fsync_tree", real_fsync_tree)
+    run, ckpts = RunDir(tmp_path / "run"), tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-1"]
+    # What a SIGKILL during the write leaves behind (no cleanup runs): a staging folder.
+    partial = ckpts / ".step-2.tmp-killed"
+    shutil.copytree(ckpts / "step-1", partial)
+    (partial / MANIFEST_FILE).unlink()
+    recipe = lora_ppo.recipe_from_dict(recipe_dict)
+    assert checkpoint.resolve_resume(run, "auto", recipe) == ckpts / "step-1"
     with pytest.raises(RecipeError, match="not a complete checkpoint"):
-        checkpoint.resolve_resume(tmp_path / "run", ckpts / ".step-2.tmp")
+        checkpoint.resolve_resume(run, partial, recipe)
 
-    lora_ppo.PPOTrainer(lora_ppo.recipe_from_dict(recipe_dict), progress=False, resume="auto").train()
-    assert not (ckpts / ".step-2.tmp").exists()
+    lora_ppo.PPOTrainer(recipe, progress=False, resume="auto").train()
+    assert not partial.exists()  # the next save cleared it
     _assert_same_run(reference_run, tmp_path / "run")
 
 
@@ -182,7 +191,7 @@ def test_checkpoint_holds_the_whole_state(tmp_path, tiny_model_dir):
                  "value/value_head.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "trainer_state.json"):
         assert (folder / name).is_file(), name
     state = json.loads((folder / "trainer_state.json").read_text())
-    assert state["stream"]["cursor"] == 4 and state["metrics_lines"] == 1 and state["score_moments"][2] == 4
+    assert state["prompt_position"] == [0, 4] and state["metrics_lines"] == 1 and state["score_moments"][2] == 4
     assert state["kl_coef"] != 0.05  # the adaptive controller moved it
     for name in ("optimizer.pt", "scheduler.pt", "rng.pt"):
         torch.load(folder / name, weights_only=True)

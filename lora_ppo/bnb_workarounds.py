@@ -1,0 +1,74 @@
+"""bitsandbytes workarounds: keep 4-bit layers on their differentiable kernel, and (optionally)
+compute every 4-bit layer from one dequantized copy of its weight for the length of a step."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Iterator
+
+import torch
+from torch import nn
+
+def keep_4bit_weights_differentiable(model: nn.Module) -> None:
+    """Stop bitsandbytes from repacking 4-bit weights for its CPU inference kernel.
+
+    On CPUs with AVX512-BF16, a Linear4bit in eval mode that sees an input without grad
+    repacks its weight for `gemv_4bit`, and from then on every call (training ones too) goes
+    through that kernel, which has no backward: gradients to earlier layers silently vanish.
+    That kernel also rounds differently, so every load goes through here and all passes share
+    one kernel. The flag only gates that repacking (these modules have no dropout), so keep it set.
+    """
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.training = True
+
+
+
+@contextlib.contextmanager
+def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype) -> Iterator[float]:
+    """Compute every 4-bit layer from one dequantized copy of its weight, for the duration.
+
+    bitsandbytes dequantizes a 4-bit weight in every forward and again in every backward
+    pass (on CPU a large share of a small layer's time), and generating N tokens dequantizes
+    the whole model N + 1 times. Inside this context each
+    Linear4bit computes `linear(x, W)` with W dequantized once on entry, which is what
+    bitsandbytes' CPU path computes anyway (dequantize to the input's dtype, then linear), so
+    outputs and gradients are unchanged. The weights are held unquantized in `dtype` meanwhile;
+    on exit the copies are dropped and the layers compute from 4 bits again, also after an
+    error or Ctrl-C. Yields the bytes the copies take.
+    """
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        yield 0.0
+        return
+    patched: list[nn.Module] = []
+    held = 0.0
+    try:
+        with torch.no_grad():
+            for module in model.modules():
+                if not isinstance(module, bnb.nn.Linear4bit):
+                    continue
+                # Straight into the layer's compute dtype, as bitsandbytes does per pass (a
+                # bf16 checkpoint computed in fp32 is not rounded through bf16 first).
+                layer_dtype = module.compute_dtype or dtype
+                state = copy.copy(module.weight.quant_state)
+                state.dtype = layer_dtype
+                weight = bnb.functional.dequantize_4bit(module.weight.data, state)
+                held += weight.numel() * weight.element_size()
+                bias = None if module.bias is None else module.bias.to(layer_dtype)
+
+                def forward(x: torch.Tensor, weight=weight, bias=bias) -> torch.Tensor:
+                    return torch.nn.functional.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+
+                module.forward = forward  # an instance attribute shadows the class's forward
+                patched.append(module)
+        yield held
+    finally:
+        for module in patched:
+            del module.forward

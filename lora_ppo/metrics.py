@@ -1,0 +1,61 @@
+"""The per-step metrics record written to metrics.jsonl, under grouped names
+(`objective/`, `policy/`, `value/`, `response/`, `time/`, `memory/`, `guard/`)."""
+
+from __future__ import annotations
+
+from lora_ppo import ppo_math
+from lora_ppo.memory import run_peak_gb
+from lora_ppo.rollout import Rollout
+from lora_ppo.update import Advantages, UpdateStats
+
+
+def step_metrics(
+    step: int,
+    rollout: Rollout,
+    adv: Advantages,
+    update: UpdateStats,
+    *,
+    kl_coef: float,
+    skipped: bool,
+    consecutive_skips: int,
+    lr: float,
+    update_s: float,
+    step_s: float,
+    phase_peaks_gb: dict[str, float],
+) -> dict[str, float]:
+    """One step's record. `kl_coef` is the coefficient the step used (the controller may have
+    moved it since); the KL penalty counts in the reward only when it is a reward term."""
+    mask = rollout.response_mask
+    kl_per_seq = adv.kl.sum(dim=1)  # [B]
+    kl_penalty = adv.reward_kl_coef * kl_per_seq  # [B], 0 when the KL is a loss term instead
+    metrics: dict[str, float] = {
+        "step": step,
+        "objective/scores": rollout.scores.mean().item(),
+        "objective/raw_scores": rollout.raw_scores.mean().item(),
+        "objective/shaped_scores": adv.scores.mean().item(),
+        "objective/kl": kl_per_seq.mean().item(),
+        "objective/kl_coef": kl_coef,
+        "objective/non_score_reward": (-kl_penalty).mean().item(),
+        "objective/rlhf_reward": (rollout.scores - kl_penalty).mean().item(),
+        # 1 with the value adapter as critic (GAE); 0 for RLOO / GRPO, which hold no value adapter.
+        "algo/critic": float(rollout.values is not None),
+        "guard/skipped": float(skipped),
+        "guard/consecutive_skips": float(consecutive_skips),
+        **update.as_metrics(),
+        "response/length": mask.sum(dim=1).float().mean().item(),
+        "response/stopped_frac": rollout.stopped.float().mean().item(),
+        "lr/policy": lr,
+        **{f"time/{name}": seconds for name, seconds in rollout.timings.items()},
+        "time/update": update_s,
+        "time/step": step_s,
+        "tokens_per_s": int(rollout.attention_mask.sum()) / max(step_s, 1e-9),
+        "memory/peak_gb": run_peak_gb(),
+        # Per phase: GPU max_memory_allocated, or the CPU process's peak resident memory.
+        **{f"memory/{name}_gb": gb for name, gb in phase_peaks_gb.items()},
+    }
+    if adv.returns is not None:
+        metrics["value/explained_var"] = ppo_math.explained_variance(rollout.values, adv.returns, mask).item()
+        metrics["value/mean"] = ppo_math.masked_mean(rollout.values, mask).item()
+    for name, values in rollout.side_scores.items():
+        metrics[f"objective/{name}"] = sum(values) / len(values)
+    return metrics

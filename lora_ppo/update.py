@@ -1,0 +1,298 @@
+"""Advantages and the clipped PPO update: epochs x minibatches x micro-batches of policy and
+value losses on the trainable adapters, with the NaN/inf guard, returning an `UpdateStats`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from lora_ppo import ppo_math
+from lora_ppo.config import PPOConfig
+from lora_ppo.roles import POLICY, VALUE, RoleModel
+from lora_ppo.rollout import Rollout
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """What the update needs besides the rollout. Per-token tensors are [B, T_resp], 0 on padding."""
+
+    scores: torch.Tensor  # [B] shaped scores the optimiser sees
+    rewards: torch.Tensor  # per-token rewards (KL-shaped when the penalty is in the reward)
+    kl: torch.Tensor  # per-token KL estimate of the rollout policy to the reference
+    advantages: torch.Tensor
+    returns: Optional[torch.Tensor]  # value targets; None without a critic
+    reward_kl_coef: float  # the KL coefficient inside the reward (0 when the penalty is a loss term)
+
+
+def compute_advantages(
+    rollout: Rollout, cfg: PPOConfig, kl_coef: float, scores: torch.Tensor, group_size: int = 1
+) -> Advantages:
+    """KL-shaped rewards, then GAE (with the critic) or group baselines (RLOO / GRPO).
+
+    Args:
+        scores: [B] the rollout's scores after shaping (normalisation, clipping, length penalty).
+        kl_coef: the current KL coefficient (fixed, or from the adaptive controller).
+        group_size: samples per prompt, consecutive rows (RLOO / GRPO).
+    """
+    mask = rollout.response_mask
+    # With the penalty as a loss term the reward carries the score alone.
+    reward_kl_coef = kl_coef if cfg.kl_penalty == "reward" else 0.0
+    rewards, kl = ppo_math.kl_shaped_rewards(
+        scores, rollout.old_logprobs, rollout.ref_logprobs, mask, reward_kl_coef, cfg.kl_estimator
+    )
+    if cfg.advantage_estimator == "gae":
+        if cfg.whiten_rewards:
+            rewards = ppo_math.masked_whiten(rewards, mask, shift_mean=False)
+        advantages, returns = ppo_math.gae(rollout.values, rewards, mask, cfg.gamma, cfg.lam)
+    else:
+        # A sequence's return is its score minus its KL penalty; every token shares the advantage.
+        sequence_rewards = scores - reward_kl_coef * kl.sum(dim=1)
+        per_sequence = ppo_math.group_advantages(sequence_rewards, group_size, cfg.advantage_estimator)
+        advantages = torch.where(mask, per_sequence[:, None].expand_as(mask), torch.zeros_like(rewards))
+        returns = None
+    if cfg.whiten_advantages:
+        advantages = ppo_math.masked_whiten(advantages, mask)
+    return Advantages(scores, rewards, kl, advantages, returns, reward_kl_coef)
+
+
+def first_nonfinite(rollout: Rollout, adv: Advantages) -> Optional[str]:
+    """The name of the first rollout or advantage quantity holding a NaN/inf on a real token
+    (padding may hold anything), or None when all are finite."""
+    mask = rollout.response_mask
+    per_sequence = {"rewards/scores": rollout.scores, "rewards/shaped_scores": adv.scores}
+    per_token = {
+        "logprobs/old": rollout.old_logprobs, "logprobs/ref": rollout.ref_logprobs, "values": rollout.values,
+        "rewards/per_token": adv.rewards, "advantages": adv.advantages, "returns": adv.returns,
+    }
+    for name, tensor in per_sequence.items():
+        if not torch.isfinite(tensor).all():
+            return name
+    for name, tensor in per_token.items():
+        if tensor is not None and not torch.isfinite(tensor[mask]).all():
+            return name
+    return None
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """One PPO update: token-weighted means over its micro-batches (None where the quantity does
+    not exist: no critic, no KL loss term, no ratio threshold) and what the guard did."""
+
+    skipped_minibatches: int  # minibatches dropped by the NaN/inf guard
+    nonfinite: Optional[str] = None  # the first quantity that was NaN/inf, if any
+    policy_loss: Optional[float] = None
+    clipfrac: Optional[float] = None
+    dual_clipfrac: Optional[float] = None
+    approxkl: Optional[float] = None
+    ratio: Optional[float] = None
+    entropy: Optional[float] = None
+    kl_loss: Optional[float] = None  # the KL penalty as a loss term (ppo.kl_penalty: loss)
+    value_loss: Optional[float] = None
+    value_clipfrac: Optional[float] = None
+    policy_grad_norm: Optional[float] = None
+    value_grad_norm: Optional[float] = None
+    skipped_minibatch_frac: Optional[float] = None  # ppo.ratio_threshold: share skipped / scaled
+    scaled_minibatch_frac: Optional[float] = None
+
+    def as_metrics(self) -> dict[str, float]:
+        """The grouped metric names of metrics.jsonl; quantities that do not exist are left out."""
+        named = {
+            "loss/policy": self.policy_loss, "policy/clipfrac": self.clipfrac,
+            "policy/dual_clipfrac": self.dual_clipfrac, "policy/approxkl": self.approxkl,
+            "policy/ratio": self.ratio, "policy/entropy": self.entropy, "loss/kl": self.kl_loss,
+            "loss/value": self.value_loss, "value/clipfrac": self.value_clipfrac,
+            "guard/skipped_minibatches": float(self.skipped_minibatches),
+            "policy/grad_norm": self.policy_grad_norm, "value/grad_norm": self.value_grad_norm,
+            "policy/skipped_minibatch_frac": self.skipped_minibatch_frac,
+            "policy/scaled_minibatch_frac": self.scaled_minibatch_frac,
+        }
+        return {key: value for key, value in named.items() if value is not None}
+
+
+@dataclass
+class _TokenWeightedMeans:
+    """Running token-weighted sums of per-micro-batch statistics."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    weight: float = 0.0
+
+    def add(self, values: dict[str, float], weight: float) -> None:
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value * weight
+        self.weight += weight
+
+    def mean(self, key: str) -> Optional[float]:
+        return self.sums[key] / max(self.weight, 1e-12) if key in self.sums else None
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """The sizes and switches of one update besides `cfg` (they come from other recipe sections)."""
+
+    minibatch_size: int
+    micro_batch_size: int
+    temperature: float  # the sampling temperature: new logprobs must be on the same scale
+    gradient_checkpointing: bool
+
+
+def ppo_update(
+    roles: RoleModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Optional[torch.optim.lr_scheduler.LRScheduler],
+    rollout: Rollout,
+    adv: Advantages,
+    cfg: PPOConfig,
+    settings: UpdateSettings,
+    kl_coef: float,
+    generator: torch.Generator,
+) -> UpdateStats:
+    """num_epochs x minibatches (in a seeded random order) of clipped policy and value losses.
+
+    Losses are normalised by the whole minibatch's token (or sequence) count, so splitting a
+    minibatch into micro-batches (gradient accumulation) does not change the update.
+    """
+    batch = rollout.response_ids.shape[0]
+    means = _TokenWeightedMeans()
+    nonfinite: list[str] = []
+    minibatches = skipped = scaled = 0
+    norms = (torch.zeros(()), torch.zeros(()))
+    with roles.gradient_checkpointing(settings.gradient_checkpointing):
+        for _epoch in range(cfg.num_epochs):
+            order = torch.randperm(batch, generator=generator).to(rollout.response_ids.device)
+            for rows in order.split(settings.minibatch_size):
+                optimizer.zero_grad(set_to_none=True)
+                mean_ratio, bad = minibatch_backward(roles, rollout, adv, rows, cfg, settings, kl_coef, means)
+                minibatches += 1
+                action = ratio_threshold_action(cfg, mean_ratio)
+                skipped += action == "skip"
+                scaled += action == "scale"
+                norms, bad = optimizer_step(roles, optimizer, scheduler, cfg, action, mean_ratio, bad)
+                if bad is not None:
+                    nonfinite.append(bad)
+    with_critic = adv.returns is not None
+    with_ratio_threshold = cfg.ratio_threshold is not None
+    return UpdateStats(
+        skipped_minibatches=len(nonfinite),
+        nonfinite=nonfinite[0] if nonfinite else None,
+        policy_loss=means.mean("loss/policy"), clipfrac=means.mean("clipfrac"),
+        dual_clipfrac=means.mean("dual_clipfrac"), approxkl=means.mean("approxkl"), ratio=means.mean("ratio"),
+        entropy=means.mean("entropy"), kl_loss=means.mean("loss/kl"), value_loss=means.mean("loss/value"),
+        value_clipfrac=means.mean("value_clipfrac"),
+        policy_grad_norm=float(norms[0]), value_grad_norm=float(norms[1]) if with_critic else None,
+        skipped_minibatch_frac=skipped / max(1, minibatches) if with_ratio_threshold else None,
+        scaled_minibatch_frac=scaled / max(1, minibatches) if with_ratio_threshold else None,
+    )
+
+
+def minibatch_backward(
+    roles: RoleModel,
+    rollout: Rollout,
+    adv: Advantages,
+    rows: torch.Tensor,
+    cfg: PPOConfig,
+    settings: UpdateSettings,
+    kl_coef: float,
+    means: _TokenWeightedMeans,
+) -> tuple[float, Optional[str]]:
+    """Accumulate one minibatch's policy and value gradients, a micro-batch at a time.
+
+    Returns the minibatch's token-weighted mean ratio and the first non-finite loss (or None).
+    """
+    input_ids, attention_mask, mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
+    token_count = mask[rows].sum().clamp(min=1)
+    normalizer = token_count if cfg.loss_aggregation == "token" else len(rows)
+    ratio_sum = torch.zeros(())
+    bad: Optional[str] = None
+    for idx in rows.split(settings.micro_batch_size):
+        ids, am, m = input_ids[idx], attention_mask[idx], mask[idx]
+        n_tokens = float(m.sum())
+        # Loss parts are shares of the minibatch loss; logged per token they are scaled back up.
+        share = n_tokens / float(token_count) if cfg.loss_aggregation == "token" else len(idx) / len(rows)
+        share = max(share, 1e-12)
+
+        with roles.as_role(POLICY):
+            new_logprobs, entropy = roles.response_logprobs(ids, am, rollout.response_start, settings.temperature)
+        pg_loss, pg_stats = ppo_math.policy_loss(
+            new_logprobs, rollout.old_logprobs[idx], adv.advantages[idx], m, cfg.clip_eps,
+            normalizer, cfg.dual_clip, cfg.loss_aggregation,
+        )
+        loss = pg_loss - cfg.entropy_coef * ppo_math.aggregate_loss(entropy, m, cfg.loss_aggregation, normalizer)
+        stats = {
+            "loss/policy": float(pg_loss.detach() / share),
+            "clipfrac": float(pg_stats["clipfrac"]), "dual_clipfrac": float(pg_stats["dual_clipfrac"]),
+            "approxkl": float(pg_stats["approxkl"]), "ratio": float(pg_stats["ratio"]),
+            "entropy": float(ppo_math.masked_mean(entropy.detach(), m)),
+        }
+        if cfg.kl_penalty == "loss" and kl_coef > 0:
+            kl_loss = ppo_math.kl_loss(
+                new_logprobs, rollout.ref_logprobs[idx], m, kl_coef, cfg.kl_estimator, normalizer, cfg.loss_aggregation,
+            )
+            loss = loss + kl_loss
+            stats["loss/kl"] = float(kl_loss.detach() / share)
+        if bad is None and not torch.isfinite(loss.detach()):
+            bad = "loss/policy"
+        loss.backward()
+        ratio_sum = ratio_sum + pg_stats["ratio"] * n_tokens
+
+        if adv.returns is not None:
+            with roles.as_role(VALUE):
+                new_values = roles.values(ids, am, rollout.response_start)
+            vf_loss, vf_stats = ppo_math.value_loss(
+                new_values, rollout.values[idx], adv.returns[idx], m,
+                cfg.value_clip_eps if cfg.clip_value_loss else None, normalizer, cfg.loss_aggregation,
+            )
+            if bad is None and not torch.isfinite(vf_loss.detach()):
+                bad = "loss/value"
+            (cfg.vf_coef * vf_loss).backward()
+            stats["loss/value"] = float(vf_loss.detach() / share)
+            stats["value_clipfrac"] = float(vf_stats["clipfrac"])
+        means.add(stats, n_tokens)
+    return float(ratio_sum / token_count), bad
+
+
+def ratio_threshold_action(cfg: PPOConfig, mean_ratio: float) -> Optional[str]:
+    """"skip" or "scale" when the minibatch's mean ratio passes ppo.ratio_threshold (the policy
+    drifted far from the rollout policy on it), else None."""
+    if cfg.ratio_threshold is not None and mean_ratio > cfg.ratio_threshold:
+        return cfg.ratio_threshold_action
+    return None
+
+
+def optimizer_step(
+    roles: RoleModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Optional[torch.optim.lr_scheduler.LRScheduler],
+    cfg: PPOConfig,
+    ratio_action: Optional[str],
+    mean_ratio: float,
+    bad: Optional[str],
+) -> tuple[tuple[torch.Tensor, torch.Tensor], Optional[str]]:
+    """Apply the ratio threshold, clip each adapter's gradient norm and step the optimizer,
+    unless something is non-finite: then the gradients are dropped and the adapters and the
+    optimizer moments stay as they were. The lr schedule counts the minibatch either way.
+
+    Returns ((policy grad norm, value grad norm), the first non-finite quantity or None).
+    """
+    policy_params, value_params = roles.policy_parameters(), roles.value_parameters()
+    if ratio_action == "skip":
+        for p in policy_params:
+            p.grad = None
+    elif ratio_action == "scale":
+        for p in policy_params:
+            if p.grad is not None:
+                p.grad.mul_(cfg.ratio_threshold / mean_ratio)
+    policy_norm = torch.nn.utils.clip_grad_norm_(policy_params, cfg.max_grad_norm)
+    value_norm = torch.nn.utils.clip_grad_norm_(value_params, cfg.max_grad_norm) if value_params else torch.zeros(())
+    if bad is None and not torch.isfinite(policy_norm):
+        bad = "policy/grad_norm"
+    if bad is None and value_params and not torch.isfinite(value_norm):
+        bad = "value/grad_norm"
+    if bad is None:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    return (policy_norm, value_norm), bad
