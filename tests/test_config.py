@@ -1,0 +1,74 @@
+"""The recipe schema: overrides, derived sizes, errors that name the field,
+and the fields a resume may change."""
+
+from __future__ import annotations
+
+import pytest
+
+from lora_ppo.config import (
+    RESUME_ALLOWED, Recipe, leaf_fields, recipe_from_dict, resume_differences,
+)
+from lora_ppo.errors import RecipeError
+
+
+def _error(data, overrides=()) -> str:
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict(data, list(overrides))
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_overrides_reach_nested_fields_and_parse_types():
+    recipe = recipe_from_dict({}, ["ppo.kl_coef=0.2", "train.steps=7", "ppo.whiten_rewards=true",
+                                   "adapters.policy.target_modules=[q_proj, v_proj]"])
+    assert recipe.ppo.kl_coef == 0.2 and recipe.train.steps == 7 and recipe.ppo.whiten_rewards is True
+    assert recipe.adapters.policy.target_modules == ["q_proj", "v_proj"]
+
+
+def test_derived_sizes():
+    recipe = recipe_from_dict({"rollout": {"batch_size": 16}, "ppo": {"num_minibatches": 2, "grad_accum_steps": 4}})
+    assert (recipe.minibatch_size, recipe.micro_batch_size) == (8, 2)
+
+
+def test_reference_resolution():
+    assert recipe_from_dict({}).adapters.reference_adapter_path is None
+    started = recipe_from_dict({"adapters": {"policy": {"init_from": "sft"}}})
+    assert started.adapters.reference_adapter_path == "sft"
+    assert recipe_from_dict({"adapters": {"policy": {"init_from": "sft"}, "reference": "disable"}}).adapters.reference_adapter_path is None
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"rollout": {"top_p": 1.5}}, "rollout.top_p"),
+    ({"ppo": {"gamma": 2}}, "ppo.gamma"),
+    ({"train": {"output_dir": 3}}, "train.output_dir"),
+    ({"reward": {"kind": "function", "function": "no_colon"}}, "module:function"),
+    ({"model": "x"}, "model"),
+    ({"model": {"quantization": "none", "dequantize_per_step": True}}, "model.dequantize_per_step"),
+])
+def test_errors_name_the_field(data, field):
+    assert field in _error(data)
+
+
+def test_resume_allowed_fields():
+    assert RESUME_ALLOWED == {
+        "train.steps", "train.log_every", "train.sample_every", "train.save_every", "train.keep_last",
+        "train.eval", "train.overwrite", "train.max_consecutive_skips", "data.eval_size",
+        "data.eval_batch_size", "data.eval_samples_per_prompt", "model.dequantize_per_step",
+    }
+
+
+def test_resume_differences_ignore_allowed_fields_only():
+    saved = recipe_from_dict({}).model_dump(mode="json")
+    changed = recipe_from_dict({}, ["train.steps=5", "data.eval_size=3", "ppo.kl_coef=0.2",
+                                    "adapters.value.r=8"])
+    assert resume_differences(saved, changed) == ["adapters.value.r", "ppo.kl_coef"]
+    del saved["train"]["seed"]
+    assert resume_differences(saved, recipe_from_dict({})) == ["train.seed"]
+
+
+def test_every_field_and_section_is_described():
+    undescribed = [path for path, field in leaf_fields(Recipe) if not field.description]
+    assert not undescribed
+    sections = [Recipe.model_fields[name].annotation for name in Recipe.model_fields]
+    assert all(section.__doc__ and "\n" not in section.__doc__.strip() for section in sections)
