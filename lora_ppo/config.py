@@ -6,6 +6,7 @@ run time. Every bad value becomes a one-line `RecipeError` naming the field path
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional, Union
 
@@ -542,12 +543,28 @@ def _path_part(part: Any) -> str:
     return text if text and text.isprintable() and text.strip() == text else repr(text)
 
 
+def _unknown_field(loc: tuple[Any, ...]) -> str:
+    """`path: unknown field`, naming the known field at the same level that is closest in spelling."""
+    path = ".".join(_path_part(p) for p in loc)
+    model: Optional[type[Section]] = Recipe
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        model = nested_section(field) if field is not None else None
+        if model is None:
+            return f"{path}: unknown field (check the spelling)"
+    name = loc[-1]
+    close = difflib.get_close_matches(name, list(model.model_fields), n=1) if isinstance(name, str) else []
+    if not close:
+        return f"{path}: unknown field (check the spelling)"
+    return f"{path}: unknown field (did you mean {'.'.join([*loc[:-1], close[0]])}?)"
+
+
 def _format_validation_error(err: ValidationError) -> str:
     first = err.errors()[0]
     path = ".".join(_path_part(p) for p in first["loc"])
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        line = f"{path}: unknown field (check the spelling)"
+        line = _unknown_field(tuple(first["loc"]))
     elif first["type"] == "missing":
         line = f"{path}: required field is missing"
     elif path:

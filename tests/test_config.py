@@ -1,4 +1,4 @@
-"""The recipe schema: overrides, derived sizes, errors that name the field,
+"""The recipe schema: overrides, derived sizes, errors that name the field (and the field meant),
 and the fields a resume may change."""
 
 from __future__ import annotations
@@ -48,6 +48,18 @@ def test_reference_resolution():
 ])
 def test_errors_name_the_field(data, field):
     assert field in _error(data)
+
+
+@pytest.mark.parametrize("data, overrides, expected", [
+    ({"ppoo": {}}, [], "ppoo: unknown field (did you mean ppo?)"),
+    ({"ppo": {"clip_epz": 0.2}}, [], "ppo.clip_epz: unknown field (did you mean ppo.clip_eps?)"),
+    ({"adapters": {"policy": {"rr": 8}}}, [], "adapters.policy.rr: unknown field (did you mean adapters.policy.r?)"),
+    ({}, ["train.stpes=3"], "train.stpes: unknown field (did you mean train.steps?)"),
+    ({"xyzzy": 1}, [], "xyzzy: unknown field (check the spelling)"),
+    ({"train": {"colour": 1}}, [], "train.colour: unknown field (check the spelling)"),
+])
+def test_unknown_field_names_the_closest_known_one(data, overrides, expected):
+    assert _error(data, overrides) == expected
 
 
 def test_resume_allowed_fields():
