@@ -467,6 +467,12 @@ class Recipe(Section):
             raise ValueError(
                 f"ppo.advantage_estimator {self.ppo.advantage_estimator!r} needs rollout.samples_per_prompt >= 2 (got {k})"
             )
+        penalty = self.rollout.missing_eos_penalty
+        if penalty is not None and self.rollout.stop_token is None:
+            raise ValueError(
+                f"rollout.missing_eos_penalty ({penalty}) has no effect while rollout.stop_token is null: "
+                "set a stop token or remove the penalty"
+            )
         if self.model.dequantize_per_step and self.model.quantization != "4bit":
             raise ValueError(
                 f"model.dequantize_per_step: needs model.quantization 4bit (got {self.model.quantization!r})"

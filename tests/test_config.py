@@ -62,6 +62,13 @@ def test_unknown_field_names_the_closest_known_one(data, overrides, expected):
     assert _error(data, overrides) == expected
 
 
+def test_missing_eos_penalty_needs_a_stop_token():
+    message = _error({"rollout": {"stop_token": None, "missing_eos_penalty": 0.5}})
+    assert message.startswith("rollout.missing_eos_penalty (0.5)") and "rollout.stop_token is null" in message
+    recipe = recipe_from_dict({"rollout": {"missing_eos_penalty": 0.5}})
+    assert (recipe.rollout.stop_token, recipe.rollout.missing_eos_penalty) == ("eos", 0.5)
+
+
 def test_resume_allowed_fields():
     assert RESUME_ALLOWED == {
         "train.steps", "train.log_every", "train.sample_every", "train.save_every", "train.keep_last",

@@ -65,6 +65,7 @@ FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCh
 @example({"\r": None})
 @example({"train": {"a\u2028b": 1}})
 @example({"adapters": {"policy": {"rr": 1}}})
+@example({"rollout": {"stop_token": None, "missing_eos_penalty": 1.0}})
 def test_random_yaml_structures(tmp_path, data):
     _check(tmp_path, yaml.safe_dump(data, allow_unicode=True))
 
