@@ -16,6 +16,9 @@ from pydantic.fields import FieldInfo
 
 from lora_ppo.errors import RecipeError
 
+# The prefix of the model and dataset names that ship with the package (`builtin:<name>`).
+BUILTIN_PREFIX = "builtin:"
+
 Quantization = Literal["4bit", "8bit", "none"]
 
 # The mark of a field a resumed run may change: it alters how long the run goes, what it logs
@@ -80,6 +83,17 @@ class ModelConfig(Section):
         description="Run model code downloaded from the hub. Off unless the recipe says so, since it "
         "executes code that comes with the model.",
     )
+
+    def compute_dtype_name(self, device: str, bf16_supported: bool = True) -> str:
+        """The dtype computation runs in on `device` ("cuda" or "cpu"): "float32", "bfloat16" or
+        "float16". `bf16_supported` says whether the GPU computes in bfloat16 (ignored on CPU)."""
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        if self.compute_dtype != "auto":
+            return self.compute_dtype
+        if device == "cpu":
+            return "float32"
+        return "bfloat16" if bf16_supported else "float16"
 
 
 class LoraSettings(Section):

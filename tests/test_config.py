@@ -1,12 +1,12 @@
 """The recipe schema: overrides, derived sizes, errors that name the field (and the field meant),
-and the fields a resume may change."""
+the fields a resume may change and the compute-dtype rule."""
 
 from __future__ import annotations
 
 import pytest
 
 from lora_ppo.config import (
-    RESUME_ALLOWED, Recipe, leaf_fields, recipe_from_dict, resume_differences,
+    RESUME_ALLOWED, ModelConfig, Recipe, leaf_fields, recipe_from_dict, resume_differences,
 )
 from lora_ppo.errors import RecipeError
 
@@ -84,6 +84,25 @@ def test_resume_differences_ignore_allowed_fields_only():
     assert resume_differences(saved, changed) == ["adapters.value.r", "ppo.kl_coef"]
     del saved["train"]["seed"]
     assert resume_differences(saved, recipe_from_dict({})) == ["train.seed"]
+
+
+@pytest.mark.parametrize("compute_dtype, device, bf16_supported, expected", [
+    ("auto", "cpu", True, "float32"),
+    ("auto", "cpu", False, "float32"),
+    ("auto", "cuda", True, "bfloat16"),
+    ("auto", "cuda", False, "float16"),
+    ("float16", "cpu", True, "float16"),
+    ("bfloat16", "cuda", False, "bfloat16"),
+    ("float32", "cuda", True, "float32"),
+])
+def test_compute_dtype_name(compute_dtype, device, bf16_supported, expected):
+    cfg = ModelConfig(compute_dtype=compute_dtype)
+    assert cfg.compute_dtype_name(device, bf16_supported) == expected
+
+
+def test_compute_dtype_name_refuses_other_devices():
+    with pytest.raises(ValueError, match="'mps'"):
+        ModelConfig().compute_dtype_name("mps")
 
 
 def test_every_field_and_section_is_described():
