@@ -1,6 +1,7 @@
 """The recipe schema: one pydantic model per YAML section, cross-field checks, derived sizes.
 
-Each field's description lives here. A recipe is validated once and never written back at
+Each field's description lives here; docs/recipe.md is generated from them
+(`python -m lora_ppo.recipe_reference`). A recipe is validated once and never written back at
 run time. Every bad value becomes a one-line `RecipeError` naming the field path and the value.
 """
 

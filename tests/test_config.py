@@ -1,5 +1,5 @@
 """The recipe schema: overrides, derived sizes, errors that name the field (and the field meant),
-the fields a resume may change and the compute-dtype rule."""
+the fields a resume may change, the compute-dtype rule, and the generated reference."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from lora_ppo.config import (
     RESUME_ALLOWED, ModelConfig, Recipe, leaf_fields, recipe_from_dict, resume_differences,
 )
 from lora_ppo.errors import RecipeError
+from lora_ppo.recipe_reference import REFERENCE_PATH, REGENERATE, reference_markdown
 
 
 def _error(data, overrides=()) -> str:
@@ -110,3 +111,8 @@ def test_every_field_and_section_is_described():
     assert not undescribed
     sections = [Recipe.model_fields[name].annotation for name in Recipe.model_fields]
     assert all(section.__doc__ and "\n" not in section.__doc__.strip() for section in sections)
+
+
+def test_recipe_reference_is_current():
+    current = REFERENCE_PATH.read_text(encoding="utf-8") if REFERENCE_PATH.exists() else ""
+    assert current == reference_markdown(), f"docs/recipe.md is stale: regenerate it with {REGENERATE}"
