@@ -9,13 +9,13 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from lora_ppo.cli import app
-from lora_ppo.config import Recipe
+from lora_ppo.config import Recipe, leaf_fields
 
 runner = CliRunner()
 
 SECTIONS = list(Recipe.model_fields)
-FIELDS = {name: list(Recipe.model_fields[name].annotation.model_fields) for name in SECTIONS}
-FIELD_NAMES = sorted({f for fields in FIELDS.values() for f in fields})
+# Every name below a section, nested ones included (adapters.policy.r gives policy and r).
+FIELD_NAMES = sorted({part for path, _ in leaf_fields(Recipe) for part in path.split(".")[1:]})
 
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
@@ -64,6 +64,8 @@ FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCh
 @example({1: 2})
 @example({"\r": None})
 @example({"train": {"a\u2028b": 1}})
+@example({"adapters": {"policy": {"rr": 1}}})
+@example({"rollout": {"stop_token": None, "missing_eos_penalty": 1.0}})
 def test_random_yaml_structures(tmp_path, data):
     _check(tmp_path, yaml.safe_dump(data, allow_unicode=True))
 

@@ -1,0 +1,151 @@
+"""The recipe reference, docs/recipe.md, generated from the schema in lora_ppo/config.py.
+
+`python -m lora_ppo.recipe_reference` writes it; `--check` exits 1 when the file is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence, Union
+
+import annotated_types
+import yaml
+from pydantic.fields import FieldInfo
+
+from lora_ppo.config import Recipe, Section, may_change_on_resume, nested_section
+
+REFERENCE_PATH = Path(__file__).resolve().parents[1] / "docs" / "recipe.md"
+REGENERATE = "python -m lora_ppo.recipe_reference"
+
+INTRO = f"""\
+# Recipe reference
+
+A recipe is YAML with up to seven sections: {", ".join(f"`{name}`" for name in Recipe.model_fields)}.
+Every field has a default, so a recipe names only what it changes. Unknown keys are errors:
+a misspelt key is named in a one-line error, with the closest known field when there is one.
+
+Any field can be overridden on the command line as `section.field=value`; values are YAML
+(`3`, `true`, `[q_proj, v_proj]`). `lora-ppo validate RECIPE [overrides]` prints the fully
+resolved recipe without loading anything.
+
+The column "on resume" says whether a resumed run (`--resume`) may set the field differently
+from the run's `recipe.yaml`: `may change` fields alter how long a run goes, what it logs or
+evaluates, or how fast a step runs; any other difference is refused.
+
+This file is generated from the field descriptions in `lora_ppo/config.py`; do not edit it by
+hand. After changing the schema, regenerate it with `{REGENERATE}`.
+"""
+
+TABLE_HEAD = "| field | type | default | on resume | meaning |\n|---|---|---|---|---|"
+
+
+def _number(value: float) -> str:
+    # A large power of two (the seed's bound, 2**63) reads better as 2^k than as 19 digits.
+    if isinstance(value, int) and value >= 1024 and value & (value - 1) == 0:
+        return f"2^{value.bit_length() - 1}"
+    return format(value, "g")
+
+
+def _bounds(field: FieldInfo) -> str:
+    """The field's numeric constraints: ` > 0`, ` >= 0`, ` in (0, 1]`, or nothing."""
+    lower = upper = None  # (interval bracket, comparison, number)
+    for item in field.metadata:
+        if isinstance(item, annotated_types.Gt):
+            lower = ("(", ">", item.gt)
+        elif isinstance(item, annotated_types.Ge):
+            lower = ("[", ">=", item.ge)
+        elif isinstance(item, annotated_types.Lt):
+            upper = (")", "<", item.lt)
+        elif isinstance(item, annotated_types.Le):
+            upper = ("]", "<=", item.le)
+    if lower and upper:
+        return f" in {lower[0]}{_number(lower[2])}, {_number(upper[2])}{upper[0]}"
+    bound = lower or upper
+    return f" {bound[1]} {_number(bound[2])}" if bound else ""
+
+
+def _type_text(annotation: Any, bounds: str = "") -> str:
+    """A readable type: `int > 0`, one of `4bit`/`8bit`/`none`, `float > 0 or null`, `list of str`."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is type(None):
+        return "null"
+    if origin is Literal:
+        values = "/".join(f"`{value}`" for value in args)
+        return values if len(args) == 1 else f"one of {values}"
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_text(arg, bounds) for arg in args)
+    if origin is list:
+        return f"list of {_type_text(args[0]).removeprefix('one of ')}"
+    return annotation.__name__ + (bounds if annotation in (int, float) else "")
+
+
+def _yaml_value(value: Any) -> str:
+    """A default as a recipe would spell it: `null`, `true`, `[]`, `0.0001`."""
+    # A scalar dumps as a document: "value\n...\n".
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).removesuffix("\n...\n").strip()
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _field_row(path: str, field: FieldInfo) -> str:
+    cells = [
+        f"`{path}`",
+        _type_text(field.annotation, _bounds(field)),
+        f"`{_yaml_value(field.default)}`",
+        "may change" if may_change_on_resume(field) else "must match",
+        field.description or "",
+    ]
+    return "| " + " | ".join(_cell(cell) for cell in cells) + " |"
+
+
+def _section_text(model: type[Section], path: str, level: int, intro: Optional[str]) -> list[str]:
+    """A heading, the intro, a table of the section's value fields, then its nested sections."""
+    blocks = [f"{'#' * level} `{path}`"]
+    if intro:
+        blocks.append(intro)
+    rows = [_field_row(f"{path}.{name}", field) for name, field in model.model_fields.items()
+            if nested_section(field) is None]
+    if rows:
+        blocks.append("\n".join([TABLE_HEAD, *rows]))
+    for name, field in model.model_fields.items():
+        inner = nested_section(field)
+        if inner is not None:
+            blocks.extend(_section_text(inner, f"{path}.{name}", level + 1, field.description))
+    return blocks
+
+
+def reference_markdown() -> str:
+    """The whole of docs/recipe.md."""
+    blocks = [INTRO.rstrip("\n")]
+    for name, field in Recipe.model_fields.items():
+        section = nested_section(field)
+        blocks.extend(_section_text(section, name, 2, (section.__doc__ or "").strip()))
+    return "\n\n".join(blocks) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when docs/recipe.md is stale")
+    args = parser.parse_args(argv)
+    text = reference_markdown()
+    shown = REFERENCE_PATH.relative_to(REFERENCE_PATH.parents[1])
+    if args.check:
+        current = REFERENCE_PATH.read_text(encoding="utf-8") if REFERENCE_PATH.exists() else None
+        if current != text:
+            print(f"{shown} is stale: regenerate it with {REGENERATE}", file=sys.stderr)
+            return 1
+        return 0
+    REFERENCE_PATH.parent.mkdir(exist_ok=True)
+    REFERENCE_PATH.write_text(text, encoding="utf-8")
+    print(f"wrote {shown}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The recipe schema: overrides, derived sizes, errors that name the field (and the field meant),
+the fields a resume may change, the compute-dtype rule, and the generated reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from lora_ppo.config import (
+    RESUME_ALLOWED, ModelConfig, Recipe, leaf_fields, recipe_from_dict, resume_differences,
+)
+from lora_ppo.errors import RecipeError
+from lora_ppo.recipe_reference import REFERENCE_PATH, REGENERATE, reference_markdown
+
+
+def _error(data, overrides=()) -> str:
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict(data, list(overrides))
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_overrides_reach_nested_fields_and_parse_types():
+    recipe = recipe_from_dict({}, ["ppo.kl_coef=0.2", "train.steps=7", "ppo.whiten_rewards=true",
+                                   "adapters.policy.target_modules=[q_proj, v_proj]"])
+    assert recipe.ppo.kl_coef == 0.2 and recipe.train.steps == 7 and recipe.ppo.whiten_rewards is True
+    assert recipe.adapters.policy.target_modules == ["q_proj", "v_proj"]
+
+
+def test_derived_sizes():
+    recipe = recipe_from_dict({"rollout": {"batch_size": 16}, "ppo": {"num_minibatches": 2, "grad_accum_steps": 4}})
+    assert (recipe.minibatch_size, recipe.micro_batch_size) == (8, 2)
+
+
+def test_reference_resolution():
+    assert recipe_from_dict({}).adapters.reference_adapter_path is None
+    started = recipe_from_dict({"adapters": {"policy": {"init_from": "sft"}}})
+    assert started.adapters.reference_adapter_path == "sft"
+    assert recipe_from_dict({"adapters": {"policy": {"init_from": "sft"}, "reference": "disable"}}).adapters.reference_adapter_path is None
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"rollout": {"top_p": 1.5}}, "rollout.top_p"),
+    ({"ppo": {"gamma": 2}}, "ppo.gamma"),
+    ({"train": {"output_dir": 3}}, "train.output_dir"),
+    ({"reward": {"kind": "function", "function": "no_colon"}}, "module:function"),
+    ({"model": "x"}, "model"),
+    ({"model": {"quantization": "none", "dequantize_per_step": True}}, "model.dequantize_per_step"),
+])
+def test_errors_name_the_field(data, field):
+    assert field in _error(data)
+
+
+@pytest.mark.parametrize("data, overrides, expected", [
+    ({"ppoo": {}}, [], "ppoo: unknown field (did you mean ppo?)"),
+    ({"ppo": {"clip_epz": 0.2}}, [], "ppo.clip_epz: unknown field (did you mean ppo.clip_eps?)"),
+    ({"adapters": {"policy": {"rr": 8}}}, [], "adapters.policy.rr: unknown field (did you mean adapters.policy.r?)"),
+    ({}, ["train.stpes=3"], "train.stpes: unknown field (did you mean train.steps?)"),
+    ({"xyzzy": 1}, [], "xyzzy: unknown field (check the spelling)"),
+    ({"train": {"colour": 1}}, [], "train.colour: unknown field (check the spelling)"),
+])
+def test_unknown_field_names_the_closest_known_one(data, overrides, expected):
+    assert _error(data, overrides) == expected
+
+
+def test_missing_eos_penalty_needs_a_stop_token():
+    message = _error({"rollout": {"stop_token": None, "missing_eos_penalty": 0.5}})
+    assert message.startswith("rollout.missing_eos_penalty (0.5)") and "rollout.stop_token is null" in message
+    recipe = recipe_from_dict({"rollout": {"missing_eos_penalty": 0.5}})
+    assert (recipe.rollout.stop_token, recipe.rollout.missing_eos_penalty) == ("eos", 0.5)
+
+
+def test_resume_allowed_fields():
+    assert RESUME_ALLOWED == {
+        "train.steps", "train.log_every", "train.sample_every", "train.save_every", "train.keep_last",
+        "train.eval", "train.overwrite", "train.max_consecutive_skips", "data.eval_size",
+        "data.eval_batch_size", "data.eval_samples_per_prompt", "model.dequantize_per_step",
+    }
+
+
+def test_resume_differences_ignore_allowed_fields_only():
+    saved = recipe_from_dict({}).model_dump(mode="json")
+    changed = recipe_from_dict({}, ["train.steps=5", "data.eval_size=3", "ppo.kl_coef=0.2",
+                                    "adapters.value.r=8"])
+    assert resume_differences(saved, changed) == ["adapters.value.r", "ppo.kl_coef"]
+    del saved["train"]["seed"]
+    assert resume_differences(saved, recipe_from_dict({})) == ["train.seed"]
+
+
+@pytest.mark.parametrize("compute_dtype, device, bf16_supported, expected", [
+    ("auto", "cpu", True, "float32"),
+    ("auto", "cpu", False, "float32"),
+    ("auto", "cuda", True, "bfloat16"),
+    ("auto", "cuda", False, "float16"),
+    ("float16", "cpu", True, "float16"),
+    ("bfloat16", "cuda", False, "bfloat16"),
+    ("float32", "cuda", True, "float32"),
+])
+def test_compute_dtype_name(compute_dtype, device, bf16_supported, expected):
+    cfg = ModelConfig(compute_dtype=compute_dtype)
+    assert cfg.compute_dtype_name(device, bf16_supported) == expected
+
+
+def test_compute_dtype_name_refuses_other_devices():
+    with pytest.raises(ValueError, match="'mps'"):
+        ModelConfig().compute_dtype_name("mps")
+
+
+def test_every_field_and_section_is_described():
+    undescribed = [path for path, field in leaf_fields(Recipe) if not field.description]
+    assert not undescribed
+    sections = [Recipe.model_fields[name].annotation for name in Recipe.model_fields]
+    assert all(section.__doc__ and "\n" not in section.__doc__.strip() for section in sections)
+
+
+def test_recipe_reference_is_current():
+    current = REFERENCE_PATH.read_text(encoding="utf-8") if REFERENCE_PATH.exists() else ""
+    assert current == reference_markdown(), f"docs/recipe.md is stale: regenerate it with {REGENERATE}"
