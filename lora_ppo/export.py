@@ -17,18 +17,17 @@ from typing import Literal, Optional
 import torch
 
 from lora_ppo.errors import RecipeError, first_line
+from lora_ppo.model_card import MODEL_CARD_FILE, adapter_card, merged_card
 from lora_ppo.parity import ParityReport, compare, probe_ids, reference_outputs, tolerance_for
+from lora_ppo.run_dir import RECIPE_FILE, RunDir
 
 log = logging.getLogger(__name__)
 
-RECIPE_FILE = "recipe.yaml"  # the names the trainer writes (lora_ppo.trainer)
-SUMMARY_FILE = "summary.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 FINAL_DIR = "final"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 VALUE_HEAD_FILE = "value_head.safetensors"  # = lora_ppo.roles.VALUE_HEAD_FILE (not imported: roles pulls in peft)
-MODEL_CARD_FILE = "README.md"
 
 AdapterName = Literal["policy", "value", "reward"]
 BaseChoice = Literal["original", "dequantized"]
@@ -59,20 +58,25 @@ class Checkpoint:
     """A checkpoint folder (holding policy/, value/, maybe reward/) and the run it belongs to."""
 
     folder: Path
-    run_dir: Path
+    run: RunDir
     step: Optional[int]
-
-    @property
-    def recipe_path(self) -> Path:
-        return self.run_dir / RECIPE_FILE
 
     @property
     def label(self) -> str:
         """The checkpoint relative to its run folder (`final`, `checkpoints/step-10`)."""
         try:
-            return self.folder.relative_to(self.run_dir).as_posix() or "."
+            return self.folder.relative_to(self.run.root).as_posix() or "."
         except ValueError:
             return self.folder.name
+
+    def summary(self) -> Optional[dict]:
+        """The run's summary.json, or None when the run has not written one (yet)."""
+        if not self.run.summary.is_file():
+            return None
+        summary = _read_json(self.run.summary)
+        if not isinstance(summary, dict):
+            raise RecipeError(f"corrupt run: {self.run.summary} is not a JSON object")
+        return summary
 
     def adapter_dir(self, name: str) -> Path:
         return self.folder / name
@@ -118,7 +122,7 @@ def find_checkpoint(source: str | Path) -> Checkpoint:
     if state_path.exists():
         state = _read_json(state_path)
         step = state.get("step") if isinstance(state, dict) else None
-    return Checkpoint(folder=folder, run_dir=run_dir, step=step)
+    return Checkpoint(folder=folder, run=RunDir(run_dir), step=step)
 
 
 def _read_json(path: Path):
@@ -285,111 +289,6 @@ def _merged_model(recipe, adapter_dir: Path, base: str, prompts: list[torch.Tens
     return merged, refs, description, ref_dtype
 
 
-# ---- the model card ---------------------------------------------------------------------------
-
-
-def _looks_like_hub_id(name: str) -> bool:
-    from lora_ppo.model import BUILTIN_PREFIX
-
-    return not name.startswith((BUILTIN_PREFIX, ".", "/", "~")) and name.count("/") == 1 and not Path(name).exists()
-
-
-def _summary_lines(checkpoint: Checkpoint) -> list[str]:
-    path = checkpoint.run_dir / SUMMARY_FILE
-    if not path.is_file():
-        return ["No summary.json: the run had not finished when this checkpoint was saved."]
-    summary = _read_json(path)
-    if not isinstance(summary, dict):
-        raise RecipeError(f"corrupt run: {path} is not a JSON object")
-    lines = ["| metric | value |", "|---|---|"]
-    for key, value in summary.items():
-        shown = f"{value:.4g}" if isinstance(value, float) else json.dumps(value)
-        lines.append(f"| {key} | {shown} |")
-    return lines
-
-
-def model_card(checkpoint: Checkpoint, recipe, adapter: str, kind: str, base: Optional[str],
-               dtype: Optional[str], parity: Optional[ParityReport],
-               merge_parity: Optional[ParityReport] = None) -> str:
-    """The export's README.md: base model, how it was made, training summary, recipe. Deterministic
-    (no dates, no measured numbers that could vary between runs), so re-exports are byte-identical."""
-    name = recipe.model.name
-    front = ["---", f"library_name: {'transformers' if kind == 'merged' else 'peft'}"]
-    if _looks_like_hub_id(name):
-        front.append(f"base_model: {name}")
-    front += ["tags:", "- lora_ppo", "- ppo", "- rlhf", "---", ""]
-    step = f" (step {checkpoint.step})" if checkpoint.step is not None else ""
-    if kind == "merged":
-        into = ("the original, unquantized base weights" if base == "original" else
-                f"the dequantized {recipe.model.quantization} base weights the adapter was trained against")
-        title = "# PPO-trained policy, merged"
-        what = [
-            f"The `{adapter}` LoRA adapter from checkpoint `{checkpoint.label}`{step} of a lora_ppo run, "
-            f"merged into {into}, saved as {dtype}.",
-            "",
-            f"- Base model: `{name}`",
-            f"- Merged into: {base} base",
-            f"- Weights dtype: {dtype}",
-        ]
-        if parity is None:
-            what.append("- Parity check: skipped (--no-verify)")
-        else:
-            tol = parity.tolerance
-            what.append(
-                f"- Parity check: passed against the {parity.reference} on {parity.n_prompts} probe prompts "
-                f"(mean KL <= {tol.max_kl:g}, max |logit diff| <= {tol.max_logit_diff:g}, "
-                f"greedy agreement >= {tol.min_greedy_agreement:.0%})"
-                + (", and the merged fp32 weights passed before the cast" if merge_parity else "")
-            )
-        use = [
-            "```python",
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            "",
-            'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")',
-            'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
-            "```",
-        ]
-    else:
-        title = f"# PPO-trained {adapter} adapter"
-        extra = {"value": " with its score head (`value_head.safetensors`: `nn.Linear(hidden, 1)` on the "
-                          "last hidden state)", "reward": ""}.get(adapter, "")
-        what = [
-            f"The `{adapter}` LoRA adapter{extra} from checkpoint `{checkpoint.label}`{step} of a lora_ppo run.",
-            "",
-            f"- Base model: `{name}` (trained on its {recipe.model.quantization} weights)",
-        ]
-        from lora_ppo.model import BUILTIN_PREFIX
-
-        # A builtin name is not a hub id: lora_ppo resolves it to a local folder.
-        base_ref = f'resolve_model_path("{name}")' if name.startswith(BUILTIN_PREFIX) else f'"{name}"'
-        use = [
-            "```python",
-            "from peft import PeftModel",
-            "from transformers import AutoModelForCausalLM",
-            *(["from lora_ppo.model import resolve_model_path"] if name.startswith(BUILTIN_PREFIX) else []),
-            "",
-            f"base = AutoModelForCausalLM.from_pretrained({base_ref})",
-            'model = PeftModel.from_pretrained(base, "path/to/this/folder")',
-        ]
-        if adapter == "value":
-            use += [
-                "",
-                "# the value of each position: the score head on the decoder's last hidden state",
-                "import torch",
-                "from safetensors.torch import load_file",
-                "",
-                "head = torch.nn.Linear(base.config.hidden_size, 1)",
-                'head.load_state_dict(load_file("path/to/this/folder/value_head.safetensors"))',
-                "hidden = model.get_base_model().get_decoder()(input_ids).last_hidden_state",
-                "values = head(hidden).squeeze(-1)  # [B, T]",
-            ]
-        use.append("```")
-    recipe_text = checkpoint.recipe_path.read_text(encoding="utf-8").rstrip("\n")
-    lines = front + [title, "", *what, "", "## Use", "", *use, "", "## Training summary", "",
-                     *_summary_lines(checkpoint), "", "## Recipe", "", "```yaml", recipe_text, "```", ""]
-    return "\n".join(lines)
-
-
 # ---- the entry point --------------------------------------------------------------------------
 
 
@@ -461,7 +360,7 @@ def merge_and_export(
         )
     checkpoint = find_checkpoint(source)
     adapter_dir = check_adapter(checkpoint, adapter)
-    recipe = load_recipe(checkpoint.recipe_path)
+    recipe = load_recipe(checkpoint.run.recipe)
     out = _check_out(Path(out), checkpoint, force)
     if not adapter_only and base == "dequantized" and recipe.model.quantization == "none":
         raise RecipeError("base=dequantized: this run trained on unquantized weights "
@@ -474,13 +373,13 @@ def merge_and_export(
 
 def _export_adapter(checkpoint: Checkpoint, recipe, adapter: str, adapter_dir: Path, out: Path) -> ExportReport:
     files = sorted(p.name for p in adapter_dir.iterdir() if p.is_file() and not p.name.startswith("."))
-    card = model_card(checkpoint, recipe, adapter, "adapter", None, None, None)
+    card = adapter_card(checkpoint, recipe, adapter)
     staging = _staging_dir(out)
     try:
         for name in files:
             shutil.copyfile(adapter_dir / name, staging / name)
         if MODEL_CARD_FILE not in files:
-            (staging / MODEL_CARD_FILE).write_text(card, encoding="utf-8")
+            card.save(staging / MODEL_CARD_FILE)
         _publish(staging, out)
     except OSError as err:
         raise ExportError(f"cannot write the export to {out}: {err.strerror or err}") from None
@@ -541,10 +440,7 @@ def _export_merged(checkpoint: Checkpoint, recipe, adapter_dir: Path, out: Path,
             _release()
             _raise_if_failed(parity, out)
         try:
-            (staging / MODEL_CARD_FILE).write_text(
-                model_card(checkpoint, recipe, "policy", "merged", base, dtype, parity, merge_parity),
-                encoding="utf-8",
-            )
+            merged_card(checkpoint, recipe, base, dtype, parity, merge_parity).save(staging / MODEL_CARD_FILE)
             _publish(staging, out)
         except OSError as err:
             raise ExportError(f"cannot write the export to {out}: {err.strerror or err}") from None
