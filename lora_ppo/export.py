@@ -7,18 +7,25 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
 import torch
 
+from lora_ppo.atomic import atomic_folder
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.model_card import MODEL_CARD_FILE, adapter_card, merged_card
-from lora_ppo.parity import ParityReport, compare, probe_ids, reference_outputs, tolerance_for
+from lora_ppo.parity import (
+    ParityReport,
+    ProbeReference,
+    Tolerance,
+    compare,
+    probe_ids,
+    reference_outputs,
+    tolerance_for,
+)
 from lora_ppo.run_dir import RECIPE_FILE, RunDir
 
 log = logging.getLogger(__name__)
@@ -198,39 +205,6 @@ def _check_out(out: Path, checkpoint: Checkpoint, force: bool) -> Path:
     return out
 
 
-def _staging_dir(out: Path) -> Path:
-    """An empty folder beside `out` (same file system, so the final rename is atomic)."""
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        os.chmod(staging, 0o755)  # mkdtemp makes it private; the export is an ordinary folder
-    except OSError as err:
-        raise ExportError(f"cannot write the export to {out}: {err.strerror or err}") from None
-    return staging
-
-
-def _publish(staging: Path, out: Path) -> None:
-    """Move the finished staging folder to `out`, replacing what is there (force was checked)."""
-    for item in staging.iterdir():
-        if item.is_file():
-            os.chmod(item, 0o644)  # some writers (safetensors) create private files
-    old = None
-    if out.exists() or out.is_symlink():
-        if out.is_dir() and not out.is_symlink():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / "previous")
-        else:
-            out.unlink()
-    try:
-        os.replace(staging, out)
-    except OSError:
-        if old is not None:
-            os.replace(old / "previous", out)  # put the previous export back
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 # ---- merging ----------------------------------------------------------------------------------
 
 
@@ -374,17 +348,14 @@ def merge_and_export(
 def _export_adapter(checkpoint: Checkpoint, recipe, adapter: str, adapter_dir: Path, out: Path) -> ExportReport:
     files = sorted(p.name for p in adapter_dir.iterdir() if p.is_file() and not p.name.startswith("."))
     card = adapter_card(checkpoint, recipe, adapter)
-    staging = _staging_dir(out)
     try:
-        for name in files:
-            shutil.copyfile(adapter_dir / name, staging / name)
-        if MODEL_CARD_FILE not in files:
-            card.save(staging / MODEL_CARD_FILE)
-        _publish(staging, out)
+        with atomic_folder(out) as staging:
+            for name in files:
+                shutil.copyfile(adapter_dir / name, staging / name)
+            if MODEL_CARD_FILE not in files:
+                card.save(staging / MODEL_CARD_FILE)
     except OSError as err:
-        raise ExportError(f"cannot write the export to {out}: {err.strerror or err}") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        raise _write_error(out, err) from None
     return ExportReport(out=out, checkpoint=checkpoint.folder, adapter=adapter, kind="adapter", base=None,
                         dtype=None, parity=None, files=tuple(sorted(set(files) | {MODEL_CARD_FILE})))
 
@@ -392,14 +363,12 @@ def _export_adapter(checkpoint: Checkpoint, recipe, adapter: str, adapter_dir: P
 def _export_merged(checkpoint: Checkpoint, recipe, adapter_dir: Path, out: Path, dtype: str, base: str,
                    verify: bool) -> ExportReport:
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lora_ppo.model import device, load_tokenizer
+    from lora_ppo.model import load_tokenizer
 
     torch_dtype = DTYPES[dtype]
     tokenizer = load_tokenizer(recipe.model)
-    chat = recipe.data.chat_template
-    prompts = probe_ids(tokenizer, chat)
+    prompts = probe_ids(tokenizer, recipe.data.chat_template)
     log.info("merging %s into the %s base (%s)", adapter_dir, base, recipe.model.name)
     merged, refs, ref_description, ref_dtype = _merged_model(recipe, adapter_dir, base, prompts, verify)
     merge_parity = None
@@ -412,43 +381,52 @@ def _export_merged(checkpoint: Checkpoint, recipe, adapter_dir: Path, out: Path,
     merged = merged.to(torch_dtype)
     merged.requires_grad_(False)
 
-    staging = _staging_dir(out)
+    parity = None
     try:
-        try:
+        with atomic_folder(out) as staging:
             merged.save_pretrained(str(staging))
             tokenizer.save_pretrained(str(staging))
-        except (OSError, SafetensorError) as err:
-            raise ExportError(f"cannot write the export to {out}: {getattr(err, 'strerror', None) or err}") from None
-        del merged
-        _release()
-
-        parity = None
-        if verify:
-            # Check the files as written: the folder is loaded back exactly as a user would.
-            log.info("parity check on %d probe prompts", len(prompts))
-            dev = device()
-            exported = AutoModelForCausalLM.from_pretrained(
-                str(staging), dtype=torch_dtype, device_map={"": dev.index if dev.type == "cuda" else "cpu"},
-                use_safetensors=True, trust_remote_code=recipe.model.trust_remote_code,
-            )
-            exported.eval()
-            exported_tok = AutoTokenizer.from_pretrained(str(staging), trust_remote_code=recipe.model.trust_remote_code)
-            same_ids = all(torch.equal(a, b) for a, b in zip(prompts, probe_ids(exported_tok, chat)))
-            parity = compare(exported, refs, tolerance_for(torch_dtype, ref_dtype), ref_description,
-                             f"exported {dtype} model", same_ids)
-            del exported
+            del merged
             _release()
-            _raise_if_failed(parity, out)
-        try:
+            if verify:
+                # Check the files as written, before they are published: the staging folder is
+                # loaded back exactly as a user would load the export.
+                parity = _check_written(staging, recipe, prompts, refs, dtype,
+                                        tolerance_for(torch_dtype, ref_dtype), ref_description)
+                _raise_if_failed(parity, out)
             merged_card(checkpoint, recipe, base, dtype, parity, merge_parity).save(staging / MODEL_CARD_FILE)
-            _publish(staging, out)
-        except OSError as err:
-            raise ExportError(f"cannot write the export to {out}: {err.strerror or err}") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    except (OSError, SafetensorError) as err:
+        raise _write_error(out, err) from None
     files = tuple(sorted(p.name for p in out.iterdir()))
     return ExportReport(out=out, checkpoint=checkpoint.folder, adapter="policy", kind="merged", base=base,
                         dtype=dtype, parity=parity, files=files, merge_parity=merge_parity)
+
+
+def _check_written(folder: Path, recipe, prompts: list[torch.Tensor], refs: list[ProbeReference], dtype: str,
+                   tolerance: Tolerance, ref_description: str) -> ParityReport:
+    """Load the exported model and tokenizer from `folder` and compare them with the reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lora_ppo.model import device
+
+    log.info("parity check on %d probe prompts", len(prompts))
+    dev = device()
+    trust = recipe.model.trust_remote_code
+    exported = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=DTYPES[dtype], device_map={"": dev.index if dev.type == "cuda" else "cpu"},
+        use_safetensors=True, trust_remote_code=trust,
+    )
+    exported.eval()
+    exported_tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust)
+    same_ids = all(torch.equal(a, b) for a, b in zip(prompts, probe_ids(exported_tok, recipe.data.chat_template)))
+    parity = compare(exported, refs, tolerance, ref_description, f"exported {dtype} model", same_ids)
+    del exported
+    _release()
+    return parity
+
+
+def _write_error(out: Path, err: Exception) -> ExportError:
+    return ExportError(f"cannot write the export to {out}: {getattr(err, 'strerror', None) or first_line(err)}")
 
 
 def _raise_if_failed(parity: ParityReport, out: Path) -> None:

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import errno
+import os
 import shutil
+import stat
 
 import pytest
 from typer.testing import CliRunner
@@ -122,6 +124,29 @@ def test_bad_options(trained_run, tmp_path, options, expected):
         merge_and_export(trained_run, tmp_path / "out", **options)
 
 
+def test_a_link_at_out_is_replaced_not_followed(trained_run, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine")
+    out = tmp_path / "out"
+    out.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(RecipeError, match="already exists"):
+        merge_and_export(trained_run, out, adapter_only=True)
+    merge_and_export(trained_run, out, adapter_only=True, force=True)
+    assert not out.is_symlink() and (out / "adapter_model.safetensors").is_file()
+    assert [p.name for p in elsewhere.iterdir()] == ["keep.txt"]
+
+
+def test_exported_files_are_readable_by_others(trained_run, tmp_path):
+    previous = os.umask(0o022)
+    try:
+        merge_and_export(trained_run, tmp_path / "out", adapter_only=True)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").iterdir()} == {0o644}
+
+
 def test_disk_write_failure_leaves_nothing(trained_run, tmp_path, monkeypatch):
     def no_space(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -129,6 +154,18 @@ def test_disk_write_failure_leaves_nothing(trained_run, tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "copyfile", no_space)
     with pytest.raises(ExportError, match="No space left on device"):
         merge_and_export(trained_run, tmp_path / "exports" / "out", adapter_only=True)
+    assert list((tmp_path / "exports").iterdir()) == []
+
+
+def test_merged_write_failure_leaves_nothing(trained_run, tmp_path, monkeypatch):
+    from huggingface_hub import ModelCard
+
+    def no_space(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ModelCard, "save", no_space)  # the last file written, after the weights
+    with pytest.raises(ExportError, match="No space left on device"):
+        merge_and_export(trained_run, tmp_path / "exports" / "out", verify=False)
     assert list((tmp_path / "exports").iterdir()) == []
 
 
