@@ -26,12 +26,19 @@ from lora_ppo.parity import (
     reference_outputs,
     tolerance_for,
 )
-from lora_ppo.run_dir import RECIPE_FILE, RunDir
+from lora_ppo.run_dir import (
+    CHECKPOINTS_DIR,
+    FINAL_DIR,
+    MANIFEST_FILE,
+    RECIPE_FILE,
+    RunDir,
+    find_run_root,
+    is_checkpoint,
+    read_manifest,
+)
 
 log = logging.getLogger(__name__)
 
-TRAINER_STATE_FILE = "trainer_state.json"
-FINAL_DIR = "final"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 VALUE_HEAD_FILE = "value_head.safetensors"  # = lora_ppo.roles.VALUE_HEAD_FILE (not imported: roles pulls in peft)
@@ -62,7 +69,7 @@ class ParityError(RuntimeError):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint folder (holding policy/, value/, maybe reward/) and the run it belongs to."""
+    """A complete checkpoint folder (holding policy/ and, with a critic, value/) and its run."""
 
     folder: Path
     run: RunDir
@@ -90,46 +97,45 @@ class Checkpoint:
 
 
 def find_checkpoint(source: str | Path) -> Checkpoint:
-    """Locate the checkpoint for a run folder (its final/) or a checkpoint folder, and its recipe.
+    """The complete checkpoint `source` names, and the run it belongs to: `source` itself when it
+    is a checkpoint (it holds manifest.json, which the checkpoint writer adds last), else the
+    final/ checkpoint of the run folder `source`.
 
-    Raises RecipeError when there is no checkpoint, no recipe.yaml beside it, or a corrupt
-    trainer_state.json.
+    Raises RecipeError when there is no complete checkpoint, no recipe.yaml beside it, or an
+    unreadable manifest.
     """
     source = Path(source).expanduser()
     if not source.exists():
         raise RecipeError(f"checkpoint not found: {source}")
     if not source.is_dir():
         raise RecipeError(f"checkpoint {source} is not a folder")
-    if (source / "policy").is_dir():
-        folder = source
-    elif (source / FINAL_DIR / "policy").is_dir():
-        folder = source / FINAL_DIR
-    else:
-        hint = ""
-        if (source / RECIPE_FILE).is_file():
-            steps = [p for p in (source / "checkpoints").glob("step-*") if (p / "policy").is_dir()]
-            steps.sort(key=lambda p: int(p.name[5:]) if p.name[5:].isdigit() else -1)
-            others = [f"checkpoints/{p.name}" for p in steps]
-            if (source / "interrupted" / "policy").is_dir():
-                others.insert(0, "interrupted")
-            hint = " (the run has no final/ checkpoint"
-            hint += f"; pass one of: {', '.join(others)})" if others else ")"
-        raise RecipeError(
-            f"no checkpoint in {source}: expected a policy/ folder in it or in its final/ folder{hint}"
-        )
+    folder = next((f for f in (source, source / FINAL_DIR) if is_checkpoint(f)), None)
+    if folder is None:
+        raise RecipeError(_no_checkpoint(source))
     folder = folder.resolve()
-    run_dir = next((d for d in (folder, folder.parent, folder.parent.parent) if (d / RECIPE_FILE).is_file()), None)
-    if run_dir is None:
+    root = find_run_root(folder)
+    if root is None:
         raise RecipeError(
             f"checkpoint {folder}: no {RECIPE_FILE} in it, its parent or grandparent "
             "(the recipe records which base model the adapters belong to)"
         )
-    step = None
-    state_path = folder / TRAINER_STATE_FILE
-    if state_path.exists():
-        state = _read_json(state_path)
-        step = state.get("step") if isinstance(state, dict) else None
-    return Checkpoint(folder=folder, run=RunDir(run_dir), step=step)
+    try:
+        step = read_manifest(folder).get("step")
+    except (OSError, ValueError) as err:
+        raise RecipeError(f"corrupt checkpoint: {folder / MANIFEST_FILE} cannot be read ({first_line(err)})") from None
+    return Checkpoint(folder=folder, run=RunDir(root), step=step if isinstance(step, int) else None)
+
+
+def _no_checkpoint(source: Path) -> str:
+    """Why `source` is not a checkpoint; for a run folder, the complete checkpoints it does have."""
+    run = RunDir(source)
+    if not run.recipe.is_file():
+        return (f"no complete checkpoint in {source}: neither it nor its {FINAL_DIR}/ folder holds "
+                f"{MANIFEST_FILE} (the checkpoint writer adds it last)")
+    others = [p.relative_to(source).as_posix() for p in run.complete_checkpoints()]
+    hint = f"pass one of: {', '.join(others)}" if others else f"nor has it a complete {CHECKPOINTS_DIR}/step-N"
+    return (f"no complete checkpoint in run {source}: its {FINAL_DIR}/ is missing or has no {MANIFEST_FILE}; "
+            f"{hint}")
 
 
 def _read_json(path: Path):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import stat
@@ -94,12 +95,35 @@ def test_corrupt_adapter_config_and_missing_value_head(run_copy, tmp_path):
         merge_and_export(run_copy, tmp_path / "out")
 
 
-def test_run_without_final_names_the_checkpoints_it_has(run_copy, tmp_path):
-    (run_copy / "final").rename(run_copy / "interrupted")
-    with pytest.raises(RecipeError, match="no final/ checkpoint; pass one of: interrupted"):
+def test_folder_without_manifest_is_refused(run_copy, tmp_path):
+    (run_copy / "final" / "manifest.json").unlink()  # policy/ and value/ are all there
+    with pytest.raises(RecipeError, match="no complete checkpoint in .*final: .*manifest.json") as caught:
+        merge_and_export(run_copy / "final", tmp_path / "out", adapter_only=True)
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_without_final_names_its_complete_checkpoints(run_copy, tmp_path):
+    steps = run_copy / "checkpoints"
+    shutil.copytree(run_copy / "final", steps / "step-1")
+    shutil.copytree(run_copy / "final", steps / "step-2")
+    (steps / "step-2" / "manifest.json").unlink()  # a checkpoint whose writer was cut off
+    (run_copy / "final" / "manifest.json").unlink()
+    with pytest.raises(RecipeError, match="its final/ is missing or has no manifest.json") as caught:
         merge_and_export(run_copy, tmp_path / "out", adapter_only=True)
-    report = merge_and_export(run_copy / "interrupted", tmp_path / "out", adapter_only=True)
-    assert report.checkpoint.name == "interrupted"
+    assert str(caught.value).endswith("pass one of: checkpoints/step-1") and "\n" not in str(caught.value)
+    shutil.rmtree(steps)
+    with pytest.raises(RecipeError, match="nor has it a complete checkpoints/step-N"):
+        merge_and_export(run_copy, tmp_path / "out", adapter_only=True)
+
+
+def test_step_checkpoint_exports_with_the_manifest_step(run_copy, tmp_path):
+    folder = run_copy / "checkpoints" / "step-7"
+    shutil.copytree(run_copy / "final", folder)
+    (folder / "manifest.json").write_text(json.dumps({"format": 1, "step": 7}))  # trainer_state says 1
+    report = merge_and_export(folder, tmp_path / "out", adapter_only=True)
+    assert report.checkpoint == folder.resolve()
+    assert "from checkpoint `checkpoints/step-7` (step 7) of a lora_ppo run" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_checkpoint_without_recipe(run_copy, tmp_path):
