@@ -43,13 +43,13 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 VALUE_HEAD_FILE = "value_head.safetensors"  # = lora_ppo.roles.VALUE_HEAD_FILE (not imported: roles pulls in peft)
 
-AdapterName = Literal["policy", "value", "reward"]
+AdapterName = Literal["policy", "value"]
 BaseChoice = Literal["original", "dequantized"]
-ADAPTERS: tuple[str, ...] = ("policy", "value", "reward")
+ADAPTERS: tuple[str, ...] = ("policy", "value")
 BASES: tuple[str, ...] = ("original", "dequantized")
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-# Adapters that carry a score head next to the LoRA weights (the value head; a reward adapter's own).
+# Files an adapter carries beside its LoRA weights (a score head), checked and copied with it.
 HEAD_FILES = {"value": (VALUE_HEAD_FILE,)}
 
 class ExportError(RuntimeError):
@@ -163,11 +163,6 @@ def check_adapter(checkpoint: Checkpoint, name: str) -> Path:
     """Return the adapter folder `name` of a checkpoint after checking that it is complete and readable."""
     folder = checkpoint.adapter_dir(name)
     if not folder.is_dir():
-        if name == "reward":
-            raise RecipeError(
-                f"checkpoint {checkpoint.folder} has no reward adapter (no reward/ folder); "
-                "runs with a Python-function or classifier reward save none"
-            )
         if name == "value":
             raise RecipeError(
                 f"checkpoint {checkpoint.folder} has no value adapter (no value/ folder); "
@@ -319,7 +314,7 @@ def merge_and_export(
         dtype: "fp32", "bf16" or "fp16": the merged weights' dtype (merging itself is in fp32).
         base: "original" merges into the base reloaded unquantized from its original weights;
             "dequantized" merges into the dequantized 4-bit weights the adapter was trained on.
-        adapter: "policy" (the only one that can be merged), or "value" / "reward" with adapter_only.
+        adapter: "policy" (the only one that can be merged), or "value" with adapter_only.
         verify: run the parity check (exported model vs adapter-on-base) before publishing.
         force: replace an existing `out`.
         adapter_only: copy the adapter folder (value: with value_head.safetensors) instead of merging.

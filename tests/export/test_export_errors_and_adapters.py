@@ -54,15 +54,6 @@ def test_adapter_only_policy_loads_with_peft(trained_run, tiny_model_dir, tmp_pa
     assert any("lora_B" in name for name, _ in model.named_parameters())
 
 
-def test_reward_adapter_exported_when_present_else_clear_error(run_copy, tmp_path):
-    with pytest.raises(RecipeError, match="has no reward adapter"):
-        merge_and_export(run_copy, tmp_path / "reward", adapter="reward", adapter_only=True)
-    assert not (tmp_path / "reward").exists()
-    shutil.copytree(run_copy / "final" / "value", run_copy / "final" / "reward")
-    report = merge_and_export(run_copy, tmp_path / "reward", adapter="reward", adapter_only=True)
-    assert "value_head.safetensors" in report.files and (tmp_path / "reward" / "adapter_model.safetensors").is_file()
-
-
 def test_critic_free_checkpoint_has_no_value_adapter(run_copy, tmp_path):
     shutil.rmtree(run_copy / "final" / "value")  # what an rloo/grpo run saves
     with pytest.raises(RecipeError, match="has no value adapter .*critic-free"):
@@ -70,7 +61,7 @@ def test_critic_free_checkpoint_has_no_value_adapter(run_copy, tmp_path):
     assert merge_and_export(run_copy, tmp_path / "policy", adapter_only=True).kind == "adapter"
 
 
-def test_value_or_reward_cannot_be_merged(trained_run, tmp_path):
+def test_value_cannot_be_merged(trained_run, tmp_path):
     with pytest.raises(RecipeError, match="only the policy adapter can be merged"):
         merge_and_export(trained_run, tmp_path / "out", adapter="value")
 
@@ -141,7 +132,8 @@ def test_out_may_not_hold_the_checkpoint(run_copy):
 @pytest.mark.parametrize("options, expected", [
     ({"dtype": "int4"}, "dtype must be one of bf16, fp16, fp32"),
     ({"base": "quantized"}, "base must be one of original, dequantized"),
-    ({"adapter": "critic"}, "adapter must be one of policy, value, reward"),
+    ({"adapter": "critic"}, "adapter must be one of policy, value"),
+    ({"adapter": "reward"}, "adapter must be one of policy, value"),
 ])
 def test_bad_options(trained_run, tmp_path, options, expected):
     with pytest.raises(RecipeError, match=expected):
@@ -218,9 +210,14 @@ def test_cli_existing_out_needs_force(trained_run, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
-def test_cli_bad_option_exits_2(trained_run, tmp_path):
-    result = runner.invoke(app, ["merge-and-export", str(trained_run), "--out", str(tmp_path / "o"), "--dtype", "fp8"])
-    _one_error_line(result, 2, "dtype must be one of")
+@pytest.mark.parametrize("option, expected", [
+    (["--dtype", "fp8"], "dtype must be one of"),
+    (["--adapter", "reward", "--adapter-only"], "adapter must be one of policy, value, got 'reward'"),
+])
+def test_cli_bad_option_exits_2(trained_run, tmp_path, option, expected):
+    result = runner.invoke(app, ["merge-and-export", str(trained_run), "--out", str(tmp_path / "o"), *option])
+    _one_error_line(result, 2, expected)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_parity_failure_exits_1_and_writes_nothing(trained_run, tmp_path, wrong_merge):
