@@ -52,6 +52,7 @@ DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # Files an adapter carries beside its LoRA weights (a score head), checked and copied with it.
 HEAD_FILES = {"value": (VALUE_HEAD_FILE,)}
 
+
 class ExportError(RuntimeError):
     """The export could not be written (disk full, permissions); nothing was left at the output."""
 
@@ -122,7 +123,8 @@ def find_checkpoint(source: str | Path) -> Checkpoint:
     try:
         step = read_manifest(folder).get("step")
     except (OSError, ValueError) as err:
-        raise RecipeError(f"corrupt checkpoint: {folder / MANIFEST_FILE} cannot be read ({first_line(err)})") from None
+        path = folder / MANIFEST_FILE
+        raise RecipeError(f"corrupt checkpoint: {path} cannot be read ({first_line(err)})") from None
     return Checkpoint(folder=folder, run=RunDir(root), step=step if isinstance(step, int) else None)
 
 
@@ -308,7 +310,8 @@ def merge_and_export(
     """Export a trained checkpoint as a Hugging Face model folder, or one adapter as a PEFT folder.
 
     Args:
-        source: a run folder (its final/ checkpoint is used) or a checkpoint folder holding policy/.
+        source: a run folder (its final/ checkpoint is used) or a checkpoint folder (one that
+            holds manifest.json: final/ or checkpoints/step-N/).
         out: the folder to create. Everything is written to a temporary folder beside it and
             renamed at the end, so `out` is either complete or untouched.
         dtype: "fp32", "bf16" or "fp16": the merged weights' dtype (merging itself is in fp32).

@@ -91,6 +91,9 @@ def test_folder_without_manifest_is_refused(run_copy, tmp_path):
     with pytest.raises(RecipeError, match="no complete checkpoint in .*final: .*manifest.json") as caught:
         merge_and_export(run_copy / "final", tmp_path / "out", adapter_only=True)
     assert "\n" not in str(caught.value)
+    (run_copy / "final" / "manifest.json").write_text("{not json")
+    with pytest.raises(RecipeError, match="corrupt checkpoint: .*manifest.json cannot be read"):
+        merge_and_export(run_copy / "final", tmp_path / "out", adapter_only=True)
     assert not (tmp_path / "out").exists()
 
 
