@@ -7,79 +7,50 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
 import torch
 
-from lora_ppo.errors import RecipeError
+from lora_ppo.atomic import atomic_folder
+from lora_ppo.errors import RecipeError, first_line
+from lora_ppo.model_card import MODEL_CARD_FILE, adapter_card, merged_card
+from lora_ppo.parity import (
+    ParityReport,
+    ProbeReference,
+    Tolerance,
+    compare,
+    probe_ids,
+    reference_outputs,
+    tolerance_for,
+)
+from lora_ppo.run_dir import (
+    CHECKPOINTS_DIR,
+    FINAL_DIR,
+    MANIFEST_FILE,
+    RECIPE_FILE,
+    RunDir,
+    find_run_root,
+    is_checkpoint,
+    read_manifest,
+)
 
 log = logging.getLogger(__name__)
 
-RECIPE_FILE = "recipe.yaml"  # the names the trainer writes (lora_ppo.trainer)
-SUMMARY_FILE = "summary.json"
-TRAINER_STATE_FILE = "trainer_state.json"
-FINAL_DIR = "final"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 VALUE_HEAD_FILE = "value_head.safetensors"  # = lora_ppo.roles.VALUE_HEAD_FILE (not imported: roles pulls in peft)
-MODEL_CARD_FILE = "README.md"
 
-AdapterName = Literal["policy", "value", "reward"]
+AdapterName = Literal["policy", "value"]
 BaseChoice = Literal["original", "dequantized"]
-ADAPTERS: tuple[str, ...] = ("policy", "value", "reward")
+ADAPTERS: tuple[str, ...] = ("policy", "value")
 BASES: tuple[str, ...] = ("original", "dequantized")
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-# Adapters that carry a score head next to the LoRA weights (the value head; a reward adapter's own).
+# Files an adapter carries beside its LoRA weights (a score head), checked and copied with it.
 HEAD_FILES = {"value": (VALUE_HEAD_FILE,)}
-
-# Probe prompts for the parity check: short, mixed text any tokenizer can encode. With
-# data.chat_template they are wrapped in the chat template, as the policy saw its prompts.
-PROBE_PROMPTS = (
-    "The movie started slowly, but",
-    "Write one sentence about the sea.",
-    "Q: What is 12 plus 30?\nA:",
-    "def add(a, b):\n    return",
-    "My favourite part of the film was",
-    "Honestly, the acting in this sequel",
-    "Here is a short list of fruits: apple,",
-    "The weather today is",
-)
-PROBE_NEW_TOKENS = 16  # greedy continuation length per probe
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """Parity limits: mean KL(reference || exported) per position in nats, the largest absolute
-    logit difference, and the share of greedy next tokens that must agree."""
-
-    max_kl: float
-    max_logit_diff: float
-    min_greedy_agreement: float
-
-
-# Limits by the coarsest float format on either side of the comparison (the export dtype, or the
-# reference's compute dtype, which is bf16 for a 4-bit base on most GPUs). A correct fp32 merge
-# differs from adapter-on-base only by summation order: measured mean KL ~5e-8 and max |logit
-# diff| ~1e-4 on SmolLM2-135M (~2e-5 on the tiny test model), so the fp32 limits leave ~100x
-# room for bigger models and are still far below any real merge error. Casting the weights to
-# fp16 (11-bit mantissa) or bf16 (8-bit, ~0.4% per rounding) is a much larger, legitimate change:
-# on SmolLM2-135M fp16 gave KL 3e-5 / max diff 0.15, bf16 gave KL 2e-3..5e-3 / max diff ~1.7 (the
-# max over 49k logits x 435 positions), and it can flip near-tied argmaxes (95% agreement on the
-# tiny random model). Their limits sit ~3-10x above those. Because they are this loose, the
-# merge itself is always checked first in fp32, before the cast (see _export_merged).
-TOLERANCES: dict[torch.dtype, Tolerance] = {
-    torch.float32: Tolerance(max_kl=1e-5, max_logit_diff=1e-2, min_greedy_agreement=0.98),
-    torch.float16: Tolerance(max_kl=1e-2, max_logit_diff=1.0, min_greedy_agreement=0.9),
-    torch.bfloat16: Tolerance(max_kl=5e-2, max_logit_diff=4.0, min_greedy_agreement=0.85),
-}
-_COARSENESS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 class ExportError(RuntimeError):
@@ -89,7 +60,7 @@ class ExportError(RuntimeError):
 class ParityError(RuntimeError):
     """The exported model does not reproduce the adapter-on-base model; nothing was written."""
 
-    def __init__(self, message: str, report: "ParityReport"):
+    def __init__(self, message: str, report: ParityReport):
         super().__init__(message)
         self.report = report
 
@@ -99,81 +70,81 @@ class ParityError(RuntimeError):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint folder (holding policy/, value/, maybe reward/) and the run it belongs to."""
+    """A complete checkpoint folder (holding policy/ and, with a critic, value/) and its run."""
 
     folder: Path
-    run_dir: Path
+    run: RunDir
     step: Optional[int]
-
-    @property
-    def recipe_path(self) -> Path:
-        return self.run_dir / RECIPE_FILE
 
     @property
     def label(self) -> str:
         """The checkpoint relative to its run folder (`final`, `checkpoints/step-10`)."""
         try:
-            return self.folder.relative_to(self.run_dir).as_posix() or "."
+            return self.folder.relative_to(self.run.root).as_posix() or "."
         except ValueError:
             return self.folder.name
+
+    def summary(self) -> Optional[dict]:
+        """The run's summary.json, or None when the run has not written one (yet)."""
+        if not self.run.summary.is_file():
+            return None
+        summary = _read_json(self.run.summary)
+        if not isinstance(summary, dict):
+            raise RecipeError(f"corrupt run: {self.run.summary} is not a JSON object")
+        return summary
 
     def adapter_dir(self, name: str) -> Path:
         return self.folder / name
 
 
 def find_checkpoint(source: str | Path) -> Checkpoint:
-    """Locate the checkpoint for a run folder (its final/) or a checkpoint folder, and its recipe.
+    """The complete checkpoint `source` names, and the run it belongs to: `source` itself when it
+    is a checkpoint (it holds manifest.json, which the checkpoint writer adds last), else the
+    final/ checkpoint of the run folder `source`.
 
-    Raises RecipeError when there is no checkpoint, no recipe.yaml beside it, or a corrupt
-    trainer_state.json.
+    Raises RecipeError when there is no complete checkpoint, no recipe.yaml beside it, or an
+    unreadable manifest.
     """
     source = Path(source).expanduser()
     if not source.exists():
         raise RecipeError(f"checkpoint not found: {source}")
     if not source.is_dir():
         raise RecipeError(f"checkpoint {source} is not a folder")
-    if (source / "policy").is_dir():
-        folder = source
-    elif (source / FINAL_DIR / "policy").is_dir():
-        folder = source / FINAL_DIR
-    else:
-        hint = ""
-        if (source / RECIPE_FILE).is_file():
-            steps = [p for p in (source / "checkpoints").glob("step-*") if (p / "policy").is_dir()]
-            steps.sort(key=lambda p: int(p.name[5:]) if p.name[5:].isdigit() else -1)
-            others = [f"checkpoints/{p.name}" for p in steps]
-            if (source / "interrupted" / "policy").is_dir():
-                others.insert(0, "interrupted")
-            hint = " (the run has no final/ checkpoint"
-            hint += f"; pass one of: {', '.join(others)})" if others else ")"
-        raise RecipeError(
-            f"no checkpoint in {source}: expected a policy/ folder in it or in its final/ folder{hint}"
-        )
+    folder = next((f for f in (source, source / FINAL_DIR) if is_checkpoint(f)), None)
+    if folder is None:
+        raise RecipeError(_no_checkpoint(source))
     folder = folder.resolve()
-    run_dir = next((d for d in (folder, folder.parent, folder.parent.parent) if (d / RECIPE_FILE).is_file()), None)
-    if run_dir is None:
+    root = find_run_root(folder)
+    if root is None:
         raise RecipeError(
             f"checkpoint {folder}: no {RECIPE_FILE} in it, its parent or grandparent "
             "(the recipe records which base model the adapters belong to)"
         )
-    step = None
-    state_path = folder / TRAINER_STATE_FILE
-    if state_path.exists():
-        state = _read_json(state_path)
-        step = state.get("step") if isinstance(state, dict) else None
-    return Checkpoint(folder=folder, run_dir=run_dir, step=step)
+    try:
+        step = read_manifest(folder).get("step")
+    except (OSError, ValueError) as err:
+        path = folder / MANIFEST_FILE
+        raise RecipeError(f"corrupt checkpoint: {path} cannot be read ({first_line(err)})") from None
+    return Checkpoint(folder=folder, run=RunDir(root), step=step if isinstance(step, int) else None)
+
+
+def _no_checkpoint(source: Path) -> str:
+    """Why `source` is not a checkpoint; for a run folder, the complete checkpoints it does have."""
+    run = RunDir(source)
+    if not run.recipe.is_file():
+        return (f"no complete checkpoint in {source}: neither it nor its {FINAL_DIR}/ folder holds "
+                f"{MANIFEST_FILE} (the checkpoint writer adds it last)")
+    others = [p.relative_to(source).as_posix() for p in run.complete_checkpoints()]
+    hint = f"pass one of: {', '.join(others)}" if others else f"nor has it a complete {CHECKPOINTS_DIR}/step-N"
+    return (f"no complete checkpoint in run {source}: its {FINAL_DIR}/ is missing or has no {MANIFEST_FILE}; "
+            f"{hint}")
 
 
 def _read_json(path: Path):
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise RecipeError(f"corrupt checkpoint: {path} cannot be read ({_first_line(err)})") from None
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+        raise RecipeError(f"corrupt checkpoint: {path} cannot be read ({first_line(err)})") from None
 
 
 def _check_safetensors(path: Path) -> None:
@@ -184,7 +155,7 @@ def _check_safetensors(path: Path) -> None:
     try:
         tensors = load_file(str(path))
     except Exception as err:  # safetensors raises its own error type for a bad header or truncation
-        raise RecipeError(f"corrupt checkpoint: {path} cannot be read ({_first_line(err)})") from None
+        raise RecipeError(f"corrupt checkpoint: {path} cannot be read ({first_line(err)})") from None
     bad = [name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise RecipeError(f"corrupt checkpoint: {path} holds non-finite values (in {bad[0]})")
@@ -194,11 +165,6 @@ def check_adapter(checkpoint: Checkpoint, name: str) -> Path:
     """Return the adapter folder `name` of a checkpoint after checking that it is complete and readable."""
     folder = checkpoint.adapter_dir(name)
     if not folder.is_dir():
-        if name == "reward":
-            raise RecipeError(
-                f"checkpoint {checkpoint.folder} has no reward adapter (no reward/ folder); "
-                "runs with a Python-function or classifier reward save none"
-            )
         if name == "value":
             raise RecipeError(
                 f"checkpoint {checkpoint.folder} has no value adapter (no value/ folder); "
@@ -242,196 +208,6 @@ def _check_out(out: Path, checkpoint: Checkpoint, force: bool) -> Path:
     return out
 
 
-def _staging_dir(out: Path) -> Path:
-    """An empty folder beside `out` (same file system, so the final rename is atomic)."""
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        os.chmod(staging, 0o755)  # mkdtemp makes it private; the export is an ordinary folder
-    except OSError as err:
-        raise ExportError(f"cannot write the export to {out}: {err.strerror or err}") from None
-    return staging
-
-
-def _publish(staging: Path, out: Path) -> None:
-    """Move the finished staging folder to `out`, replacing what is there (force was checked)."""
-    for item in staging.iterdir():
-        if item.is_file():
-            os.chmod(item, 0o644)  # some writers (safetensors) create private files
-    old = None
-    if out.exists() or out.is_symlink():
-        if out.is_dir() and not out.is_symlink():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / "previous")
-        else:
-            out.unlink()
-    try:
-        os.replace(staging, out)
-    except OSError:
-        if old is not None:
-            os.replace(old / "previous", out)  # put the previous export back
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-# ---- parity -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ParityReport:
-    """How closely the exported model reproduces the adapter-on-base model on the probe prompts.
-
-    kl_mean / kl_max: KL(reference || exported) of next-token distributions, per position (nats).
-    max_logit_diff: the largest absolute logit difference over every position and vocabulary entry.
-    greedy_agreement: the share of positions along the reference's greedy continuations where
-        both models pick the same next token.
-    tokenizer_matches: the exported tokenizer encodes every probe as the run's tokenizer does
-        (None when no tokenizer was exported yet, as for the merged weights before the cast).
-    """
-
-    reference: str
-    exported: str
-    n_prompts: int
-    n_positions: int
-    kl_mean: float
-    kl_max: float
-    max_logit_diff: float
-    greedy_agreement: float
-    tokenizer_matches: Optional[bool]
-    tolerance: Tolerance
-
-    def failures(self) -> list[str]:
-        """One phrase per limit that was passed (empty when the check passed)."""
-        tol, out = self.tolerance, []
-        if not self.kl_mean <= tol.max_kl:  # written so that NaN fails
-            out.append(f"mean KL {self.kl_mean:.2e} > {tol.max_kl:g}")
-        if not self.max_logit_diff <= tol.max_logit_diff:
-            out.append(f"max |logit diff| {self.max_logit_diff:.2e} > {tol.max_logit_diff:g}")
-        if not self.greedy_agreement >= tol.min_greedy_agreement:
-            out.append(f"greedy agreement {self.greedy_agreement:.1%} < {tol.min_greedy_agreement:.0%}")
-        if self.tokenizer_matches is False:
-            out.append("the exported tokenizer encodes the probe prompts differently")
-        return out
-
-    @property
-    def passed(self) -> bool:
-        return not self.failures()
-
-    def format(self) -> str:
-        tol = self.tolerance
-        lines = [
-            f"parity: {self.exported} vs {self.reference} ({self.n_prompts} probe prompts, "
-            f"{self.n_positions} positions)",
-            f"  {'mean KL':<18}{self.kl_mean:<10.2e}(max {self.kl_max:.2e})  limit {tol.max_kl:g}",
-            f"  {'max |logit diff|':<18}{self.max_logit_diff:<26.2e}limit {tol.max_logit_diff:g}",
-            f"  {'greedy agreement':<18}{self.greedy_agreement:<26.1%}limit {tol.min_greedy_agreement:.0%}",
-        ]
-        if self.tokenizer_matches is not None:
-            lines.append(f"  {'tokenizer':<18}{'same ids' if self.tokenizer_matches else 'DIFFERENT ids'}")
-        lines.append(f"  {'passed' if self.passed else 'FAILED'}")
-        return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class _ProbeReference:
-    """One probe: the prompt ids plus the reference's greedy continuation, and the reference's
-    logits at every position of that sequence."""
-
-    ids: torch.Tensor  # [T] prompt followed by PROBE_NEW_TOKENS greedy tokens
-    prompt_len: int
-    logits: torch.Tensor  # [T, V] float32, on CPU
-
-
-def tolerance_for(export_dtype: torch.dtype, reference_dtype: torch.dtype) -> Tolerance:
-    """The parity limits for the coarser of the two float formats being compared."""
-    coarser = max((export_dtype, reference_dtype), key=lambda d: _COARSENESS.get(d, 0))
-    return TOLERANCES[coarser]
-
-
-def probe_ids(tokenizer, chat_template: bool) -> list[torch.Tensor]:
-    """The probe prompts as token ids ([T] each), formatted as the run formatted its prompts."""
-    from lora_ppo.data import format_prompt
-
-    return [
-        tokenizer(format_prompt(p, tokenizer, chat_template), add_special_tokens=not chat_template,
-                  return_tensors="pt")["input_ids"][0]
-        for p in PROBE_PROMPTS
-    ]
-
-
-def _model_device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
-@torch.no_grad()
-def _full_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=ids[None].to(_model_device(model)), use_cache=False)
-    return out.logits[0].float().cpu()  # [T, V]
-
-
-@torch.no_grad()
-def _greedy_continuations(model, prompts: list[torch.Tensor], new_tokens: int) -> list[torch.Tensor]:
-    """Greedy-continue every prompt by `new_tokens` tokens in one left-padded batch with a KV
-    cache (a 4-bit forward costs a dequantization per layer, so calls, not tokens, set the time)."""
-    from lora_ppo.roles import position_ids_for
-
-    dev = _model_device(model)
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, T]; pad id is masked out
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, T], 1 on real tokens
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = prompt
-        mask[row, width - len(prompt):] = 1
-    ids, mask = ids.to(dev), mask.to(dev)
-    positions = position_ids_for(mask)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    new = []
-    for i in range(new_tokens):
-        next_id = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
-        new.append(next_id)
-        if i + 1 < new_tokens:
-            mask = torch.cat([mask, torch.ones_like(next_id)], dim=1)
-            positions = positions[:, -1:] + 1
-            out = model(input_ids=next_id, attention_mask=mask, position_ids=positions,
-                        past_key_values=out.past_key_values, use_cache=True)
-    continuations = torch.cat(new, dim=1).cpu()  # [B, new_tokens]
-    return [torch.cat([prompt, continuations[row]]) for row, prompt in enumerate(prompts)]
-
-
-@torch.no_grad()
-def reference_outputs(model, prompts: list[torch.Tensor]) -> list[_ProbeReference]:
-    """Greedy-continue each probe with the reference model, then record its logits on each whole
-    sequence, one unpadded sequence at a time, so no padding can differ between the two models."""
-    sequences = _greedy_continuations(model, prompts, PROBE_NEW_TOKENS)
-    return [_ProbeReference(ids=seq, prompt_len=len(prompt), logits=_full_logits(model, seq))
-            for prompt, seq in zip(prompts, sequences)]
-
-
-def compare(model, refs: list[_ProbeReference], tolerance: Tolerance, reference: str, exported: str,
-            tokenizer_matches: Optional[bool] = None) -> ParityReport:
-    """Measure the exported `model` against the reference outputs (see ParityReport)."""
-    kls, max_diff, agree, total = [], 0.0, 0, 0
-    for ref in refs:
-        logits = _full_logits(model, ref.ids)  # [T, V]
-        ref_logp = torch.log_softmax(ref.logits, dim=-1)
-        logp = torch.log_softmax(logits, dim=-1)
-        kls.append((ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp(min=0.0))  # [T]
-        diff = float((logits - ref.logits).abs().max())
-        # max() would drop a NaN (every comparison with it is False); NaN/inf logits must fail.
-        max_diff = max(max_diff, diff if math.isfinite(diff) else math.inf)
-        # Positions that predict the greedy continuation: from the last prompt token on.
-        cont = slice(ref.prompt_len - 1, len(ref.ids) - 1)
-        agree += int((logits[cont].argmax(-1) == ref.logits[cont].argmax(-1)).sum())
-        total += cont.stop - cont.start
-    kl = torch.cat(kls)
-    return ParityReport(
-        reference=reference, exported=exported, n_prompts=len(refs), n_positions=int(kl.numel()),
-        kl_mean=float(kl.mean()), kl_max=float(kl.max()), max_logit_diff=max_diff,
-        greedy_agreement=agree / max(total, 1), tokenizer_matches=tokenizer_matches, tolerance=tolerance,
-    )
-
-
 # ---- merging ----------------------------------------------------------------------------------
 
 
@@ -445,7 +221,7 @@ def _load_adapter(base_model, folder: Path, model_name: str):
         model = PeftModel.from_pretrained(base_model, str(folder), adapter_name="policy", is_trainable=False)
     except (ValueError, RuntimeError, KeyError, OSError) as err:
         raise RecipeError(f"checkpoint {folder}: the adapter does not fit the base model {model_name!r}: "
-                          f"{_first_line(err)}") from None
+                          f"{first_line(err)}") from None
     model.eval()
     # eval() would switch bitsandbytes to its inference kernel, which rounds differently from the
     # one training used (see keep_4bit_weights_differentiable); the reference must be what trained.
@@ -488,111 +264,6 @@ def _merged_model(recipe, adapter_dir: Path, base: str, prompts: list[torch.Tens
     merged = _merge(_load_adapter(dequantized, adapter_dir, cfg.name))
     description = f"policy adapter on the {cfg.quantization} base ({str(ref_dtype).removeprefix('torch.')} compute)"
     return merged, refs, description, ref_dtype
-
-
-# ---- the model card ---------------------------------------------------------------------------
-
-
-def _looks_like_hub_id(name: str) -> bool:
-    from lora_ppo.model import BUILTIN_PREFIX
-
-    return not name.startswith((BUILTIN_PREFIX, ".", "/", "~")) and name.count("/") == 1 and not Path(name).exists()
-
-
-def _summary_lines(checkpoint: Checkpoint) -> list[str]:
-    path = checkpoint.run_dir / SUMMARY_FILE
-    if not path.is_file():
-        return ["No summary.json: the run had not finished when this checkpoint was saved."]
-    summary = _read_json(path)
-    if not isinstance(summary, dict):
-        raise RecipeError(f"corrupt run: {path} is not a JSON object")
-    lines = ["| metric | value |", "|---|---|"]
-    for key, value in summary.items():
-        shown = f"{value:.4g}" if isinstance(value, float) else json.dumps(value)
-        lines.append(f"| {key} | {shown} |")
-    return lines
-
-
-def model_card(checkpoint: Checkpoint, recipe, adapter: str, kind: str, base: Optional[str],
-               dtype: Optional[str], parity: Optional[ParityReport],
-               merge_parity: Optional[ParityReport] = None) -> str:
-    """The export's README.md: base model, how it was made, training summary, recipe. Deterministic
-    (no dates, no measured numbers that could vary between runs), so re-exports are byte-identical."""
-    name = recipe.model.name
-    front = ["---", f"library_name: {'transformers' if kind == 'merged' else 'peft'}"]
-    if _looks_like_hub_id(name):
-        front.append(f"base_model: {name}")
-    front += ["tags:", "- lora_ppo", "- ppo", "- rlhf", "---", ""]
-    step = f" (step {checkpoint.step})" if checkpoint.step is not None else ""
-    if kind == "merged":
-        into = ("the original, unquantized base weights" if base == "original" else
-                f"the dequantized {recipe.model.quantization} base weights the adapter was trained against")
-        title = "# PPO-trained policy, merged"
-        what = [
-            f"The `{adapter}` LoRA adapter from checkpoint `{checkpoint.label}`{step} of a lora_ppo run, "
-            f"merged into {into}, saved as {dtype}.",
-            "",
-            f"- Base model: `{name}`",
-            f"- Merged into: {base} base",
-            f"- Weights dtype: {dtype}",
-        ]
-        if parity is None:
-            what.append("- Parity check: skipped (--no-verify)")
-        else:
-            tol = parity.tolerance
-            what.append(
-                f"- Parity check: passed against the {parity.reference} on {parity.n_prompts} probe prompts "
-                f"(mean KL <= {tol.max_kl:g}, max |logit diff| <= {tol.max_logit_diff:g}, "
-                f"greedy agreement >= {tol.min_greedy_agreement:.0%})"
-                + (", and the merged fp32 weights passed before the cast" if merge_parity else "")
-            )
-        use = [
-            "```python",
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            "",
-            'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")',
-            'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
-            "```",
-        ]
-    else:
-        title = f"# PPO-trained {adapter} adapter"
-        extra = {"value": " with its score head (`value_head.safetensors`: `nn.Linear(hidden, 1)` on the "
-                          "last hidden state)", "reward": ""}.get(adapter, "")
-        what = [
-            f"The `{adapter}` LoRA adapter{extra} from checkpoint `{checkpoint.label}`{step} of a lora_ppo run.",
-            "",
-            f"- Base model: `{name}` (trained on its {recipe.model.quantization} weights)",
-        ]
-        from lora_ppo.model import BUILTIN_PREFIX
-
-        # A builtin name is not a hub id: lora_ppo resolves it to a local folder.
-        base_ref = f'resolve_model_path("{name}")' if name.startswith(BUILTIN_PREFIX) else f'"{name}"'
-        use = [
-            "```python",
-            "from peft import PeftModel",
-            "from transformers import AutoModelForCausalLM",
-            *(["from lora_ppo.model import resolve_model_path"] if name.startswith(BUILTIN_PREFIX) else []),
-            "",
-            f"base = AutoModelForCausalLM.from_pretrained({base_ref})",
-            'model = PeftModel.from_pretrained(base, "path/to/this/folder")',
-        ]
-        if adapter == "value":
-            use += [
-                "",
-                "# the value of each position: the score head on the decoder's last hidden state",
-                "import torch",
-                "from safetensors.torch import load_file",
-                "",
-                "head = torch.nn.Linear(base.config.hidden_size, 1)",
-                'head.load_state_dict(load_file("path/to/this/folder/value_head.safetensors"))',
-                "hidden = model.get_base_model().get_decoder()(input_ids).last_hidden_state",
-                "values = head(hidden).squeeze(-1)  # [B, T]",
-            ]
-        use.append("```")
-    recipe_text = checkpoint.recipe_path.read_text(encoding="utf-8").rstrip("\n")
-    lines = front + [title, "", *what, "", "## Use", "", *use, "", "## Training summary", "",
-                     *_summary_lines(checkpoint), "", "## Recipe", "", "```yaml", recipe_text, "```", ""]
-    return "\n".join(lines)
 
 
 # ---- the entry point --------------------------------------------------------------------------
@@ -639,13 +310,14 @@ def merge_and_export(
     """Export a trained checkpoint as a Hugging Face model folder, or one adapter as a PEFT folder.
 
     Args:
-        source: a run folder (its final/ checkpoint is used) or a checkpoint folder holding policy/.
+        source: a run folder (its final/ checkpoint is used) or a checkpoint folder (one that
+            holds manifest.json: final/ or checkpoints/step-N/).
         out: the folder to create. Everything is written to a temporary folder beside it and
             renamed at the end, so `out` is either complete or untouched.
         dtype: "fp32", "bf16" or "fp16": the merged weights' dtype (merging itself is in fp32).
         base: "original" merges into the base reloaded unquantized from its original weights;
             "dequantized" merges into the dequantized 4-bit weights the adapter was trained on.
-        adapter: "policy" (the only one that can be merged), or "value" / "reward" with adapter_only.
+        adapter: "policy" (the only one that can be merged), or "value" with adapter_only.
         verify: run the parity check (exported model vs adapter-on-base) before publishing.
         force: replace an existing `out`.
         adapter_only: copy the adapter folder (value: with value_head.safetensors) instead of merging.
@@ -666,7 +338,7 @@ def merge_and_export(
         )
     checkpoint = find_checkpoint(source)
     adapter_dir = check_adapter(checkpoint, adapter)
-    recipe = load_recipe(checkpoint.recipe_path)
+    recipe = load_recipe(checkpoint.run.recipe)
     out = _check_out(Path(out), checkpoint, force)
     if not adapter_only and base == "dequantized" and recipe.model.quantization == "none":
         raise RecipeError("base=dequantized: this run trained on unquantized weights "
@@ -679,18 +351,15 @@ def merge_and_export(
 
 def _export_adapter(checkpoint: Checkpoint, recipe, adapter: str, adapter_dir: Path, out: Path) -> ExportReport:
     files = sorted(p.name for p in adapter_dir.iterdir() if p.is_file() and not p.name.startswith("."))
-    card = model_card(checkpoint, recipe, adapter, "adapter", None, None, None)
-    staging = _staging_dir(out)
+    card = adapter_card(checkpoint, recipe, adapter)
     try:
-        for name in files:
-            shutil.copyfile(adapter_dir / name, staging / name)
-        if MODEL_CARD_FILE not in files:
-            (staging / MODEL_CARD_FILE).write_text(card, encoding="utf-8")
-        _publish(staging, out)
+        with atomic_folder(out) as staging:
+            for name in files:
+                shutil.copyfile(adapter_dir / name, staging / name)
+            if MODEL_CARD_FILE not in files:
+                card.save(staging / MODEL_CARD_FILE)
     except OSError as err:
-        raise ExportError(f"cannot write the export to {out}: {err.strerror or err}") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        raise _write_error(out, err) from None
     return ExportReport(out=out, checkpoint=checkpoint.folder, adapter=adapter, kind="adapter", base=None,
                         dtype=None, parity=None, files=tuple(sorted(set(files) | {MODEL_CARD_FILE})))
 
@@ -698,14 +367,12 @@ def _export_adapter(checkpoint: Checkpoint, recipe, adapter: str, adapter_dir: P
 def _export_merged(checkpoint: Checkpoint, recipe, adapter_dir: Path, out: Path, dtype: str, base: str,
                    verify: bool) -> ExportReport:
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lora_ppo.model import device, load_tokenizer
+    from lora_ppo.model import load_tokenizer
 
     torch_dtype = DTYPES[dtype]
     tokenizer = load_tokenizer(recipe.model)
-    chat = recipe.data.chat_template
-    prompts = probe_ids(tokenizer, chat)
+    prompts = probe_ids(tokenizer, recipe.data.chat_template)
     log.info("merging %s into the %s base (%s)", adapter_dir, base, recipe.model.name)
     merged, refs, ref_description, ref_dtype = _merged_model(recipe, adapter_dir, base, prompts, verify)
     merge_parity = None
@@ -718,46 +385,52 @@ def _export_merged(checkpoint: Checkpoint, recipe, adapter_dir: Path, out: Path,
     merged = merged.to(torch_dtype)
     merged.requires_grad_(False)
 
-    staging = _staging_dir(out)
+    parity = None
     try:
-        try:
+        with atomic_folder(out) as staging:
             merged.save_pretrained(str(staging))
             tokenizer.save_pretrained(str(staging))
-        except (OSError, SafetensorError) as err:
-            raise ExportError(f"cannot write the export to {out}: {getattr(err, 'strerror', None) or err}") from None
-        del merged
-        _release()
-
-        parity = None
-        if verify:
-            # Check the files as written: the folder is loaded back exactly as a user would.
-            log.info("parity check on %d probe prompts", len(prompts))
-            dev = device()
-            exported = AutoModelForCausalLM.from_pretrained(
-                str(staging), dtype=torch_dtype, device_map={"": dev.index if dev.type == "cuda" else "cpu"},
-                use_safetensors=True, trust_remote_code=recipe.model.trust_remote_code,
-            )
-            exported.eval()
-            exported_tok = AutoTokenizer.from_pretrained(str(staging), trust_remote_code=recipe.model.trust_remote_code)
-            same_ids = all(torch.equal(a, b) for a, b in zip(prompts, probe_ids(exported_tok, chat)))
-            parity = compare(exported, refs, tolerance_for(torch_dtype, ref_dtype), ref_description,
-                             f"exported {dtype} model", same_ids)
-            del exported
+            del merged
             _release()
-            _raise_if_failed(parity, out)
-        try:
-            (staging / MODEL_CARD_FILE).write_text(
-                model_card(checkpoint, recipe, "policy", "merged", base, dtype, parity, merge_parity),
-                encoding="utf-8",
-            )
-            _publish(staging, out)
-        except OSError as err:
-            raise ExportError(f"cannot write the export to {out}: {err.strerror or err}") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            if verify:
+                # Check the files as written, before they are published: the staging folder is
+                # loaded back exactly as a user would load the export.
+                parity = _check_written(staging, recipe, prompts, refs, dtype,
+                                        tolerance_for(torch_dtype, ref_dtype), ref_description)
+                _raise_if_failed(parity, out)
+            merged_card(checkpoint, recipe, base, dtype, parity, merge_parity).save(staging / MODEL_CARD_FILE)
+    except (OSError, SafetensorError) as err:
+        raise _write_error(out, err) from None
     files = tuple(sorted(p.name for p in out.iterdir()))
     return ExportReport(out=out, checkpoint=checkpoint.folder, adapter="policy", kind="merged", base=base,
                         dtype=dtype, parity=parity, files=files, merge_parity=merge_parity)
+
+
+def _check_written(folder: Path, recipe, prompts: list[torch.Tensor], refs: list[ProbeReference], dtype: str,
+                   tolerance: Tolerance, ref_description: str) -> ParityReport:
+    """Load the exported model and tokenizer from `folder` and compare them with the reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lora_ppo.model import device
+
+    log.info("parity check on %d probe prompts", len(prompts))
+    dev = device()
+    trust = recipe.model.trust_remote_code
+    exported = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=DTYPES[dtype], device_map={"": dev.index if dev.type == "cuda" else "cpu"},
+        use_safetensors=True, trust_remote_code=trust,
+    )
+    exported.eval()
+    exported_tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust)
+    same_ids = all(torch.equal(a, b) for a, b in zip(prompts, probe_ids(exported_tok, recipe.data.chat_template)))
+    parity = compare(exported, refs, tolerance, ref_description, f"exported {dtype} model", same_ids)
+    del exported
+    _release()
+    return parity
+
+
+def _write_error(out: Path, err: Exception) -> ExportError:
+    return ExportError(f"cannot write the export to {out}: {getattr(err, 'strerror', None) or first_line(err)}")
 
 
 def _raise_if_failed(parity: ParityReport, out: Path) -> None:

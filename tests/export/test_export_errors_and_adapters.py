@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import errno
+import json
+import os
 import shutil
+import stat
 
 import pytest
 from typer.testing import CliRunner
@@ -51,15 +54,6 @@ def test_adapter_only_policy_loads_with_peft(trained_run, tiny_model_dir, tmp_pa
     assert any("lora_B" in name for name, _ in model.named_parameters())
 
 
-def test_reward_adapter_exported_when_present_else_clear_error(run_copy, tmp_path):
-    with pytest.raises(RecipeError, match="has no reward adapter"):
-        merge_and_export(run_copy, tmp_path / "reward", adapter="reward", adapter_only=True)
-    assert not (tmp_path / "reward").exists()
-    shutil.copytree(run_copy / "final" / "value", run_copy / "final" / "reward")
-    report = merge_and_export(run_copy, tmp_path / "reward", adapter="reward", adapter_only=True)
-    assert "value_head.safetensors" in report.files and (tmp_path / "reward" / "adapter_model.safetensors").is_file()
-
-
 def test_critic_free_checkpoint_has_no_value_adapter(run_copy, tmp_path):
     shutil.rmtree(run_copy / "final" / "value")  # what an rloo/grpo run saves
     with pytest.raises(RecipeError, match="has no value adapter .*critic-free"):
@@ -67,7 +61,7 @@ def test_critic_free_checkpoint_has_no_value_adapter(run_copy, tmp_path):
     assert merge_and_export(run_copy, tmp_path / "policy", adapter_only=True).kind == "adapter"
 
 
-def test_value_or_reward_cannot_be_merged(trained_run, tmp_path):
+def test_value_cannot_be_merged(trained_run, tmp_path):
     with pytest.raises(RecipeError, match="only the policy adapter can be merged"):
         merge_and_export(trained_run, tmp_path / "out", adapter="value")
 
@@ -92,12 +86,38 @@ def test_corrupt_adapter_config_and_missing_value_head(run_copy, tmp_path):
         merge_and_export(run_copy, tmp_path / "out")
 
 
-def test_run_without_final_names_the_checkpoints_it_has(run_copy, tmp_path):
-    (run_copy / "final").rename(run_copy / "interrupted")
-    with pytest.raises(RecipeError, match="no final/ checkpoint; pass one of: interrupted"):
+def test_folder_without_manifest_is_refused(run_copy, tmp_path):
+    (run_copy / "final" / "manifest.json").unlink()  # policy/ and value/ are all there
+    with pytest.raises(RecipeError, match="no complete checkpoint in .*final: .*manifest.json") as caught:
+        merge_and_export(run_copy / "final", tmp_path / "out", adapter_only=True)
+    assert "\n" not in str(caught.value)
+    (run_copy / "final" / "manifest.json").write_text("{not json")
+    with pytest.raises(RecipeError, match="corrupt checkpoint: .*manifest.json cannot be read"):
+        merge_and_export(run_copy / "final", tmp_path / "out", adapter_only=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_without_final_names_its_complete_checkpoints(run_copy, tmp_path):
+    steps = run_copy / "checkpoints"
+    shutil.copytree(run_copy / "final", steps / "step-1")
+    shutil.copytree(run_copy / "final", steps / "step-2")
+    (steps / "step-2" / "manifest.json").unlink()  # a checkpoint whose writer was cut off
+    (run_copy / "final" / "manifest.json").unlink()
+    with pytest.raises(RecipeError, match="its final/ is missing or has no manifest.json") as caught:
         merge_and_export(run_copy, tmp_path / "out", adapter_only=True)
-    report = merge_and_export(run_copy / "interrupted", tmp_path / "out", adapter_only=True)
-    assert report.checkpoint.name == "interrupted"
+    assert str(caught.value).endswith("pass one of: checkpoints/step-1") and "\n" not in str(caught.value)
+    shutil.rmtree(steps)
+    with pytest.raises(RecipeError, match="nor has it a complete checkpoints/step-N"):
+        merge_and_export(run_copy, tmp_path / "out", adapter_only=True)
+
+
+def test_step_checkpoint_exports_with_the_manifest_step(run_copy, tmp_path):
+    folder = run_copy / "checkpoints" / "step-7"
+    shutil.copytree(run_copy / "final", folder)
+    (folder / "manifest.json").write_text(json.dumps({"format": 1, "step": 7}))  # trainer_state says 1
+    report = merge_and_export(folder, tmp_path / "out", adapter_only=True)
+    assert report.checkpoint == folder.resolve()
+    assert "from checkpoint `checkpoints/step-7` (step 7) of a lora_ppo run" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_checkpoint_without_recipe(run_copy, tmp_path):
@@ -115,11 +135,35 @@ def test_out_may_not_hold_the_checkpoint(run_copy):
 @pytest.mark.parametrize("options, expected", [
     ({"dtype": "int4"}, "dtype must be one of bf16, fp16, fp32"),
     ({"base": "quantized"}, "base must be one of original, dequantized"),
-    ({"adapter": "critic"}, "adapter must be one of policy, value, reward"),
+    ({"adapter": "critic"}, "adapter must be one of policy, value"),
+    ({"adapter": "reward"}, "adapter must be one of policy, value"),
 ])
 def test_bad_options(trained_run, tmp_path, options, expected):
     with pytest.raises(RecipeError, match=expected):
         merge_and_export(trained_run, tmp_path / "out", **options)
+
+
+def test_a_link_at_out_is_replaced_not_followed(trained_run, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine")
+    out = tmp_path / "out"
+    out.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(RecipeError, match="already exists"):
+        merge_and_export(trained_run, out, adapter_only=True)
+    merge_and_export(trained_run, out, adapter_only=True, force=True)
+    assert not out.is_symlink() and (out / "adapter_model.safetensors").is_file()
+    assert [p.name for p in elsewhere.iterdir()] == ["keep.txt"]
+
+
+def test_exported_files_are_readable_by_others(trained_run, tmp_path):
+    previous = os.umask(0o022)
+    try:
+        merge_and_export(trained_run, tmp_path / "out", adapter_only=True)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").iterdir()} == {0o644}
 
 
 def test_disk_write_failure_leaves_nothing(trained_run, tmp_path, monkeypatch):
@@ -129,6 +173,18 @@ def test_disk_write_failure_leaves_nothing(trained_run, tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "copyfile", no_space)
     with pytest.raises(ExportError, match="No space left on device"):
         merge_and_export(trained_run, tmp_path / "exports" / "out", adapter_only=True)
+    assert list((tmp_path / "exports").iterdir()) == []
+
+
+def test_merged_write_failure_leaves_nothing(trained_run, tmp_path, monkeypatch):
+    from huggingface_hub import ModelCard
+
+    def no_space(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ModelCard, "save", no_space)  # the last file written, after the weights
+    with pytest.raises(ExportError, match="No space left on device"):
+        merge_and_export(trained_run, tmp_path / "exports" / "out", verify=False)
     assert list((tmp_path / "exports").iterdir()) == []
 
 
@@ -157,9 +213,14 @@ def test_cli_existing_out_needs_force(trained_run, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
-def test_cli_bad_option_exits_2(trained_run, tmp_path):
-    result = runner.invoke(app, ["merge-and-export", str(trained_run), "--out", str(tmp_path / "o"), "--dtype", "fp8"])
-    _one_error_line(result, 2, "dtype must be one of")
+@pytest.mark.parametrize("option, expected", [
+    (["--dtype", "fp8"], "dtype must be one of"),
+    (["--adapter", "reward", "--adapter-only"], "adapter must be one of policy, value, got 'reward'"),
+])
+def test_cli_bad_option_exits_2(trained_run, tmp_path, option, expected):
+    result = runner.invoke(app, ["merge-and-export", str(trained_run), "--out", str(tmp_path / "o"), *option])
+    _one_error_line(result, 2, expected)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_parity_failure_exits_1_and_writes_nothing(trained_run, tmp_path, wrong_merge):

@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from lora_ppo.export import TOLERANCES, ParityError, merge_and_export
+from lora_ppo.export import ParityError, merge_and_export
+from lora_ppo.parity import TOLERANCES
 from tests.export.conftest import safetensors_state
 
 # fp32 merged weights vs adapter-on-base: only the summation order differs (measured ~2e-5).

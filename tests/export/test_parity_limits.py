@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lora_ppo.export import TOLERANCES, ParityReport, tolerance_for
+from lora_ppo.parity import TOLERANCES, ParityReport, tolerance_for
 
 
 def _report(**changes) -> ParityReport:
