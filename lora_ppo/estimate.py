@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lora_ppo.config import Recipe
+from lora_ppo.config import BUILTIN_PREFIX, Recipe
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.logprobs import DEFAULT_CHUNK_TOKENS
 
@@ -162,10 +162,7 @@ class Estimate:
 
 
 def _dtype_bytes(recipe: Recipe, device: str) -> int:
-    dtype = recipe.model.compute_dtype
-    if dtype == "auto":
-        return 2 if device == "cuda" else 4
-    return 4 if dtype == "float32" else 2
+    return 4 if recipe.model.compute_dtype_name(device) == "float32" else 2
 
 
 def _weight_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int) -> float:
@@ -298,14 +295,14 @@ def load_shape(name: str, trust_remote_code: bool = False) -> ModelShape:
     """The config of a hub id, a local folder or a builtin model, without loading weights."""
     from transformers import AutoConfig
 
-    from lora_ppo.builtin_model import BUILTIN_MODELS, BUILTIN_PREFIX, cache_dir, find_packaged_gguf
+    from lora_ppo.builtin_model import BUILTIN_MODELS, cache_dir, find_packaged_gguf
     from lora_ppo.model import resolve_model_path
 
     try:
         if name.startswith(BUILTIN_PREFIX):
             key = name[len(BUILTIN_PREFIX):]
             if key in BUILTIN_MODELS and not (cache_dir() / key / "config.json").is_file():
-                gguf = find_packaged_gguf(*BUILTIN_MODELS[key])  # metadata only: no conversion
+                gguf = find_packaged_gguf(BUILTIN_MODELS[key].distribution, BUILTIN_MODELS[key].filename)  # metadata only: no conversion
                 return ModelShape.from_config(AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
         config = AutoConfig.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
     except RecipeError:

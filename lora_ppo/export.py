@@ -215,7 +215,7 @@ def _load_adapter(base_model, folder: Path, model_name: str):
     """The policy adapter on `base_model`, frozen, as PEFT loads it for inference."""
     from peft import PeftModel
 
-    from lora_ppo.model import keep_4bit_weights_differentiable
+    from lora_ppo.bnb_workarounds import keep_4bit_weights_differentiable
 
     try:
         model = PeftModel.from_pretrained(base_model, str(folder), adapter_name="policy", is_trainable=False)

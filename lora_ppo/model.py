@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from lora_ppo.bnb_workarounds import dequantized_4bit_layers, keep_4bit_weights_differentiable
-from lora_ppo.builtin_model import BUILTIN_PREFIX, resolve_builtin
-from lora_ppo.config import ModelConfig
+from lora_ppo.builtin_model import resolve_builtin
+from lora_ppo.config import BUILTIN_PREFIX, ModelConfig
 from lora_ppo.errors import RecipeError, first_line
 
 
@@ -31,12 +31,11 @@ def _load_error(name: str, err: Exception) -> RecipeError:
 
 
 def compute_dtype(cfg: ModelConfig) -> torch.dtype:
-    """The dtype for computation and for the unquantized parts (norms, embeddings, heads)."""
-    if cfg.compute_dtype == "auto":
-        if torch.cuda.is_available():
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.compute_dtype]
+    """The dtype for computation and for the unquantized parts (norms, embeddings, heads), by
+    the recipe's rule for this machine (`ModelConfig.compute_dtype_name`)."""
+    on_gpu = torch.cuda.is_available()
+    name = cfg.compute_dtype_name("cuda" if on_gpu else "cpu", on_gpu and torch.cuda.is_bf16_supported())
+    return getattr(torch, name)
 
 
 def device() -> torch.device:

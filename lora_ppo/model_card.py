@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Optional
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from lora_ppo.model import BUILTIN_MODELS, BUILTIN_PREFIX
+from lora_ppo.builtin_model import BUILTIN_MODELS
+from lora_ppo.config import BUILTIN_PREFIX
 from lora_ppo.parity import ParityReport
 
 if TYPE_CHECKING:
@@ -19,16 +20,14 @@ if TYPE_CHECKING:
 
 MODEL_CARD_FILE = "README.md"
 TAGS = ("lora_ppo", "ppo", "rlhf")
-# The hub model each builtin model was converted from, recorded as the card's base_model. Kept
-# here rather than read from the checkpoint: its adapter_config.json names the local cache folder.
-BUILTIN_HUB_IDS = {"builtin:smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
 def base_model_id(name: str) -> Optional[str]:
     """The hub id a card names as base_model for the recipe's `model.name`: a builtin model's
     source, the name itself when it is a hub id, None for a local folder."""
     if name.startswith(BUILTIN_PREFIX):
-        return BUILTIN_HUB_IDS.get(name)
+        builtin = BUILTIN_MODELS.get(name.removeprefix(BUILTIN_PREFIX))
+        return builtin.hub_id if builtin else None
     if name.startswith((".", "/", "~")) or Path(name).exists():
         return None
     try:
@@ -125,11 +124,11 @@ def _step(checkpoint: Checkpoint) -> str:
 
 def _base_model_lines(name: str, note: str = "") -> list[str]:
     lines = [f"- Base model: `{name}`{note}"]
-    if name in BUILTIN_HUB_IDS:
+    builtin = BUILTIN_MODELS.get(name.removeprefix(BUILTIN_PREFIX)) if name.startswith(BUILTIN_PREFIX) else None
+    if builtin is not None:
         # The builtin weights are a quantized file's, so they differ slightly from the hub's.
-        distribution, filename = BUILTIN_MODELS[name.removeprefix(BUILTIN_PREFIX)]
-        lines.append(f"- Converted from: `{filename}` in the `{distribution}` package, "
-                     f"a quantized copy of `{BUILTIN_HUB_IDS[name]}`")
+        lines.append(f"- Converted from: `{builtin.filename}` in the `{builtin.distribution}` package, "
+                     f"a quantized copy of `{builtin.hub_id}`")
     return lines
 
 

@@ -4,7 +4,6 @@ that the policy adapter clearly changes the model), and its default export."""
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 from pathlib import Path
 
@@ -49,17 +48,7 @@ def trained_run(tiny_model_dir, tmp_path_factory) -> Path:
     # and a merge that drops it is detectable.
     weights = load_file(str(run / "final" / "policy" / "adapter_model.safetensors"))
     assert max(float(t.abs().max()) for k, t in weights.items() if "lora_B" in k) > 1e-2
-    _write_final_manifest_if_missing(run)
     return run
-
-
-def _write_final_manifest_if_missing(run: Path) -> None:
-    """TEMPORARY SHIM, to delete once the trainer writes final/ as a complete checkpoint (with
-    manifest.json, as it does for checkpoints/step-N): until then export refuses final/."""
-    final = run / "final"
-    if not (final / "manifest.json").exists():
-        step = json.loads((final / "trainer_state.json").read_text())["step"]
-        (final / "manifest.json").write_text(json.dumps({"format": 1, "step": step}))
 
 
 @pytest.fixture(scope="session")
