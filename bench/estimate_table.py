@@ -39,7 +39,7 @@ def main() -> None:
             est = estimate_recipe(recipe, device="cuda", budget_gb=budget)
             row["params_b"] = round(est.shape.total_params / 1e9, 2)
             row["phases_gb"] = {k: round(v / GB, 2) for k, v in est.phases.items()}
-            row["budgets"][budget] = {"fits": est.fits, "largest_micro_batch": est.largest["micro_batch_size"]}
+            row["budgets"][budget] = {"fits": est.fits, "largest_batch": est.fitting.get("rollout.batch_size")}
         rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -48,7 +48,7 @@ def main() -> None:
     print("|---|---|---|---|---|" + "---|" * len(BUDGETS))
     for r in rows:
         p = r["phases_gb"]
-        cells = [f"fits (micro-batch up to {v['largest_micro_batch']})" if v["fits"] else "no"
+        cells = [f"fits (batch up to {v['largest_batch']})" if v["fits"] else "no"
                  for v in r["budgets"].values()]
         print(f"| {r['model']} | {r['params_b']}B | {p['generate']} GB | {p['score']} GB | {p['update']} GB | "
               + " | ".join(cells) + " |")

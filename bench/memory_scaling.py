@@ -104,9 +104,9 @@ def measure_one(model_dir: Path, quant: str, prompts: Path, out: Path) -> dict:
     recipe = lora_ppo.load_recipe(REPO / "recipes" / "quickstart.yaml", recipe_overrides(model_dir, quant, prompts, out))
     trainer = lora_ppo.PPOTrainer(recipe, progress=False)
     # Every prompt the same length, so the estimate sees the real sequence length.
-    trainer.train_prompts.prompts = prompts.read_text().splitlines()
-    trainer.stream = PromptStream(trainer.train_prompts.prompts, recipe.train.seed)
-    prompt_tokens = max(len(trainer.tokenizer(p)["input_ids"]) for p in trainer.train_prompts.prompts)
+    same_length = prompts.read_text().splitlines()
+    trainer.stream = PromptStream(same_length, recipe.train.seed)
+    prompt_tokens = max(len(trainer.parts.tokenizer(p)["input_ids"]) for p in same_length)
     memory.release_memory()
     loaded = memory.resident_bytes()
     t0 = time.perf_counter()
@@ -168,7 +168,7 @@ def tensor_bytes(trainer) -> dict[str, int]:
             if value is not None:
                 quant_constants.append(value)
     base = _storage_bytes([*model.parameters(), *model.buffers(), *quant_constants], seen)
-    optimizer = _storage_bytes([v for state in trainer.optimizer.state.values()
+    optimizer = _storage_bytes([v for state in trainer.parts.optimizer.state.values()
                                 for v in state.values() if hasattr(v, "untyped_storage")], seen)
     return {"base_weights": base, "adapters": adapters, "optimizer": optimizer}
 

@@ -42,18 +42,23 @@ def run_reinforce(recipe, budget_s: float, lr: float | None = None) -> dict:
     evaluation and KL measurement excluded); returns the results as a JSON-ready dict."""
     import torch
 
-    import lora_ppo
+    from lora_ppo.data import PromptStream
+    from lora_ppo.model import dequantized_once
+    from lora_ppo.parts import ADAM_EPS, build, evaluate_heldout
+    from lora_ppo.state import PromptPosition
 
-    trainer = lora_ppo.PPOTrainer(recipe, progress=False)  # for its model, prompts, reward and evaluation
-    optimizer = torch.optim.AdamW(trainer.roles.policy_parameters(), lr=lr or recipe.ppo.learning_rate,
-                                  weight_decay=0.0, eps=1e-5)
-    before = trainer.evaluate()
+    parts = build(recipe)  # the model, prompts, reward and evaluation PPO uses
+    stream, position = PromptStream(parts.train_prompts.prompts, recipe.train.seed), PromptPosition()
+    optimizer = torch.optim.AdamW(parts.roles.policy_parameters(), lr=lr or recipe.ppo.learning_rate,
+                                  weight_decay=0.0, eps=ADAM_EPS)
+    before = evaluate_heldout(parts, recipe)
     t0 = time.perf_counter()
     steps, curve, kl_curve, elapsed = 0, [], [], []
     while time.perf_counter() - t0 < budget_s:
         # The recipe's model.dequantize_per_step, as the PPO trainer applies it to each step.
-        with trainer.dequantized_once():
-            prompts, samples, scores, kl = reinforce_step(trainer, recipe, optimizer)
+        with dequantized_once(parts.roles.peft, recipe.model):
+            prompts, position = stream.take(recipe.rollout.batch_size, position)
+            samples, scores, kl = reinforce_step(parts, recipe, optimizer, prompts)
         t0 += kl["measure_s"]  # measuring the KL is not training: kept out of the budget
         steps += 1
         curve.append(round(scores.mean().item(), 3))
@@ -62,7 +67,7 @@ def run_reinforce(recipe, budget_s: float, lr: float | None = None) -> dict:
         print(json.dumps({"step": steps, "score": curve[-1], "kl": kl_curve[-1], "elapsed_s": elapsed[-1]}),
               file=sys.stderr, flush=True)
     train_s = time.perf_counter() - t0  # training time only (KL measurement excluded)
-    after = trainer.evaluate()
+    after = evaluate_heldout(parts, recipe)
     return {
         "algorithm": "reinforce (batch-mean baseline, no KL, one step per batch)",
         "steps": steps, "train_wall_s": round(train_s, 1), "learning_rate": optimizer.param_groups[0]["lr"],
@@ -78,21 +83,19 @@ def run_reinforce(recipe, budget_s: float, lr: float | None = None) -> dict:
     }
 
 
-def reinforce_step(trainer, recipe, optimizer):
+def reinforce_step(parts, recipe, optimizer, prompts):
     """Sample a batch, score it, one gradient step on -(score - batch mean) * logprob."""
     import torch
 
     from lora_ppo.rewards import score_completions
     from lora_ppo.rollout import sample_responses
 
-    roles, cfg = trainer.roles, recipe.rollout
-    prompts = trainer.stream.next_batch(cfg.batch_size)
+    roles, cfg = parts.roles, recipe.rollout
     with roles.as_role("policy"):
-        samples = sample_responses(roles, trainer.tokenizer, prompts, cfg, recipe.data.chat_template)
-    scores = torch.tensor(score_completions(trainer.reward_fn, prompts, samples.completions))
+        samples = sample_responses(roles, parts.tokenizer, prompts, cfg, recipe.data.chat_template)
+    scores = torch.tensor(score_completions(parts.reward_fn, prompts, samples.completions))
     advantage = scores - scores.mean()
-    input_ids = torch.cat([samples.query_ids, samples.response_ids], dim=1)
-    attention_mask = torch.cat([samples.query_mask, samples.response_mask.long()], dim=1)
+    input_ids, attention_mask = samples.model_input()
     mask = samples.response_mask.float()
     start = samples.query_ids.shape[1]
     with roles.as_role("policy"):
@@ -108,7 +111,7 @@ def reinforce_step(trainer, recipe, optimizer):
     with torch.no_grad(), roles.as_role("reference"):
         ref_logprobs, _ = roles.response_logprobs(input_ids, attention_mask, start, cfg.temperature)
     kl = ((logprobs.detach() - ref_logprobs) * mask).sum(dim=1).mean().item()
-    return prompts, samples, scores, {"kl": kl, "measure_s": time.perf_counter() - t_kl}
+    return samples, scores, {"kl": kl, "measure_s": time.perf_counter() - t_kl}
 
 
 if __name__ == "__main__":

@@ -24,6 +24,31 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
     raise typer.Exit(code)
 
 
+def _load_recipe(recipe: Path, overrides: Optional[List[str]]):
+    """The validated recipe, or a one-line error and exit 2."""
+    from lora_ppo.config import load_recipe
+
+    try:
+        return load_recipe(recipe, overrides or [])
+    except RecipeError as err:
+        _fail(str(err))
+
+
+def _version(value: bool) -> None:
+    if value:
+        from lora_ppo import __version__
+
+        typer.echo(f"lora-ppo {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """RLHF with PPO on one 4-bit backbone."""
+
+
 def _quiet_libraries() -> None:
     # Library progress bars and warnings would bury the run's own output.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -56,13 +81,8 @@ def train(
     ),
 ) -> None:
     """Run PPO as the recipe says."""
-    from lora_ppo.config import load_recipe
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        cfg = load_recipe(recipe, overrides or [])
-    except RecipeError as err:
-        _fail(str(err))
+    cfg = _load_recipe(recipe, overrides)
     _quiet_libraries()
     from lora_ppo.checkpoint import CheckpointError
     from lora_ppo.rewards import RewardError
@@ -93,13 +113,9 @@ def train(
 def validate(recipe: Path = typer.Argument(..., help="YAML recipe file."),
              overrides: Optional[List[str]] = typer.Argument(None, help="Overrides like ppo.kl_coef=0.1.")) -> None:
     """Check a recipe without loading anything; print the resolved recipe."""
-    from lora_ppo.config import load_recipe, recipe_to_yaml
+    from lora_ppo.config import recipe_to_yaml
 
-    try:
-        cfg = load_recipe(recipe, overrides or [])
-    except RecipeError as err:
-        _fail(str(err))
-    typer.echo(recipe_to_yaml(cfg), nl=False)
+    typer.echo(recipe_to_yaml(_load_recipe(recipe, overrides)), nl=False)
 
 
 @app.command()
@@ -113,16 +129,11 @@ def estimate(
     """Predict peak memory per phase from the model config and the recipe (no weights loaded)."""
     import json
 
-    from lora_ppo.config import load_recipe
-
     if device not in ("cuda", "cpu"):
         _fail(f"--device must be cuda or cpu, got {device!r}")
     if gpu_gb is not None and gpu_gb <= 0:
         _fail(f"--gpu-gb must be > 0, got {gpu_gb:g}")
-    try:
-        cfg = load_recipe(recipe, overrides or [])
-    except RecipeError as err:
-        _fail(str(err))
+    cfg = _load_recipe(recipe, overrides)
     _quiet_libraries()
     from lora_ppo import estimate as est_mod
 

@@ -11,12 +11,13 @@ KV heads, a gated MLP). Every term is counted in bytes:
   update   = static + adapter gradients + activations kept for backward (all layers, or only
              layer inputs under gradient checkpointing) + a checkpointed logits chunk
 
-The activation constants were fitted to peaks measured on CPU (bench/memory_scaling.py); the
-README lists the check against measured peaks.
+The activation constants were fitted to peaks measured by bench/memory_scaling.py; bench/README.md
+has the measurements and how far the estimate is from them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,7 +39,7 @@ ADAPTER_WEIGHT_BYTES = 4
 ADAPTER_GRAD_BYTES = 4
 ADAM_BYTES = 8
 # Fixed cost beyond the tensors: the CUDA context and allocator slack on GPU; the Python process
-# with torch, transformers, peft and bitsandbytes imported on CPU (measured: see bench/README.md).
+# with torch, transformers, peft and bitsandbytes imported on CPU (measured by the bench).
 RUNTIME_BYTES = {"cuda": 0.6 * GB, "cpu": 0.62 * GB}
 # Values kept for backward per token per decoder layer, in units of (hidden, intermediate, kv
 # width) elements: norms, q/k/v/o inputs and outputs, attention output, gate/up/act/product.
@@ -46,17 +47,14 @@ ACT_HIDDEN_TERMS = 10
 ACT_INTERMEDIATE_TERMS = 4
 ACT_KV_TERMS = 2
 # The update's peak holds the saved values plus, while backward runs, the gradients of the
-# activations and the backward's temporaries: about twice the saved values. The saved values
-# alone matched the terms above to 10% (counted with torch.autograd.graph.saved_tensors_hooks on
-# a 135M model).
+# activations and the backward's temporaries: about twice the saved values (the saved values
+# alone were checked against torch.autograd.graph.saved_tensors_hooks).
 BACKWARD_FACTOR = 2.0
 # On CPU the update's peak resident memory also grows with the base model: glibc keeps the
 # per-layer fp32 temporaries of backward (dequantized weights, weight-sized gradient buffers) as
-# heap it does not hand back within the phase. Fitted together with BACKWARD_FACTOR on 19
-# measured update peaks (bench/memory_scaling.py: 30M-360M models, 4bit/8bit/none, with and
-# without gradient checkpointing): half the fp32 size of the linear layers; the int8 backward
-# leaves about twice that (fitted on two sizes). GPU memory is counted as live tensors
-# (max_memory_allocated), which this slack is not.
+# heap it does not hand back within the phase: about half the fp32 size of the linear layers,
+# twice that for the int8 backward (fitted with BACKWARD_FACTOR on bench/memory_scaling.py's
+# update peaks). GPU memory is counted as live tensors (max_memory_allocated), which this is not.
 CPU_BACKWARD_SLACK = {"4bit": 0.5, "none": 0.5, "8bit": 1.0}
 # Live values of a no-grad forward per token: the residual stream, one layer's MLP intermediates.
 FWD_HIDDEN_TERMS = 4
@@ -144,13 +142,15 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Estimate:
-    """Bytes per component and per phase, plus the largest batch sizes that fit a budget."""
+    """Bytes per component and per phase; with a budget, the largest sizes that fit it."""
 
     shape: ModelShape
     components: dict[str, float]
     phases: dict[str, float]
     budget_gb: Optional[float]
-    largest: dict[str, int]
+    # Recipe overrides that fit the budget together and validate: the largest rollout.batch_size,
+    # the fewest ppo.grad_accum_steps for it, the largest rollout.forward_batch_size ({}: nothing fits).
+    fitting: dict[str, int]
 
     @property
     def peak(self) -> float:
@@ -273,23 +273,41 @@ def estimate(
         "score": static + score_bytes(shape, recipe, act, min(ro.forward_batch_size, ro.batch_size)),
         "update": static + grads + update_bytes(shape, recipe, act, recipe.micro_batch_size, device),
     }
-    largest: dict[str, int] = {}
+    fitting: dict[str, int] = {}
     if budget_gb is not None:
-        room = budget_gb * GB - static
+        fitting = largest_fitting_sizes(shape, recipe, act, device, budget_gb * GB - static, grads)
+    return Estimate(shape, components, phases, budget_gb, fitting)
 
-        def biggest(cost) -> int:
-            n = 0
-            while n < 4096 and cost(n + 1) <= room:
-                n += 1
-            return n
 
-        largest = {
-            "rollout.batch_size": biggest(lambda n: generate_bytes(shape, recipe, act, n)),
-            "rollout.forward_batch_size": biggest(lambda n: score_bytes(shape, recipe, act, n)),
-            "micro_batch_size": biggest(lambda n: grads + update_bytes(shape, recipe, act, n, device)),
-        }
-    return Estimate(shape, components, phases, budget_gb, largest)
+MAX_BATCH = 4096  # the search for sizes that fit stops here
 
+
+def largest_fitting_sizes(
+    shape: ModelShape, recipe: Recipe, act: int, device: str, room: float, grads: float
+) -> dict[str, int]:
+    """The largest rollout.batch_size whose generation fits `room` (bytes beyond the resident
+    ones) and whose update fits with some valid ppo.grad_accum_steps, the fewest such steps, and
+    the largest rollout.forward_batch_size (at most the batch) whose scoring fits. Every value
+    respects the recipe's divisibility rules, so the three together validate; {} if none fit."""
+    def largest(fits) -> int:  # each phase's cost grows with its row count
+        return max((n for n in range(1, MAX_BATCH + 1) if fits(n)), default=0)
+
+    max_micro = largest(lambda n: grads + update_bytes(shape, recipe, act, n, device) <= room)
+    max_rows = largest(lambda n: score_bytes(shape, recipe, act, n) <= room)
+    if max_micro == 0 or max_rows == 0:
+        return {}
+    minibatches = recipe.ppo.num_minibatches
+    # Batches in steps that keep the recipe's own accumulation valid: micro-batches stay whole.
+    step = math.lcm(recipe.rollout.samples_per_prompt, minibatches * recipe.ppo.grad_accum_steps)
+    for batch in range(MAX_BATCH - MAX_BATCH % step, 0, -step):
+        if generate_bytes(shape, recipe, act, batch) > room:
+            continue
+        per_minibatch = batch // minibatches
+        # The fewest micro-batches per minibatch whose size divides it and fits the update.
+        steps = next(d for d in range(1, per_minibatch + 1) if per_minibatch % d == 0 and per_minibatch // d <= max_micro)
+        return {"rollout.batch_size": batch, "ppo.grad_accum_steps": steps,
+                "rollout.forward_batch_size": min(max_rows, batch)}
+    return {}
 
 def load_shape(name: str, trust_remote_code: bool = False) -> ModelShape:
     """The config of a hub id, a local folder or a builtin model, without loading weights."""
@@ -355,8 +373,11 @@ def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
     if est.budget_gb is not None:
         verdict = "fits" if est.fits else "does NOT fit"
         lines.append(f"{verdict} in {est.budget_gb:g} GB")
-        lines.append("largest sizes that fit (others as in the recipe): " + ", ".join(
-            f"{k} {v}" for k, v in est.largest.items()))
+        if est.fitting:
+            lines.append("largest sizes that fit together (others as in the recipe): "
+                         + " ".join(f"{k}={v}" for k, v in est.fitting.items()))
+        else:
+            lines.append("no batch size fits: what stays resident alone is too large for the budget")
     return "\n".join(lines)
 
 
@@ -368,7 +389,7 @@ def as_json(est: Estimate) -> dict:
         "peak_gb": round(est.peak / GB, 3),
         "budget_gb": est.budget_gb,
         "fits": est.fits,
-        "largest": est.largest,
+        "fitting": est.fitting,
     }
 
 

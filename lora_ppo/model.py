@@ -27,6 +27,11 @@ def resolve_model_path(name: str) -> str:
 
 
 def _load_error(name: str, err: Exception) -> RecipeError:
+    if "trust_remote_code" in str(err):
+        return RecipeError(
+            f"model.name: {name!r} needs its own Python code to load; it runs only with "
+            "model.trust_remote_code: true (read that code first)"
+        )
     return RecipeError(f"model.name: cannot load {name!r}: {first_line(err)}")
 
 
@@ -102,9 +107,8 @@ def load_base_model(cfg: ModelConfig):
 def _copy_out_of_checkpoint_mapping(model: nn.Module) -> None:
     """On CPU, weights kept in their checkpoint dtype (embeddings, norms, or everything when
     unquantized) are views of the memory-mapped safetensors file, and one such view keeps the
-    whole file mapped: after a 4-bit load of SmolLM2-135M that was 0.5 GB of resident file pages
-    the model no longer needs. Copying the unquantized tensors lets the mapping go (measured:
-    resident memory after load 0.86 -> 0.56 GB on a 135M model)."""
+    whole file mapped: after a 4-bit load that is the whole unquantized checkpoint in resident
+    file pages the model no longer needs. Copying the unquantized tensors lets the mapping go."""
     quantized: tuple[type, ...] = ()
     try:
         import bitsandbytes as bnb

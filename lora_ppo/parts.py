@@ -4,6 +4,7 @@ held-out evaluation that needs nothing else. The trainer and the benchmarks shar
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -35,14 +36,24 @@ class Parts:
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler]
 
 
+def seed_everything(seed: int) -> None:
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
-    """Everything a run needs, loaded in an order that fails fast: the tokenizer and the data
-    (seconds) before the model weights (minutes for a large model).
+    """Everything a run needs, seeded with train.seed (the fresh adapters' initial weights come
+    from it) and loaded in an order that fails fast: the tokenizer and the data (seconds) before
+    the model weights (minutes for a large model).
 
     Args:
         reward_fn: a Python reward `f(prompts, completions) -> list[float]` that replaces the
             recipe's reward section.
     """
+    seed_everything(recipe.train.seed)
     tokenizer = load_tokenizer(recipe.model)
     train_prompts, eval_prompts = load_prompt_sets(recipe.data, tokenizer, recipe.train.seed)
     reward_fn = reward_fn or build_reward(recipe.reward, recipe.model.trust_remote_code)

@@ -5,7 +5,6 @@ update, KL controller, metrics), log, checkpoint, and evaluate before and after.
 from __future__ import annotations
 
 import logging
-import random
 import sys
 import time
 from pathlib import Path
@@ -32,14 +31,6 @@ from lora_ppo.update import UpdateSettings, UpdateStats, compute_advantages, fir
 log = logging.getLogger(__name__)
 
 SAMPLES_PER_LOG = 4  # completions written to samples.jsonl each time samples are logged
-
-
-def seed_everything(seed: int) -> None:
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 class TrainingHalted(RuntimeError):
@@ -72,7 +63,6 @@ class PPOTrainer:
                 f"train.output_dir: {str(self.run.root)!r} already holds a run; choose another folder "
                 "or set train.overwrite=true (the old run is then moved aside, not deleted)"
             )
-        seed_everything(recipe.train.seed)
         self.parts = build(recipe, reward_fn)
         self.stream = PromptStream(self.parts.train_prompts.prompts, recipe.train.seed)
         self.generator = torch.Generator().manual_seed(recipe.train.seed)  # minibatch order

@@ -97,6 +97,34 @@ def tiny_recipe_dict(model_dir: Path, output_dir: Path, **sections) -> dict:
     return recipe
 
 
+# Wall-clock measurements differ between any two runs; everything else in metrics must match exactly.
+TIMING_PREFIXES = ("time/", "tokens_per_s", "memory/")
+
+
+def write_recipe(path: Path, model_dir: Path, output_dir: Path, **train) -> Path:
+    """A tiny recipe file that saves a checkpoint every step (4 steps unless `train` says otherwise)."""
+    import yaml
+
+    recipe = tiny_recipe_dict(model_dir, output_dir, train={"save_every": 1, "steps": 4, **train})
+    path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    return path
+
+
+def deterministic_metrics(run_dir: Path) -> list[dict]:
+    import json
+
+    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [
+        {k: v for k, v in json.loads(line).items() if not k.startswith(TIMING_PREFIXES)} for line in lines
+    ]
+
+
+def adapter_tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
 def perturb_lora_b(roles, adapter: str, seed: int, scale: float) -> None:
     """Give an adapter's LoRA B matrices random values: PEFT starts B at zero, so a fresh adapter
     equals the base model and ratios, KLs and role differences would be trivially 0."""
@@ -125,3 +153,31 @@ def make_roles(tiny_model_dir):
         return roles
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    """The tiny model's tokenizer as lora_ppo loads it (left padding, pad token set)."""
+    from lora_ppo.config import ModelConfig
+    from lora_ppo.model import load_tokenizer
+
+    return load_tokenizer(ModelConfig(name=str(tiny_model_dir)))
+
+
+def prompt_and_random_response(tokenizer, prompts, response_len=5, seed=0):
+    """(input_ids, attention_mask, response_start): left-padded prompts followed by a random
+    response of `response_len` real tokens each."""
+    import torch
+
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    g = torch.Generator().manual_seed(seed)
+    response = torch.randint(3, len(tokenizer), (len(prompts), response_len), generator=g)
+    ids = torch.cat([enc["input_ids"], response], dim=1)
+    mask = torch.cat([enc["attention_mask"], torch.ones_like(response)], dim=1)
+    return ids, mask, enc["input_ids"].shape[1]
+
+
+def bnb_4bit_layers(roles) -> list:
+    import bitsandbytes as bnb
+
+    return [m for m in roles.peft.modules() if isinstance(m, bnb.nn.Linear4bit)]

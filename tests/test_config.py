@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from lora_ppo.config import (
-    RESUME_ALLOWED, ModelConfig, Recipe, leaf_fields, recipe_from_dict, resume_differences,
+    RESUME_ALLOWED,
+    ModelConfig,
+    Recipe,
+    leaf_fields,
+    recipe_from_dict,
+    resume_differences,
 )
 from lora_ppo.errors import RecipeError
 from lora_ppo.recipe_reference import REFERENCE_PATH, REGENERATE, reference_markdown

@@ -4,13 +4,23 @@ splits, and a seeded prompt order that can be resumed."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+import lora_ppo
+from lora_ppo.cli import app
 from lora_ppo.config import DataConfig
-from lora_ppo.data import PromptStream, load_prompt_sets, load_prompt_texts, prepare_prompts
+from lora_ppo.data import (
+    PromptStream,
+    load_prompt_sets,
+    load_prompt_texts,
+    prepare_prompts,
+)
 from lora_ppo.errors import RecipeError
 from lora_ppo.state import PromptPosition
+from tests.conftest import tiny_recipe_dict, write_recipe
 
 ROWS = ["This movie was", "The acting in this film", "Honestly, the sequel"]
 
@@ -101,3 +111,34 @@ def test_prompt_stream_is_seeded_and_resumable_from_a_position():
         second_half.append(batch)
     assert second_half == first[2:]
     assert PromptStream(prompts, seed=4).take(7, PromptPosition())[0] != stream.take(7, PromptPosition())[0]
+
+
+def _rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_malformed_rows_are_counted_and_reported(tmp_path, tiny_model_dir, caplog):
+    source = _rows(tmp_path / "p.jsonl", [
+        {"prompt": "The movie was"}, {"prompt": "I think the film"}, {"other": "no prompt here"},
+        {"prompt": ""}, {"prompt": "word " * 200},
+    ])
+    recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(
+        tiny_model_dir, tmp_path / "run", data={"source": str(source), "eval_size": 0},
+        train={"steps": 1, "eval": False},
+    ))
+    trainer = lora_ppo.PPOTrainer(recipe, progress=False)
+    assert trainer.parts.train_prompts.prompts == ["The movie was", "I think the film"]
+    trainer.train()
+    assert "1 not text, 1 empty, 1 too long" in caplog.text
+
+
+def test_no_usable_rows_refuses_to_start_in_one_line(tmp_path, tiny_model_dir):
+    source = _rows(tmp_path / "p.jsonl", [{"other": "x"}, {"prompt": "  "}, {"prompt": "word " * 200}])
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run")
+    result = CliRunner().invoke(app, ["train", str(recipe), f"data.source={source}"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: data.source: no usable prompts in {str(source)!r} (1 not_text, 1 empty, 1 too_long)"
+    ]
+    assert not (tmp_path / "run").exists()

@@ -12,8 +12,8 @@ from tests.conftest import tiny_recipe_dict
 def test_python_api_trains_and_saved_adapter_reproduces_logits(tmp_path, tiny_model_dir):
     from peft import PeftModel
 
-    from lora_ppo.config import ModelConfig
     from lora_ppo.bnb_workarounds import keep_4bit_weights_differentiable
+    from lora_ppo.config import ModelConfig
     from lora_ppo.model import load_base_model
 
     recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run"), ["train.steps=2"])

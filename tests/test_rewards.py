@@ -4,13 +4,19 @@ tokenizer; bad reward output is caught with the function named."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
 
 from lora_ppo.config import RewardConfig
 from lora_ppo.errors import RecipeError
-from lora_ppo.rewards import RewardError, build_reward, build_side_metrics, score_completions
+from lora_ppo.rewards import (
+    RewardError,
+    build_reward,
+    build_side_metrics,
+    score_completions,
+)
 
 
 def test_vader_prefers_positive_text():
@@ -56,9 +62,12 @@ def test_score_completions_checks_what_comes_back():
 
 @pytest.fixture(scope="module")
 def tiny_classifier_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForSequenceClassification
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import (
+        LlamaConfig,
+        LlamaForSequenceClassification,
+        PreTrainedTokenizerFast,
+    )
 
     folder = tmp_path_factory.mktemp("tiny-classifier")
     # Its own word-level tokenizer, unlike the policy's byte-level BPE: text is re-tokenized.
@@ -94,3 +103,9 @@ def test_classifier_label_out_of_range(tiny_classifier_dir):
 def test_classifier_missing_folder(tmp_path):
     with pytest.raises(RecipeError, match="reward.model"):
         build_reward(RewardConfig(kind="classifier", model=str(tmp_path / "nothing")))
+
+
+def test_a_reward_module_is_imported_only_when_the_recipe_names_it():
+    cfg = RewardConfig(kind="vader", function="tests.reliability.never_imported:boom")
+    build_reward(cfg)
+    assert "tests.reliability.never_imported" not in sys.modules

@@ -51,61 +51,81 @@ def test_static_components_by_hand():
 
 
 def test_kv_cache_and_logits_scale_with_the_generation_batch():
-    """One more sequence in the batch costs its KV cache (2 x layers x kv width x tokens x bytes),
-    the step's logits and its prefill activations."""
+    """One more sequence of 10 + 6 tokens costs, in fp32 (4 bytes):
+    its KV cache, 2 (K and V) x 2 layers x 32 (2 KV heads of 16) x 16 tokens x 4 = 8192 bytes;
+    the step's logits, 3 copies x 320 vocabulary x 4 = 3840 bytes;
+    its prefill activations, 10 prompt tokens x (4 x 64 hidden + 3 x 128 intermediate) x 4 = 25600 bytes."""
     r = _recipe(data={"max_prompt_tokens": 10}, rollout={"max_new_tokens": 6})
     one = est.generate_bytes(TINY, r, 4, batch=1)
     two = est.generate_bytes(TINY, r, 4, batch=2)
-    kv = 2 * 2 * 32 * 16 * 4
-    logits = est.GEN_LOGIT_COPIES * 320 * 4
-    prefill = 10 * (est.FWD_HIDDEN_TERMS * 64 + est.FWD_INTERMEDIATE_TERMS * 128) * 4
-    assert two - one == pytest.approx(kv + logits + prefill)
+    assert two - one == pytest.approx(8192 + 3840 + 25600)
 
 
 def test_gradient_checkpointing_keeps_only_layer_inputs():
+    """A micro-batch of 4 rows x 16 tokens = 64 tokens. Per layer, the values kept for backward are
+    64 x (10 x 64 hidden + 4 x 128 intermediate + 2 x 32 KV width) x 4 bytes = 311296 bytes, and
+    backward doubles what is live. Without checkpointing: 2 x 2 layers x 311296 = 1245184 bytes.
+    With it: the layer inputs (2 layers x 64 tokens x 64 hidden x 4 = 32768) plus one layer
+    rebuilt at a time (2 x 311296 = 622592): 655360 bytes. The difference: 589824."""
     r_off = _recipe(data={"max_prompt_tokens": 10}, rollout={"max_new_tokens": 6},
                     model={"gradient_checkpointing": False})
     r_on = _recipe(data={"max_prompt_tokens": 10}, rollout={"max_new_tokens": 6},
                    model={"gradient_checkpointing": True})
-    tokens = 4 * 16
-    per_layer = tokens * (est.ACT_HIDDEN_TERMS * 64 + est.ACT_INTERMEDIATE_TERMS * 128 + est.ACT_KV_TERMS * 32) * 4
     off, on = est.update_bytes(TINY, r_off, 4, rows=4), est.update_bytes(TINY, r_on, 4, rows=4)
-    k = est.BACKWARD_FACTOR
-    assert off - on == pytest.approx(k * 2 * per_layer - (2 * tokens * 64 * 4 + k * per_layer))
+    assert off - on == pytest.approx(589824)
 
 
 def test_dequantize_per_step_holds_every_linear_layer_unquantized():
-    """Per pass, one dequantized weight at a time (the largest, 64x128); with
-    model.dequantize_per_step all 73728 linear weights in the compute dtype, in every phase,
-    and no CPU backward term for per-pass copies."""
+    """Per pass, one dequantized weight at a time (the largest, 64 x 128); with
+    model.dequantize_per_step all 73728 linear weights in fp32, in every phase:
+    (73728 - 8192) x 4 = 262144 bytes more. On CPU the per-pass copies that glibc keeps during
+    backward (half the fp32 linear layers, 0.5 x 73728 x 4 = 147456 bytes) go away."""
     base = _recipe(data={"max_prompt_tokens": 10}, rollout={"max_new_tokens": 6})
     held = _recipe(data={"max_prompt_tokens": 10}, rollout={"max_new_tokens": 6}, model={"dequantize_per_step": True})
-    extra = (73728 - 64 * 128) * 4
-    assert est.generate_bytes(TINY, held, 4, 2) - est.generate_bytes(TINY, base, 4, 2) == pytest.approx(extra)
-    assert est.score_bytes(TINY, held, 4, 2) - est.score_bytes(TINY, base, 4, 2) == pytest.approx(extra)
-    slack = est.CPU_BACKWARD_SLACK["4bit"] * 73728 * 4
+    assert est.generate_bytes(TINY, held, 4, 2) - est.generate_bytes(TINY, base, 4, 2) == pytest.approx(262144)
+    assert est.score_bytes(TINY, held, 4, 2) - est.score_bytes(TINY, base, 4, 2) == pytest.approx(262144)
     cpu_gap = est.update_bytes(TINY, held, 4, 2, "cpu") - est.update_bytes(TINY, base, 4, 2, "cpu")
-    assert cpu_gap == pytest.approx(extra - slack)
-    assert est.update_bytes(TINY, held, 4, 2, "cuda") - est.update_bytes(TINY, base, 4, 2, "cuda") == pytest.approx(extra)
+    assert cpu_gap == pytest.approx(262144 - 147456)
+    assert est.update_bytes(TINY, held, 4, 2, "cuda") - est.update_bytes(TINY, base, 4, 2, "cuda") == pytest.approx(262144)
 
 
-def test_largest_sizes_fit_and_one_more_does_not():
-    r = _recipe()
-    e = est.estimate(TINY, r, device="cuda", budget_gb=0.62)
-    static = sum(e.components.values())
-    n = e.largest["micro_batch_size"]
-    grads = (8192 * 2 + 65) * 4
-    assert n > 0
-    assert static + grads + est.update_bytes(TINY, r, 2, n) <= 0.62e9 < static + grads + est.update_bytes(TINY, r, 2, n + 1)
+@pytest.mark.parametrize("sections", [
+    {},
+    {"rollout": {"batch_size": 12, "samples_per_prompt": 3}, "ppo": {"num_minibatches": 2}},
+    {"rollout": {"batch_size": 16}, "ppo": {"num_minibatches": 2, "grad_accum_steps": 4}},
+])
+@pytest.mark.parametrize("budget_gb", [0.62, 0.7, 2.0])
+def test_fitting_sizes_are_a_recipe_that_validates_and_fits(sections, budget_gb):
+    """What `estimate --gpu-gb` suggests, applied as overrides, validates and fits the budget, and
+    the next larger valid batch would not fit."""
+    r = _recipe(**sections)
+    e = est.estimate(TINY, r, device="cuda", budget_gb=budget_gb)
+    assert e.fitting, "something fits these budgets"
+    fitted = recipe_from_dict(r.model_dump(mode="json"), [f"{k}={v}" for k, v in e.fitting.items()])
+    assert est.estimate(TINY, fitted, device="cuda", budget_gb=budget_gb).fits
+    step = fitted.rollout.samples_per_prompt * fitted.ppo.num_minibatches * r.ppo.grad_accum_steps
+    bigger = fitted.rollout.batch_size + step
+    if bigger <= est.MAX_BATCH:
+        static = sum(e.components.values())
+        assert static + est.generate_bytes(TINY, r, 2, bigger) > budget_gb * 1e9 or all(
+            static + (8192 * 2 + 65) * 4 + est.update_bytes(TINY, r, 2, micro) > budget_gb * 1e9
+            for micro in range(1, bigger // fitted.ppo.num_minibatches + 1)
+            if (bigger // fitted.ppo.num_minibatches) % micro == 0
+        )
+
+
+def test_nothing_fits_a_budget_below_the_resident_memory():
+    assert est.estimate(TINY, _recipe(), device="cuda", budget_gb=0.1).fitting == {}
 
 
 def test_big_vocabulary_costs_one_chunk_not_the_whole_sequence():
-    """Peak memory for the update grows with the vocabulary by one logits chunk only."""
+    """Peak memory for the update grows with the vocabulary by one logits chunk only: 5 fp32
+    copies x 64 positions x 150000 more entries x 4 bytes = 192 MB, whatever the 512 new tokens."""
     small = est.ModelShape(**{**TINY.__dict__, "vocab": 1000})
     large = est.ModelShape(**{**TINY.__dict__, "vocab": 151_000})
     r = _recipe(rollout={"max_new_tokens": 512, "batch_size": 8})
     extra = est.update_bytes(large, r, 2, 8) - est.update_bytes(small, r, 2, 8)
-    assert extra == pytest.approx(est.LOGIT_COPIES_GRAD * est.DEFAULT_CHUNK_TOKENS * 150_000 * 4)
+    assert extra == pytest.approx(5 * 64 * 150_000 * 4)
 
 
 def test_estimate_command_reads_a_local_config(tiny_model_dir, tmp_path):

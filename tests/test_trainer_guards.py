@@ -14,11 +14,11 @@ import torch
 from typer.testing import CliRunner
 
 import lora_ppo
-from lora_ppo import ppo_math, trainer as trainer_module
+from lora_ppo import ppo_math
+from lora_ppo import trainer as trainer_module
 from lora_ppo.cli import app
 from lora_ppo.rewards import RewardError
-from tests.conftest import tiny_recipe_dict
-from tests.reliability.conftest import adapter_tensors, write_recipe
+from tests.conftest import adapter_tensors, tiny_recipe_dict, write_recipe
 
 
 def _recipe(tiny_model_dir, out, **train):

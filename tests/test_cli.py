@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from lora_ppo.cli import app
 from tests.conftest import tiny_recipe_dict
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
 
@@ -84,7 +84,7 @@ def test_reward_function_with_wrong_count_names_the_function(tmp_path, tiny_mode
     assert "wrong_count returned 1 scores for 4 completions" in result.stderr
 
 
-def test_train_end_to_end_writes_every_output(tmp_path, tiny_model_dir):
+def test_train_end_to_end_writes_every_output(tmp_path, tiny_model_dir, caplog):
     out = tmp_path / "run"
     recipe = _write(tmp_path / "tiny.yaml", tiny_recipe_dict(tiny_model_dir, out))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -119,9 +119,32 @@ def test_train_end_to_end_writes_every_output(tmp_path, tiny_model_dir):
         assert (out / "final" / role / "adapter_model.safetensors").is_file()
     assert (out / "final" / "value" / "value_head.safetensors").is_file()
 
-    # A second run into the same folder is refused unless asked for.
+    # A second run into the same folder is refused unless asked for; when asked, the first run is
+    # moved aside whole, never deleted, and the message says where.
     again = runner.invoke(app, ["train", str(recipe), "train.overwrite=false"])
     assert again.exit_code == 2 and "already holds a run" in again.stderr
+    first_metrics = (out / "metrics.jsonl").read_text()
+    with caplog.at_level("WARNING"):
+        again = runner.invoke(app, ["train", str(recipe), "train.overwrite=true", "train.steps=1", "train.eval=false"])
+    assert again.exit_code == 0, again.output
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
+    assert len(moved) == 1 and f"moved it to {moved[0]}" in caplog.text
+    assert (moved[0] / "metrics.jsonl").read_text() == first_metrics
+    assert (moved[0] / "final" / "policy" / "adapter_model.safetensors").is_file()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_version():
+    from lora_ppo import __version__
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout.strip() == f"lora-ppo {__version__}"
+
+
+def test_misspelt_override_suggests_the_field(tmp_path):
+    result = runner.invoke(app, ["validate", str(REPO / "recipes" / "quickstart.yaml"), "train.stpes=3"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "error: train.stpes: unknown field (did you mean train.steps?)"
 
 
 def test_validate_prints_resolved_recipe(tmp_path):

@@ -1,11 +1,12 @@
 """Exact resume: a run killed with SIGKILL (or mid-save) and resumed ends with the same adapters
 and metrics as an uninterrupted run; partial checkpoints are never picked; changed recipes are
-refused unless the change is harmless."""
+refused unless the change is harmless; saved state is only ever loaded with weights_only."""
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -22,10 +23,14 @@ from lora_ppo import checkpoint
 from lora_ppo.cli import app
 from lora_ppo.errors import RecipeError
 from lora_ppo.run_dir import MANIFEST_FILE, RunDir
-from tests.conftest import tiny_recipe_dict
-from tests.reliability.conftest import adapter_tensors, deterministic_metrics, write_recipe
+from tests.conftest import (
+    adapter_tensors,
+    deterministic_metrics,
+    tiny_recipe_dict,
+    write_recipe,
+)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -198,3 +203,9 @@ def test_checkpoint_holds_the_whole_state(tmp_path, tiny_model_dir):
     # merge-and-export still reads a checkpoint folder (its policy/ and the run's recipe.yaml).
     report = lora_ppo.merge_and_export(folder, tmp_path / "exported", adapter_only=True)
     assert (tmp_path / "exported" / "adapter_model.safetensors").is_file() and report.checkpoint == folder
+
+
+def test_saved_state_is_only_loaded_with_weights_only():
+    for path in Path(lora_ppo.__file__).parent.glob("*.py"):
+        for call in re.findall(r"torch\.load\([^)]*\)", path.read_text()):
+            assert "weights_only=True" in call, f"{path.name}: {call}"

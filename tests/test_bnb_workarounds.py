@@ -1,0 +1,60 @@
+"""bitsandbytes workarounds on the real 4-bit tiny model: one dequantized copy per step gives the
+same numbers as dequantizing in every pass, and is undone on exit, errors included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_ppo.bnb_workarounds import dequantized_4bit_layers
+from lora_ppo.roles import POLICY, VALUE
+from tests.conftest import bnb_4bit_layers, prompt_and_random_response
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_tokenizer):
+    return tiny_tokenizer
+
+
+@pytest.fixture()
+def roles(make_roles):
+    return make_roles(seed=1, scale=0.5)
+
+
+def test_dequantized_once_gives_same_logprobs_values_and_gradients(roles, tokenizer):
+    # model.dequantize_per_step computes each 4-bit layer from one dequantized copy: what
+    # bitsandbytes computes per pass, so logprobs, values and adapter gradients must not move.
+    ids, mask, start = prompt_and_random_response(tokenizer, ["This movie was", "The acting in the remake"])
+
+    def run():
+        for p in roles.policy_parameters() + roles.value_parameters():
+            p.grad = None
+        with roles.as_role(POLICY):
+            lp, ent = roles.response_logprobs(ids, mask, start, 0.7)
+            lp.sum().backward()
+        with roles.as_role(VALUE):
+            values = roles.values(ids, mask, start)
+            values.sum().backward()
+        grads = [p.grad.clone() for p in roles.policy_parameters() + roles.value_parameters()]
+        return lp.detach(), ent.detach(), values.detach(), grads
+
+    plain = run()
+    with dequantized_4bit_layers(roles.peft, torch.float32) as held_bytes:
+        assert held_bytes > 0
+        assert all("forward" in vars(m) for m in bnb_4bit_layers(roles))
+        cached = run()
+    for a, b in zip(plain[:3], cached[:3]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(plain[3], cached[3]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    # On exit every layer computes from its 4 bits again, and the base is unchanged.
+    assert bnb_4bit_layers(roles)
+    assert not any("forward" in vars(m) for m in bnb_4bit_layers(roles))
+    torch.testing.assert_close(run()[0], plain[0], atol=0, rtol=0)
+
+
+def test_dequantized_once_is_undone_after_an_error(roles):
+    with pytest.raises(KeyboardInterrupt):
+        with dequantized_4bit_layers(roles.peft, torch.float32):
+            raise KeyboardInterrupt
+    assert not any("forward" in vars(m) for m in bnb_4bit_layers(roles))

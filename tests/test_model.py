@@ -1,0 +1,61 @@
+"""Loading the base model: on CPU the checkpoint file is not kept mapped (that mapping counted the
+whole unquantized checkpoint in resident memory after a 4-bit load), and a model folder's own
+Python code never runs unless the recipe trusts it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from lora_ppo.cli import app
+from lora_ppo.config import ModelConfig
+from lora_ppo.model import load_base_model
+from tests.conftest import write_recipe
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or torch.cuda.is_available(), reason="reads /proc/self/maps on CPU")
+@pytest.mark.parametrize("quantization", ["4bit", "none"])
+def test_no_mapping_of_the_checkpoint_file_survives_loading(tiny_model_dir, tmp_path, quantization):
+    folder = tmp_path / "copy"
+    shutil.copytree(tiny_model_dir, folder)
+    model = load_base_model(ModelConfig(name=str(folder), quantization=quantization))
+    mapped = [line for line in open("/proc/self/maps") if str(folder) in line]
+    assert mapped == []
+    # Tied embeddings are still one tensor, and the model still runs.
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.tensor([[1, 5, 9]])).logits).all()
+
+
+def test_model_code_from_a_folder_never_runs_unless_the_recipe_trusts_it(tmp_path, tiny_model_dir):
+    """A model folder whose config points at its own Python code (auto_map) is refused with one
+    line, and the code is never imported, unless model.trust_remote_code says so."""
+    import shutil
+
+    folder = tmp_path / "custom-code-model"
+    shutil.copytree(tiny_model_dir, folder)
+    marker = tmp_path / "code-ran"
+    (folder / "modeling_custom.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "class CustomConfig(LlamaConfig):\n    model_type = 'custom-llama'\n"
+        "class CustomModel(LlamaForCausalLM):\n    config_class = CustomConfig\n"
+    )
+    config = json.loads((folder / "config.json").read_text())
+    # A model type transformers does not know, so only the folder's own code could build it.
+    config["model_type"] = "custom-llama"
+    config["auto_map"] = {"AutoConfig": "modeling_custom.CustomConfig",
+                          "AutoModelForCausalLM": "modeling_custom.CustomModel"}
+    (folder / "config.json").write_text(json.dumps(config))
+    recipe = write_recipe(tmp_path / "r.yaml", folder, tmp_path / "run")
+    result = CliRunner().invoke(app, ["train", str(recipe)])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: model.name: "), result.stderr
+    assert "model.trust_remote_code: true" in lines[0]
+    assert not marker.exists()

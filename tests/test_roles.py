@@ -1,0 +1,156 @@
+"""Roles on one real 4-bit backbone: reference = base, gradients stay in their own role, role
+switches keep the trainable flags, left padding changes nothing, and a policy started from an
+adapter keeps that adapter frozen as its reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_ppo.config import AdaptersConfig, ModelConfig
+from lora_ppo.model import load_base_model
+from lora_ppo.roles import POLICY, REFERENCE, VALUE, RoleModel
+from tests.conftest import bnb_4bit_layers, prompt_and_random_response
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model_cfg(tiny_model_dir):
+    return ModelConfig(name=str(tiny_model_dir), quantization="4bit")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_tokenizer):
+    return tiny_tokenizer
+
+
+@pytest.fixture()
+def roles(make_roles):
+    return make_roles(seed=1, scale=0.5)
+
+
+def test_backbone_is_real_4bit(roles):
+    assert bnb_4bit_layers(roles)
+
+
+@torch.no_grad()
+def test_reference_equals_base_model_and_policy_differs(roles, model_cfg, tokenizer):
+    ids, mask, start = prompt_and_random_response(tokenizer, ["This movie was", "The acting in this comedy"])
+    with roles.as_role(REFERENCE):
+        ref, _ = roles.response_logprobs(ids, mask, start, temperature=1.0)
+    with roles.as_role(POLICY):
+        pol, _ = roles.response_logprobs(ids, mask, start, temperature=1.0)
+    base = load_base_model(model_cfg)
+    logits = base(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    base_lp = torch.log_softmax(logits[:, start - 1 : -1].float(), -1).gather(-1, ids[:, start:, None]).squeeze(-1)
+    torch.testing.assert_close(ref, base_lp, atol=ATOL, rtol=1e-5)
+    assert (pol - base_lp).abs().max() > 1e-2
+
+
+def test_policy_loss_backward_leaves_value_grads_untouched_and_vice_versa(roles, tokenizer):
+    ids, mask, start = prompt_and_random_response(tokenizer, ["This movie was"])
+    with roles.as_role(POLICY):
+        lp, _ = roles.response_logprobs(ids, mask, start, 1.0)
+    lp.sum().backward()
+    assert all(p.grad is not None for p in roles.policy_parameters())
+    assert all(p.grad is None for p in roles.value_parameters())
+
+    for p in roles.policy_parameters():
+        p.grad = None
+    with roles.as_role(VALUE):
+        values = roles.values(ids, mask, start)
+    values.sum().backward()
+    assert all(p.grad is None for p in roles.policy_parameters())
+    assert all(p.grad is not None for p in roles.value_parameters())
+
+
+def test_trainable_flags_survive_role_switches(roles, tokenizer):
+    # PEFT's set_adapter freezes every adapter but the active one; both must stay trainable.
+    for role in (VALUE, REFERENCE, POLICY, VALUE):
+        with roles.as_role(role):
+            pass
+        assert all(p.requires_grad for p in roles.policy_parameters() + roles.value_parameters())
+
+
+@torch.no_grad()
+def test_left_padding_gives_same_logprobs_and_values(roles, tokenizer):
+    short = "This movie was"
+    longer = "I went to see this horror movie last weekend with my family and honestly"
+    g = torch.Generator().manual_seed(3)
+    response = torch.randint(3, len(tokenizer), (1, 6), generator=g)
+
+    def score(prompts):
+        enc = tokenizer(prompts, return_tensors="pt", padding=True)
+        resp = response.expand(len(prompts), -1)
+        ids = torch.cat([enc["input_ids"], resp], 1)
+        mask = torch.cat([enc["attention_mask"], torch.ones_like(resp)], 1)
+        start = enc["input_ids"].shape[1]
+        with roles.as_role(POLICY):
+            lp, ent = roles.response_logprobs(ids, mask, start, 0.7)
+        with roles.as_role(VALUE):
+            v = roles.values(ids, mask, start)
+        return lp, ent, v
+
+    alone = score([short])
+    batched = score([longer, short])
+    assert tokenizer([longer, short], padding=True)["attention_mask"][1][0] == 0  # really left-padded
+    for a, b in zip(alone, batched):
+        torch.testing.assert_close(a[0], b[1], atol=ATOL, rtol=1e-5)
+
+
+def test_4bit_backward_reaches_early_layers_after_inference(roles, tokenizer):
+    # Regression: an inference pass must not switch bitsandbytes to a kernel without backward.
+    ids, mask, start = prompt_and_random_response(tokenizer, ["This movie was"])
+    with torch.no_grad(), roles.as_role(POLICY):
+        roles.response_logprobs(ids, mask, start, 1.0)
+    with roles.as_role(POLICY):
+        lp, _ = roles.response_logprobs(ids, mask, start, 1.0)
+    lp.sum().backward()
+    first_layer_a = [p for n, p in roles.peft.named_parameters() if "layers.0." in n and "lora_A.policy" in n]
+    assert first_layer_a and all(p.grad is not None and p.grad.abs().sum() > 0 for p in first_layer_a)
+
+
+def test_gradient_checkpointing_gives_same_gradients(roles, tokenizer):
+    ids, mask, start = prompt_and_random_response(tokenizer, ["This movie was", "The acting"])
+
+    def grads(checkpointing: bool):
+        for p in roles.policy_parameters():
+            p.grad = None
+        with roles.gradient_checkpointing(checkpointing), roles.as_role(POLICY):
+            lp, _ = roles.response_logprobs(ids, mask, start, 1.0)
+            lp.sum().backward()
+        return [p.grad.clone() for p in roles.policy_parameters()]
+
+    for a, b in zip(grads(False), grads(True)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_init_from_adapter_becomes_frozen_reference(roles, model_cfg, tokenizer, tmp_path):
+    roles.save_adapter(POLICY, tmp_path / "sft")
+    adapters = AdaptersConfig(policy={"r": 4, "alpha": 8, "init_from": str(tmp_path / "sft")}, value={"r": 4})
+    assert adapters.reference_adapter_path == str(tmp_path / "sft")
+    started = RoleModel(load_base_model(model_cfg), adapters)
+    ids, mask, start = prompt_and_random_response(tokenizer, ["This movie was", "The acting"])
+    with torch.no_grad():
+        with roles.as_role(POLICY):
+            sft_lp, _ = roles.response_logprobs(ids, mask, start, 1.0)
+        with started.as_role(POLICY):
+            pol_lp, _ = started.response_logprobs(ids, mask, start, 1.0)
+        with started.as_role(REFERENCE):
+            ref_lp, _ = started.response_logprobs(ids, mask, start, 1.0)
+    torch.testing.assert_close(pol_lp, sft_lp, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(ref_lp, sft_lp, atol=ATOL, rtol=1e-5)
+    assert not any(p.requires_grad for p in started._params[REFERENCE])
+    # Training the policy copy leaves the reference where it started.
+    with torch.no_grad():
+        for p in started.policy_parameters():
+            p.add_(0.1)
+        with started.as_role(REFERENCE):
+            ref_after, _ = started.response_logprobs(ids, mask, start, 1.0)
+        with started.as_role(POLICY):
+            pol_after, _ = started.response_logprobs(ids, mask, start, 1.0)
+    torch.testing.assert_close(ref_after, sft_lp, atol=ATOL, rtol=1e-5)
+    assert (pol_after - sft_lp).abs().max() > 1e-3
+
+
