@@ -1,4 +1,4 @@
-"""The README's memory-plan table: what `lora-ppo estimate` predicts for common models on 8, 12,
+"""The memory-plan table of docs/memory.md: what `lora-ppo estimate` predicts for common models on 8, 12,
 16 and 24 GB cards, at recipes/single_gpu_8b.yaml with only the model swapped. Reads the model
 configs saved in bench/model_configs/ (copied from the hub; no weights, no network).
 

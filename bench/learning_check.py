@@ -17,7 +17,7 @@ sys.path.insert(0, str(REPO))
 
 MODE_OVERRIDES = {
     "ppo": ["ppo.advantage_estimator=gae"],
-    # 4 prompts x 4 samples = the same 16 responses per step as PPO.
+    # 4 samples per prompt; rollout.batch_size counts responses, so as many per step as PPO.
     "rloo": ["ppo.advantage_estimator=rloo", "rollout.samples_per_prompt=4"],
     "grpo": ["ppo.advantage_estimator=grpo", "rollout.samples_per_prompt=4", "ppo.kl_penalty=loss",
              "ppo.kl_estimator=k3"],

@@ -423,8 +423,9 @@ class TrainConfig(Section):
     overwrite: bool = Field(
         False,
         json_schema_extra=MAY_CHANGE_ON_RESUME,
-        description="Allow writing into a folder that already holds a run; off, so a run never "
-        "replaces another by accident.",
+        description="Start over in a folder that already holds a run: the old run is moved aside to "
+        "`NAME.old-<date>-<time>`, never deleted. Off: such a folder is refused, so a run never "
+        "displaces another by accident.",
     )
     save_every: int = Field(
         0, ge=0,

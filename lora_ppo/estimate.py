@@ -376,8 +376,10 @@ def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
         if est.fitting:
             lines.append("largest sizes that fit together (others as in the recipe): "
                          + " ".join(f"{k}={v}" for k, v in est.fitting.items()))
+        elif sum(est.components.values()) > est.budget_gb * GB:
+            lines.append("no batch size fits: what stays resident alone is larger than the budget")
         else:
-            lines.append("no batch size fits: what stays resident alone is too large for the budget")
+            lines.append("no batch size fits: even one response per phase needs more than the budget")
     return "\n".join(lines)
 
 

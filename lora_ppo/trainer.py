@@ -139,7 +139,8 @@ class PPOTrainer:
         moments_before = state.score_moments
         scores = self._shape_scores(rollout)
         # 3. Advantages: KL-shaped rewards, then GAE with the critic or group baselines.
-        adv = compute_advantages(rollout, r.ppo, state.kl_coef, scores, k)
+        kl_coef = self._kl_coef()
+        adv = compute_advantages(rollout, r.ppo, kl_coef, scores, k)
         # 4. Guard: a NaN/inf on any real token skips the whole update.
         bad = first_nonfinite(rollout, adv)
         # 5. Update: clipped policy and value losses over epochs x minibatches x micro-batches.
@@ -147,7 +148,7 @@ class PPOTrainer:
         if bad is None:
             with peaks.phase("update"):
                 update = ppo_update(parts.roles, parts.optimizer, parts.scheduler, rollout, adv, r.ppo,
-                                    self.update_settings, state.kl_coef, self.generator)
+                                    self.update_settings, kl_coef, self.generator)
             bad = update.nonfinite
         else:
             state.score_moments = moments_before  # a skipped step leaves no trace but its metrics
@@ -156,18 +157,23 @@ class PPOTrainer:
         state.step += 1
         self._count_skip(bad)
         # 6. KL controller: move kl_coef toward ppo.target_kl (Ziegler et al. 2019).
-        kl_coef_used = state.kl_coef
         if r.ppo.target_kl is not None and bad is None:
             state.kl_coef = ppo_math.adaptive_kl_coef(
                 state.kl_coef, adv.kl.sum(dim=1).mean().item(), r.ppo.target_kl, r.ppo.kl_horizon, len(rollout.prompts)
             )
         # 7. Metrics.
         metrics = step_metrics(
-            state.step, rollout, adv, update, kl_coef=kl_coef_used, skipped=bad is not None,
+            state.step, rollout, adv, update, kl_coef=kl_coef, skipped=bad is not None,
             consecutive_skips=state.consecutive_skips, lr=parts.optimizer.param_groups[0]["lr"],
             update_s=t_end - t_update, step_s=t_end - t_start, phase_peaks_gb=peaks.peaks_gb,
         )
         return metrics, rollout
+
+    def _kl_coef(self) -> float:
+        """The KL coefficient the step uses: none without a reference (adapters.reference: none),
+        where the "reference" logprobs are the rollout's own and a KL loss would pull the policy
+        back toward its last rollout instead."""
+        return self.state.kl_coef if self.recipe.adapters.reference_enabled else 0.0
 
     def _shape_scores(self, rollout: Rollout) -> torch.Tensor:
         """Running normalisation, clipping and length penalty, as the recipe asks."""

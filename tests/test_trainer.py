@@ -75,12 +75,15 @@ def test_adaptive_kl_controller_moves_kl_coef(tmp_path, tiny_model_dir):
     assert metrics[1]["objective/kl"] > 1.2e-6 and coefs[2] > coefs[1]
 
 
-def test_reference_none_has_zero_kl(tmp_path, tiny_model_dir, caplog):
+@pytest.mark.parametrize("penalty", ["reward", "loss"])
+def test_reference_none_has_zero_kl_and_no_kl_penalty(tmp_path, tiny_model_dir, caplog, penalty):
     with caplog.at_level("WARNING"):
         _, metrics = _train(tmp_path, tiny_model_dir, ["adapters.reference=none", "train.steps=2",
-                                                       "ppo.learning_rate=0.05"])
+                                                       "ppo.learning_rate=0.05", f"ppo.kl_penalty={penalty}"])
     assert "no KL penalty" in caplog.text
-    assert all(m["objective/kl"] == 0.0 for m in metrics)
+    assert all(m["objective/kl"] == 0.0 and m["objective/kl_coef"] == 0.0 for m in metrics)
+    # Without a reference a KL loss would pull the policy back to its last rollout: there is none.
+    assert all("loss/kl" not in m for m in metrics)
 
 
 def test_kl_loss_term_and_options_run(tmp_path, tiny_model_dir):
