@@ -88,12 +88,11 @@ def reinforce_step(parts, recipe, optimizer, prompts):
     import torch
 
     from lora_ppo.rewards import score_completions
-    from lora_ppo.rollout import sample_responses
 
     roles, cfg = parts.roles, recipe.rollout
     with roles.as_role("policy"):
-        samples = sample_responses(roles, parts.tokenizer, prompts, cfg, recipe.data.chat_template)
-    scores = torch.tensor(score_completions(parts.reward_fn, prompts, samples.completions))
+        samples = parts.sampler(recipe).sample(prompts)
+    scores = torch.tensor(score_completions(parts.rewards.reward, prompts, samples.completions))
     advantage = scores - scores.mean()
     input_ids, attention_mask = samples.model_input()
     mask = samples.response_mask.float()

@@ -33,57 +33,51 @@ class Section(BaseModel):
 
     # Unknown keys are errors: a typo in a recipe must not silently fall back to a default.
     # NaN and inf are never meaningful settings (a NaN learning rate passes every `gt` check).
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+    # Each field's description is the docstring below it (docs/recipe.md is generated from them).
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )
 
 
 class ModelConfig(Section):
     """The base model: where it comes from, how it is quantized, and the dtype it computes in."""
 
-    name: str = Field(
-        "builtin:smollm2-135m-instruct",
-        description="A local folder holding `.safetensors` weights, a Hugging Face hub id, or "
-        "`builtin:smollm2-135m-instruct`. The default is embedded in the package, so a first run "
-        "downloads nothing.",
-    )
-    quantization: Quantization = Field(
-        "4bit",
-        description="How the frozen base weights are stored: `4bit` (bitsandbytes), `8bit`, or `none`. "
-        "4-bit by default: the one backbone serves every role, so its size is most of a run's memory.",
-    )
-    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field(
-        "nf4",
-        description="The 4-bit data type: `nf4` (NormalFloat, made for normally distributed weights; "
-        "QLoRA's choice) or `fp4`.",
-    )
-    double_quant: bool = Field(
-        True,
-        description="Quantize the 4-bit layers' scales too (QLoRA's double quantization): a little "
-        "less memory for the same results.",
-    )
-    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto",
-        description="The dtype of computation and of the unquantized parts (norms, embeddings, heads). "
-        "`auto`: bfloat16 on a GPU that supports it, else float16; float32 on CPU.",
-    )
-    gradient_checkpointing: bool = Field(
-        True,
-        description="Recompute decoder activations during the update (generation always keeps its KV "
-        "cache), so the update holds only each layer's inputs. On by default because memory is what "
-        "stops a large model; a small model with memory to spare runs faster with it off.",
-    )
-    dequantize_per_step: bool = Field(
-        False,
-        json_schema_extra=MAY_CHANGE_ON_RESUME,
-        description="4-bit only: dequantize every 4-bit layer once per PPO step (and per evaluation) "
-        "and compute from that copy instead of dequantizing in every forward and backward pass. Same "
-        "numbers and faster steps on CPU, but the layers are held unquantized during a step: for small "
-        "models on CPU, never for a large model on a GPU.",
-    )
-    trust_remote_code: bool = Field(
-        False,
-        description="Run model code downloaded from the hub. Off unless the recipe says so, since it "
-        "executes code that comes with the model.",
-    )
+    name: str = "builtin:smollm2-135m-instruct"
+    """A local folder holding `.safetensors` weights, a Hugging Face hub id, or
+    `builtin:smollm2-135m-instruct`. The default is embedded in the package, so a first run downloads
+    nothing.
+    """
+    quantization: Quantization = "4bit"
+    """How the frozen base weights are stored: `4bit` (bitsandbytes), `8bit`, or `none`. 4-bit by default: the
+    one backbone serves every role, so its size is most of a run's memory.
+    """
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
+    """The 4-bit data type: `nf4` (NormalFloat, made for normally distributed weights; QLoRA's choice) or
+    `fp4`.
+    """
+    double_quant: bool = True
+    """Quantize the 4-bit layers' scales too (QLoRA's double quantization): a little less memory for the same
+    results.
+    """
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The dtype of computation and of the unquantized parts (norms, embeddings, heads). `auto`: bfloat16 on a
+    GPU that supports it, else float16; float32 on CPU.
+    """
+    gradient_checkpointing: bool = True
+    """Recompute decoder activations during the update (generation always keeps its KV cache), so the update
+    holds only each layer's inputs. On by default because memory is what stops a large model; a small model
+    with memory to spare runs faster with it off.
+    """
+    dequantize_per_step: bool = Field(False, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """4-bit only: dequantize every 4-bit layer once per PPO step (and per evaluation) and compute from that
+    copy instead of dequantizing in every forward and backward pass. Same numbers and faster steps on CPU,
+    but the layers are held unquantized during a step: for small models on CPU, never for a large model on
+    a GPU.
+    """
+    trust_remote_code: bool = False
+    """Run model code downloaded from the hub. Off unless the recipe says so, since it executes code that
+    comes with the model.
+    """
 
     def compute_dtype_name(self, device: str, bf16_supported: bool = True) -> str:
         """The dtype computation runs in on `device` ("cuda" or "cpu"): "float32", "bfloat16" or
@@ -100,44 +94,38 @@ class ModelConfig(Section):
 class LoraSettings(Section):
     """One LoRA adapter on the shared backbone."""
 
-    r: int = Field(
-        16, gt=0,
-        description="LoRA rank: the adapter's capacity and number of trainable parameters. 16 is the "
-        "usual starting point for LoRA fine-tuning.",
-    )
-    alpha: float = Field(
-        32.0, gt=0,
-        description="LoRA scaling: the adapter's output is multiplied by alpha / r. Twice the rank by "
-        "default, the usual choice.",
-    )
-    target_modules: Union[Literal["all-linear"], list[str]] = Field(
-        "all-linear",
-        description="Which linear layers get LoRA: `all-linear`, or a list of module names such as "
-        "`[q_proj, v_proj]`. All of them by default, as QLoRA found adapting every layer works best.",
-    )
-    init_from: Optional[str] = Field(
-        None,
-        description="A PEFT adapter folder to start from (e.g. an SFT adapter) instead of a fresh LoRA; "
-        "for the value adapter a `value_head.safetensors` beside it is loaded too.",
-    )
+    r: int = Field(16, gt=0)
+    """LoRA rank: the adapter's capacity and number of trainable parameters. 16 is the usual starting point
+    for LoRA fine-tuning.
+    """
+    alpha: float = Field(32.0, gt=0)
+    """LoRA scaling: the adapter's output is multiplied by alpha / r. Twice the rank by default, the usual
+    choice.
+    """
+    target_modules: Union[Literal["all-linear"], list[str]] = "all-linear"
+    """Which linear layers get LoRA: `all-linear`, or a list of module names such as `[q_proj, v_proj]`. All
+    of them by default, as QLoRA found adapting every layer works best.
+    """
+    init_from: Optional[str] = None
+    """A PEFT adapter folder to start from (e.g. an SFT adapter) instead of a fresh LoRA; for the value
+    adapter a `value_head.safetensors` beside it is loaded too.
+    """
 
 
 class AdaptersConfig(Section):
     """The LoRA adapters on the one backbone (LoRA dropout is always 0: the PPO ratio starts at 1)."""
 
-    policy: LoraSettings = Field(LoraSettings(), description="The policy adapter: the one PPO trains.")
-    value: LoraSettings = Field(
-        LoraSettings(),
-        description="The value adapter and its score head: the critic (GAE only; RLOO and GRPO create none).",
-    )
-    reference: str = Field(
-        "auto",
-        description="What the KL penalty compares the policy with. `auto`: the policy's `init_from` "
-        "adapter, frozen, when there is one, else the base model with adapters disabled; `disable`: the "
-        "bare base model; `none`: no reference at all (a KL-free run, one forward pass fewer per step); "
-        "anything else: a PEFT adapter folder, loaded frozen. `auto` because a policy started from an "
-        "adapter must stay near that adapter, not near the bare base model.",
-    )
+    policy: LoraSettings = Field(LoraSettings())
+    """The policy adapter: the one PPO trains."""
+    value: LoraSettings = Field(LoraSettings())
+    """The value adapter and its score head: the critic (GAE only; RLOO and GRPO create none)."""
+    reference: str = "auto"
+    """What the KL penalty compares the policy with. `auto`: the policy's `init_from` adapter, frozen, when
+    there is one, else the base model with adapters disabled; `disable`: the bare base model; `none`: no
+    reference at all (a KL-free run, one forward pass fewer per step); anything else: a PEFT adapter
+    folder, loaded frozen. `auto` because a policy started from an adapter must stay near that adapter, not
+    near the bare base model.
+    """
 
     @property
     def reference_enabled(self) -> bool:
@@ -156,37 +144,31 @@ class AdaptersConfig(Section):
 class RewardConfig(Section):
     """Where the score of a completion comes from."""
 
-    kind: Literal["vader", "function", "classifier"] = Field(
-        "vader",
-        description="`vader`: VADER compound sentiment of the completion, in [-1, 1]; `function`: a "
-        "Python function; `classifier`: a sequence-classification model. VADER by default: it needs "
-        "no download and is the quickstart's task.",
-    )
-    function: Optional[str] = Field(
-        None,
-        description="For `kind: function`: `package.module:function`, called as "
-        "`f(prompts, completions) -> list[float]`. Imported only when `kind` is `function`.",
-    )
-    model: Optional[str] = Field(
-        None,
-        description="For `kind: classifier`: a Hugging Face sequence-classification model (folder or "
-        "hub id). It keeps its own tokenizer: prompt and completion text are re-tokenized.",
-    )
-    label: Optional[int] = Field(
-        None,
-        description="Which classifier logit is the score; null: the last one (the positive class of "
-        "the usual sentiment classifiers).",
-    )
-    batch_size: int = Field(16, gt=0, description="Texts per classifier forward pass.")
-    max_length: int = Field(
-        512, gt=0,
-        description="Classifier truncation length in tokens; 512 is what BERT-style classifiers accept.",
-    )
-    also_log: list[Literal["vader", "textblob"]] = Field(
-        [],
-        description="Independent scores logged beside the reward, never optimised (`vader`, `textblob`), "
-        "so reward hacking shows as a gap between the reward and them.",
-    )
+    kind: Literal["vader", "function", "classifier"] = "vader"
+    """`vader`: VADER compound sentiment of the completion, in [-1, 1]; `function`: a Python function;
+    `classifier`: a sequence-classification model. VADER by default: it needs no download and is the
+    quickstart's task.
+    """
+    function: Optional[str] = None
+    """For `kind: function`: `package.module:function`, called as `f(prompts, completions) -> list[float]`.
+    Imported only when `kind` is `function`.
+    """
+    model: Optional[str] = None
+    """For `kind: classifier`: a Hugging Face sequence-classification model (folder or hub id). It keeps its
+    own tokenizer: prompt and completion text are re-tokenized.
+    """
+    label: Optional[int] = None
+    """Which classifier logit is the score; null: the last one (the positive class of the usual sentiment
+    classifiers).
+    """
+    batch_size: int = Field(16, gt=0)
+    """Texts per classifier forward pass."""
+    max_length: int = Field(512, gt=0)
+    """Classifier truncation length in tokens; 512 is what BERT-style classifiers accept."""
+    also_log: list[Literal["vader", "textblob"]] = []
+    """Independent scores logged beside the reward, never optimised (`vader`, `textblob`), so reward hacking
+    shows as a gap between the reward and them.
+    """
 
     @model_validator(mode="after")
     def _source_fields(self) -> "RewardConfig":
@@ -202,263 +184,198 @@ class RewardConfig(Section):
 class DataConfig(Section):
     """The prompts: training rows, and held-out rows scored before and after training."""
 
-    source: str = Field(
-        "builtin:movie_review_openers",
-        description="A local `.jsonl`, `.json`, `.csv`, `.parquet` or `.txt` file (one prompt a line), "
-        "a Hugging Face dataset id, or `builtin:<name>`. The default ships with the package.",
-    )
-    split: str = Field("train", description="The dataset split to read (hub datasets).")
-    prompt_column: str = Field(
-        "prompt", description="The column holding the prompt text (ignored for `.txt`)."
-    )
-    chat_template: bool = Field(
-        False,
-        description="Wrap each prompt as a user message with the tokenizer's chat template; off: the "
-        "prompt text is given to the model as it is.",
-    )
-    max_prompt_tokens: int = Field(
-        64, gt=0,
-        description="Longer prompts are dropped and counted, so prompt length stays within what the "
-        "memory plan assumed.",
-    )
-    eval_source: Optional[str] = Field(
-        "builtin:movie_review_openers_heldout",
-        description="Held-out prompts, in any form `source` takes; null: `eval_size` prompts are split "
-        "off `source` instead (seeded). The default is the builtin training set's held-out companion.",
-    )
-    eval_split: str = Field("train", description="The split of `eval_source`.")
-    eval_size: int = Field(
-        64, ge=0,
-        json_schema_extra=MAY_CHANGE_ON_RESUME,
-        description="How many held-out prompts to evaluate on.",
-    )
-    eval_batch_size: Optional[int] = Field(
-        None, gt=0,
-        json_schema_extra=MAY_CHANGE_ON_RESUME,
-        description="Responses generated at once when evaluating; null: `rollout.batch_size`. "
-        "Generation on CPU costs little more per step for more rows, so a larger batch evaluates faster.",
-    )
-    eval_samples_per_prompt: int = Field(
-        1, gt=0,
-        json_schema_extra=MAY_CHANGE_ON_RESUME,
-        description="Completions sampled per held-out prompt. The held-out score is the mean over "
-        "prompts of each prompt's mean, so more samples lower the sampling noise of the before/after "
-        "comparison.",
-    )
+    source: str = "builtin:movie_review_openers"
+    """A local `.jsonl`, `.json`, `.csv`, `.parquet` or `.txt` file (one prompt a line), a Hugging Face
+    dataset id, or `builtin:<name>`. The default ships with the package.
+    """
+    split: str = "train"
+    """The dataset split to read (hub datasets)."""
+    prompt_column: str = "prompt"
+    """The column holding the prompt text (ignored for `.txt`)."""
+    chat_template: bool = False
+    """Wrap each prompt as a user message with the tokenizer's chat template; off: the prompt text is given to
+    the model as it is.
+    """
+    max_prompt_tokens: int = Field(64, gt=0)
+    """Longer prompts are dropped and counted, so prompt length stays within what the memory plan assumed."""
+    eval_source: Optional[str] = "builtin:movie_review_openers_heldout"
+    """Held-out prompts, in any form `source` takes; null: `eval_size` prompts are split off `source` instead
+    (seeded). The default is the builtin training set's held-out companion.
+    """
+    eval_split: str = "train"
+    """The split of `eval_source`."""
+    eval_size: int = Field(64, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """How many held-out prompts to evaluate on."""
+    eval_batch_size: Optional[int] = Field(None, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Responses generated at once when evaluating; null: `rollout.batch_size`. Generation on CPU costs little
+    more per step for more rows, so a larger batch evaluates faster.
+    """
+    eval_samples_per_prompt: int = Field(1, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Completions sampled per held-out prompt. The held-out score is the mean over prompts of each prompt's
+    mean, so more samples lower the sampling noise of the before/after comparison.
+    """
 
 
 class RolloutConfig(Section):
     """Sampling the responses a PPO step learns from."""
 
-    batch_size: int = Field(
-        16, gt=0,
-        description="Responses per PPO step; must divide by `rollout.samples_per_prompt` and by "
-        "`ppo.num_minibatches * ppo.grad_accum_steps`.",
-    )
-    max_new_tokens: int = Field(24, gt=0, description="The response length limit in tokens.")
-    temperature: float = Field(
-        1.0, gt=0.0,
-        description="Sampling temperature; old and reference logprobs use the same one, so the PPO "
-        "ratio starts at 1.",
-    )
-    top_k: int = Field(
-        0, ge=0,
-        description="Top-k sampling; 0: off. Logprobs are of the full tempered distribution, so top-k "
-        "and top-p bias the KL estimate: both are off by default.",
-    )
-    top_p: float = Field(
-        1.0, gt=0.0, le=1.0, description="Nucleus sampling; 1.0: off (see `top_k` for why)."
-    )
-    stop_token: Optional[str] = Field(
-        "eos",
-        description="Where a response ends: `eos` (the tokenizer's eos token), any other token string, "
-        "or null (never stop early).",
-    )
-    missing_eos_penalty: Optional[float] = Field(
-        None,
-        description="Subtracted from the score of a response that never produced `stop_token` (before "
-        "the `ppo` score shaping); needs a `stop_token`. null: no penalty.",
-    )
-    forward_batch_size: int = Field(
-        16, gt=0,
-        description="Rows per forward pass when scoring a rollout (old and reference logprobs, values): "
-        "trades memory for speed.",
-    )
-    logprobs_from_generation: bool = Field(
-        False,
-        description="Take the old logprobs from the logits generation computed (full vocabulary, at "
-        "the sampling temperature) instead of re-scoring the responses: one forward pass fewer per "
-        "step. In float32 the two agree closely; in bf16/fp16 KV-cached decoding can drift further "
-        "from a full forward, hence off by default.",
-    )
-    samples_per_prompt: int = Field(
-        1, gt=0,
-        description="Responses sampled per prompt (consecutive rows); `batch_size` counts responses. "
-        "RLOO and GRPO need at least 2.",
-    )
+    batch_size: int = Field(16, gt=0)
+    """Responses per PPO step; must divide by `rollout.samples_per_prompt` and by `ppo.num_minibatches *
+    ppo.grad_accum_steps`.
+    """
+    max_new_tokens: int = Field(24, gt=0)
+    """The response length limit in tokens."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature; old and reference logprobs use the same one, so the PPO ratio starts at 1."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling; 0: off. Logprobs are of the full tempered distribution, so top-k and top-p bias the KL
+    estimate: both are off by default.
+    """
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling; 1.0: off (see `top_k` for why)."""
+    stop_token: Optional[str] = "eos"
+    """Where a response ends: `eos` (the tokenizer's eos token), any other token string, or null (never stop
+    early).
+    """
+    missing_eos_penalty: Optional[float] = None
+    """Subtracted from the score of a response that never produced `stop_token` (before the `ppo` score
+    shaping); needs a `stop_token`. null: no penalty.
+    """
+    forward_batch_size: int = Field(16, gt=0)
+    """Rows per forward pass when scoring a rollout (old and reference logprobs, values): trades memory for
+    speed.
+    """
+    logprobs_from_generation: bool = False
+    """Take the old logprobs from the logits generation computed (full vocabulary, at the sampling
+    temperature) instead of re-scoring the responses: one forward pass fewer per step. In float32 the two
+    agree closely; in bf16/fp16 KV-cached decoding can drift further from a full forward, hence off by
+    default.
+    """
+    samples_per_prompt: int = Field(1, gt=0)
+    """Responses sampled per prompt (consecutive rows); `batch_size` counts responses. RLOO and GRPO need at
+    least 2.
+    """
 
 
 class PPOConfig(Section):
     """The update: advantages, KL penalty, score shaping, losses and optimizer."""
 
-    advantage_estimator: Literal["gae", "rloo", "grpo"] = Field(
-        "gae",
-        description="`gae`: PPO with the value adapter as critic. `rloo` (leave-one-out baseline) and "
-        "`grpo` ((R - group mean) / group std): critic-free over `rollout.samples_per_prompt` samples "
-        "per prompt; no value adapter or score head is created.",
-    )
-    num_epochs: int = Field(4, gt=0, description="Passes over each rollout; 4 is PPO's usual value.")
-    num_minibatches: int = Field(1, gt=0, description="Optimizer steps per epoch.")
-    grad_accum_steps: int = Field(
-        1, gt=0,
-        description="Micro-batches per minibatch: less memory for the same update. `rollout.batch_size` "
-        "must divide by `num_minibatches * grad_accum_steps`.",
-    )
-    clip_eps: float = Field(
-        0.2, gt=0.0,
-        description="Policy ratio clip: the objective ignores ratios beyond 1 ± clip_eps; 0.2 is PPO's "
-        "standard value.",
-    )
-    value_clip_eps: float = Field(
-        0.2, gt=0.0, description="Value clip around the rollout values (with `clip_value_loss`)."
-    )
-    vf_coef: float = Field(0.1, ge=0.0, description="Value loss weight.")
-    kl_coef: float = Field(
-        0.05, ge=0.0,
-        description="KL penalty coefficient (the starting value when `target_kl` adapts it).",
-    )
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k1",
-        description="Per-token KL estimate (Schulman, \"Approximating KL divergence\"): `k1` = "
-        "log(p/p_ref), unbiased, can be negative per token; `k2` = (log ratio)^2 / 2, >= 0, low "
-        "variance, biased; `k3` = (r - 1) - log r, unbiased and >= 0.",
-    )
-    kl_penalty: Literal["reward", "loss"] = Field(
-        "reward",
-        description="`reward`: -kl_coef * KL per token inside the reward (Ziegler et al.); `loss`: "
-        "kl_coef * KL added to the policy loss (GRPO's placement, usually with `k3`).",
-    )
-    target_kl: Optional[float] = Field(
-        None, gt=0.0,
-        description="Adapt `kl_coef` toward this per-sequence KL (Ziegler et al. 2019): after each step "
-        "kl_coef *= 1 + clip(KL/target - 1, -0.2, 0.2) * batch / kl_horizon. null: a fixed `kl_coef`.",
-    )
-    kl_horizon: int = Field(10000, gt=0, description="Samples over which the adaptive KL controller acts.")
-    score_norm: bool = Field(
-        False,
-        description="Normalise scores by a running mean and std over all steps so far. Score shaping "
-        "runs in this order: normalisation, clipping, length penalty.",
-    )
-    score_clip: Optional[float] = Field(
-        None, gt=0.0, description="Clip scores (after normalisation) to [-x, x]; null: no clipping."
-    )
-    length_penalty: float = Field(0.0, description="Subtracted from the score per response token.")
-    gamma: float = Field(
-        1.0, ge=0.0, le=1.0,
-        description="GAE discount; 1: the score, given once at the end, is not shrunk by response length.",
-    )
-    lam: float = Field(
-        0.95, ge=0.0, le=1.0,
-        description="GAE lambda: lower trusts the critic more. With a score only at the last token and "
-        "a fresh critic, 1.0 gives early tokens their full share of the score.",
-    )
-    whiten_rewards: bool = Field(False, description="Whiten per-token rewards (scale only; GAE only).")
-    whiten_advantages: bool = Field(
-        True,
-        description="Whiten advantages over real tokens, so the step size does not depend on the "
-        "reward's scale.",
-    )
-    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight.")
-    clip_value_loss: bool = Field(
-        True,
-        description="Clip the value loss around the rollout values, as PPO does; false: plain squared error.",
-    )
-    dual_clip: Optional[float] = Field(
-        None, gt=1.0,
-        description="Dual-clip PPO (Ye et al. 2020): the loss of a negative-advantage token is capped at "
-        "-dual_clip * A (typically 3). null: off.",
-    )
-    ratio_threshold: Optional[float] = Field(
-        None, gt=1.0,
-        description="A minibatch whose mean ratio exceeds this is skipped or has its policy gradient "
-        "scaled down (`ratio_threshold_action`). null: off.",
-    )
-    ratio_threshold_action: Literal["skip", "scale"] = Field(
-        "skip",
-        description="`skip` the minibatch, or `scale` its policy gradient by threshold / ratio; the "
-        "share is logged as `policy/skipped_minibatch_frac` or `policy/scaled_minibatch_frac`.",
-    )
-    loss_aggregation: Literal["token", "sequence"] = Field(
-        "token",
-        description="`token`: every real token weighs the same; `sequence`: every response weighs the "
-        "same (its tokens' mean). Either way micro-batches add up to the minibatch loss.",
-    )
-    max_grad_norm: float = Field(
-        1.0, gt=0.0, description="Gradient norm clip, per adapter (policy; value adapter and head)."
-    )
-    learning_rate: float = Field(1e-4, gt=0.0, description="AdamW learning rate of the policy adapter.")
-    value_learning_rate: Optional[float] = Field(
-        None, gt=0.0,
-        description="AdamW learning rate of the value adapter and head; null: `learning_rate`.",
-    )
-    lr_schedule: Literal["constant", "linear"] = Field(
-        "constant", description="`constant`, or `linear` decay to 0 over `train.steps`."
-    )
+    advantage_estimator: Literal["gae", "rloo", "grpo"] = "gae"
+    """`gae`: PPO with the value adapter as critic. `rloo` (leave-one-out baseline) and `grpo` ((R - group
+    mean) / group std): critic-free over `rollout.samples_per_prompt` samples per prompt; no value adapter
+    or score head is created.
+    """
+    num_epochs: int = Field(4, gt=0)
+    """Passes over each rollout; 4 is PPO's usual value."""
+    num_minibatches: int = Field(1, gt=0)
+    """Optimizer steps per epoch."""
+    grad_accum_steps: int = Field(1, gt=0)
+    """Micro-batches per minibatch: less memory for the same update. `rollout.batch_size` must divide by
+    `num_minibatches * grad_accum_steps`.
+    """
+    clip_eps: float = Field(0.2, gt=0.0)
+    """Policy ratio clip: the objective ignores ratios beyond 1 ± clip_eps; 0.2 is PPO's standard value."""
+    value_clip_eps: float = Field(0.2, gt=0.0)
+    """Value clip around the rollout values (with `clip_value_loss`)."""
+    vf_coef: float = Field(0.1, ge=0.0)
+    """Value loss weight."""
+    kl_coef: float = Field(0.05, ge=0.0)
+    """KL penalty coefficient (the starting value when `target_kl` adapts it)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """Per-token KL estimate (Schulman, "Approximating KL divergence"): `k1` = log(p/p_ref), unbiased, can be
+    negative per token; `k2` = (log ratio)^2 / 2, >= 0, low variance, biased; `k3` = (r - 1) - log r,
+    unbiased and >= 0.
+    """
+    kl_penalty: Literal["reward", "loss"] = "reward"
+    """`reward`: -kl_coef * KL per token inside the reward (Ziegler et al.); `loss`: kl_coef * KL added to the
+    policy loss (GRPO's placement, usually with `k3`).
+    """
+    target_kl: Optional[float] = Field(None, gt=0.0)
+    """Adapt `kl_coef` toward this per-sequence KL (Ziegler et al. 2019): after each step kl_coef *= 1 +
+    clip(KL/target - 1, -0.2, 0.2) * batch / kl_horizon. null: a fixed `kl_coef`.
+    """
+    kl_horizon: int = Field(10000, gt=0)
+    """Samples over which the adaptive KL controller acts."""
+    score_norm: bool = False
+    """Normalise scores by a running mean and std over all steps so far. Score shaping runs in this order:
+    normalisation, clipping, length penalty.
+    """
+    score_clip: Optional[float] = Field(None, gt=0.0)
+    """Clip scores (after normalisation) to [-x, x]; null: no clipping."""
+    length_penalty: float = 0.0
+    """Subtracted from the score per response token."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE discount; 1: the score, given once at the end, is not shrunk by response length."""
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    """GAE lambda: lower trusts the critic more. With a score only at the last token and a fresh critic, 1.0
+    gives early tokens their full share of the score.
+    """
+    whiten_rewards: bool = False
+    """Whiten per-token rewards (scale only; GAE only)."""
+    whiten_advantages: bool = True
+    """Whiten advantages over real tokens, so the step size does not depend on the reward's scale."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Entropy bonus weight."""
+    clip_value_loss: bool = True
+    """Clip the value loss around the rollout values, as PPO does; false: plain squared error."""
+    dual_clip: Optional[float] = Field(None, gt=1.0)
+    """Dual-clip PPO (Ye et al. 2020): the loss of a negative-advantage token is capped at -dual_clip * A
+    (typically 3). null: off.
+    """
+    ratio_threshold: Optional[float] = Field(None, gt=1.0)
+    """A minibatch whose mean ratio exceeds this is skipped or has its policy gradient scaled down
+    (`ratio_threshold_action`). null: off.
+    """
+    ratio_threshold_action: Literal["skip", "scale"] = "skip"
+    """`skip` the minibatch, or `scale` its policy gradient by threshold / ratio; the share is logged as
+    `policy/skipped_minibatch_frac` or `policy/scaled_minibatch_frac`.
+    """
+    loss_aggregation: Literal["token", "sequence"] = "token"
+    """`token`: every real token weighs the same; `sequence`: every response weighs the same (its tokens'
+    mean). Either way micro-batches add up to the minibatch loss.
+    """
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    """Gradient norm clip, per adapter (policy; value adapter and head)."""
+    learning_rate: float = Field(1e-4, gt=0.0)
+    """AdamW learning rate of the policy adapter."""
+    value_learning_rate: Optional[float] = Field(None, gt=0.0)
+    """AdamW learning rate of the value adapter and head; null: `learning_rate`."""
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    """`constant`, or `linear` decay to 0 over `train.steps`."""
 
 
 class TrainConfig(Section):
     """The run: its length, seed, output folder, logging and checkpoints."""
 
-    steps: int = Field(
-        100, gt=0,
-        json_schema_extra=MAY_CHANGE_ON_RESUME,
-        description="PPO steps, each one rollout and its update.",
-    )
-    seed: int = Field(
-        0, ge=0, lt=2**63,
-        description="Seeds python, numpy and torch, the prompt order and the evaluation samples; below "
-        "2^63, as torch.manual_seed requires.",
-    )
-    output_dir: str = Field("runs/ppo", description="The folder everything the run writes goes to.")
-    overwrite: bool = Field(
-        False,
-        json_schema_extra=MAY_CHANGE_ON_RESUME,
-        description="Start over in a folder that already holds a run: the old run is moved aside to "
-        "`NAME.old-<date>-<time>`, never deleted. Off: such a folder is refused, so a run never "
-        "displaces another by accident.",
-    )
-    save_every: int = Field(
-        0, ge=0,
-        json_schema_extra=MAY_CHANGE_ON_RESUME,
-        description="Save a full-state checkpoint to `checkpoints/step-N/` every N steps; 0: only at "
-        "the end (to `final/`) and on Ctrl-C.",
-    )
-    log_every: int = Field(
-        1, gt=0,
-        json_schema_extra=MAY_CHANGE_ON_RESUME,
-        description="Print a log line every N steps when there is no progress bar.",
-    )
-    sample_every: int = Field(
-        10, ge=0,
-        json_schema_extra=MAY_CHANGE_ON_RESUME,
-        description="Write 4 samples to `samples.jsonl` every N steps and at the end; 0: never.",
-    )
-    eval: bool = Field(
-        True,
-        json_schema_extra=MAY_CHANGE_ON_RESUME,
-        description="Score the held-out prompts before and after training.",
-    )
-    keep_last: int = Field(
-        3, ge=1,
-        json_schema_extra=MAY_CHANGE_ON_RESUME,
-        description="Full-state checkpoints kept under `checkpoints/`; older ones are deleted.",
-    )
-    max_consecutive_skips: int = Field(
-        3, gt=0,
-        json_schema_extra=MAY_CHANGE_ON_RESUME,
-        description="Stop the run (with a checkpoint) after this many steps in a row whose update was "
-        "skipped for a NaN/inf: one can be a fluke, several in a row mean the run has diverged.",
-    )
+    steps: int = Field(100, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """PPO steps, each one rollout and its update."""
+    seed: int = Field(0, ge=0, lt=2**63)
+    """Seeds python, numpy and torch, the prompt order and the evaluation samples; below 2^63, as
+    torch.manual_seed requires.
+    """
+    output_dir: str = "runs/ppo"
+    """The folder everything the run writes goes to."""
+    overwrite: bool = Field(False, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Start over in a folder that already holds a run: the old run is moved aside to
+    `NAME.old-<date>-<time>`, never deleted. Off: such a folder is refused, so a run never displaces
+    another by accident.
+    """
+    save_every: int = Field(0, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Save a full-state checkpoint to `checkpoints/step-N/` every N steps; 0: only at the end (to `final/`)
+    and on Ctrl-C.
+    """
+    log_every: int = Field(1, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Print a log line every N steps when there is no progress bar."""
+    sample_every: int = Field(10, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Write 4 samples to `samples.jsonl` every N steps and at the end; 0: never."""
+    eval: bool = Field(True, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Score the held-out prompts before and after training."""
+    keep_last: int = Field(3, ge=1, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Full-state checkpoints kept under `checkpoints/`; older ones are deleted."""
+    max_consecutive_skips: int = Field(3, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Stop the run (with a checkpoint) after this many steps in a row whose update was skipped for a NaN/inf:
+    one can be a fluke, several in a row mean the run has diverged.
+    """
 
 
 class Recipe(Section):

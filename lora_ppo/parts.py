@@ -13,9 +13,9 @@ import torch
 from lora_ppo.config import PPOConfig, Recipe
 from lora_ppo.data import PromptSet, load_prompt_sets
 from lora_ppo.model import dequantized_once, load_base_model, load_tokenizer
-from lora_ppo.rewards import RewardFn, build_reward, build_side_metrics
+from lora_ppo.rewards import RewardSources, build_reward_sources
 from lora_ppo.roles import RoleModel
-from lora_ppo.rollout import evaluate_prompts
+from lora_ppo.rollout import Sampler, evaluate_prompts
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +29,14 @@ class Parts:
     tokenizer: object
     train_prompts: PromptSet
     eval_prompts: PromptSet
-    reward_fn: RewardFn
-    side_metrics: dict[str, RewardFn]  # scores logged beside the reward, never optimised
+    rewards: RewardSources
     roles: RoleModel
     optimizer: torch.optim.Optimizer
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler]
+
+    def sampler(self, recipe: Recipe) -> Sampler:
+        """How the policy samples in this run: its rollout settings and prompt format."""
+        return Sampler(self.roles, self.tokenizer, recipe.rollout, recipe.data.chat_template)
 
 
 def seed_everything(seed: int) -> None:
@@ -56,13 +59,12 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
     seed_everything(recipe.train.seed)
     tokenizer = load_tokenizer(recipe.model)
     train_prompts, eval_prompts = load_prompt_sets(recipe.data, tokenizer, recipe.train.seed)
-    reward_fn = reward_fn or build_reward(recipe.reward, recipe.model.trust_remote_code)
-    side_metrics = build_side_metrics(recipe.reward)
+    rewards = build_reward_sources(recipe.reward, recipe.model.trust_remote_code, reward_fn)
     if not recipe.adapters.reference_enabled:
         log.warning("adapters.reference is 'none': no KL penalty; the policy may drift far from the base model")
     roles = RoleModel(load_base_model(recipe.model), recipe.adapters, with_value=recipe.uses_critic)
     optimizer, scheduler = build_optimizer(roles, recipe.ppo, recipe.train.steps)
-    return Parts(tokenizer, train_prompts, eval_prompts, reward_fn, side_metrics, roles, optimizer, scheduler)
+    return Parts(tokenizer, train_prompts, eval_prompts, rewards, roles, optimizer, scheduler)
 
 
 def build_optimizer(
@@ -86,12 +88,9 @@ def evaluate_heldout(parts: Parts, recipe: Recipe) -> dict[str, float]:
     that leaves the training RNG untouched; {} when there are no held-out prompts."""
     if not parts.eval_prompts.prompts:
         return {}
-    rollout_cfg = recipe.rollout
+    sampler = parts.sampler(recipe)
     if recipe.data.eval_batch_size is not None:
-        rollout_cfg = rollout_cfg.model_copy(update={"batch_size": recipe.data.eval_batch_size})
+        sampler = sampler.with_batch_size(recipe.data.eval_batch_size)
     with dequantized_once(parts.roles.peft, recipe.model):
-        return evaluate_prompts(
-            parts.roles, parts.tokenizer, parts.eval_prompts.prompts, rollout_cfg, parts.reward_fn,
-            parts.side_metrics, recipe.data.chat_template, seed=recipe.train.seed,
-            samples_per_prompt=recipe.data.eval_samples_per_prompt,
-        )
+        return evaluate_prompts(sampler, parts.eval_prompts.prompts, parts.rewards, seed=recipe.train.seed,
+                                samples_per_prompt=recipe.data.eval_samples_per_prompt)

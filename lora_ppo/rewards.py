@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -100,6 +101,25 @@ class ClassifierReward:
             logits = self.model(**enc).logits.float()  # [b, num_labels]
             scores.extend(logits[:, self.label].tolist())
         return scores
+
+
+@dataclass(frozen=True)
+class RewardSources:
+    """The reward the policy optimises, and the side scores logged beside it (never optimised)."""
+
+    reward: RewardFn
+    side: dict[str, RewardFn] = field(default_factory=dict)
+
+    def score(self, prompts: Sequence[str], completions: Sequence[str]) -> tuple[list[float], dict[str, list[float]]]:
+        """(reward scores, {side metric name: scores}), one checked float per completion each."""
+        side = {name: score_completions(fn, prompts, completions) for name, fn in self.side.items()}
+        return score_completions(self.reward, prompts, completions), side
+
+
+def build_reward_sources(cfg: RewardConfig, trust_remote_code: bool = False,
+                         reward_fn: Optional[RewardFn] = None) -> RewardSources:
+    """The recipe's reward (or `reward_fn`, given from Python, in its place) and side metrics."""
+    return RewardSources(reward_fn or build_reward(cfg, trust_remote_code), build_side_metrics(cfg))
 
 
 def build_reward(cfg: RewardConfig, trust_remote_code: bool = False) -> RewardFn:

@@ -5,14 +5,14 @@ under no_grad (old logprobs, reference logprobs, values, rewards) into a frozen 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Sequence
 
 import torch
 
 from lora_ppo.config import RolloutConfig
 from lora_ppo.memory import PhasePeaks
-from lora_ppo.rewards import RewardFn, score_completions
+from lora_ppo.rewards import RewardSources
 from lora_ppo.roles import POLICY, REFERENCE, VALUE, RoleModel
 
 
@@ -199,29 +199,36 @@ class Samples:
         return join_prompt_response(self.query_ids, self.query_mask, self.response_ids, self.response_mask)
 
 
-@torch.no_grad()
-def sample_responses(
-    roles: RoleModel,
-    tokenizer,
-    prompts: Sequence[str],
-    cfg: RolloutConfig,
-    chat_template: bool,
-    record_logprobs: bool = False,
-) -> Samples:
-    """Generate with the policy (left-padded prompts, KV cache) and cut each response after its
-    stop token."""
-    stop_id = stop_token_id(tokenizer, cfg.stop_token)
-    query_ids, query_mask = tokenize_prompts(tokenizer, prompts, chat_template, roles.lm_head.weight.device)
-    recorder = SampledTokenLogprobs(cfg.temperature) if record_logprobs else None
-    raw_response = generate(roles, query_ids, query_mask, generation_config(cfg, tokenizer, stop_id), recorder)
-    response_ids, response_mask, stopped = truncate_at_stop(raw_response, stop_id, tokenizer.pad_token_id)
-    logprobs = None
-    if recorder is not None:
-        logprobs = recorder.logprobs(raw_response)[:, : response_ids.shape[1]]
-        logprobs = torch.where(response_mask, logprobs, torch.zeros_like(logprobs))
-    # Decoded for the reward source, which may have a tokenizer of its own.
-    completions = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-    return Samples(query_ids, query_mask, response_ids, response_mask, stopped, completions, logprobs)
+@dataclass(frozen=True)
+class Sampler:
+    """How the policy samples: the roles, their tokenizer, the rollout settings, and whether the
+    prompts come chat-templated (they then hold their own special tokens)."""
+
+    roles: RoleModel
+    tokenizer: Any
+    cfg: RolloutConfig
+    chat_template: bool
+
+    @torch.no_grad()
+    def sample(self, prompts: Sequence[str], record_logprobs: bool = False) -> Samples:
+        """Generate with the policy (left-padded prompts, KV cache) and cut each response after
+        its stop token; with `record_logprobs`, the sampled tokens' logprobs come along."""
+        cfg, tokenizer = self.cfg, self.tokenizer
+        stop_id = stop_token_id(tokenizer, cfg.stop_token)
+        query_ids, query_mask = tokenize_prompts(tokenizer, prompts, self.chat_template, self.roles.lm_head.weight.device)
+        recorder = SampledTokenLogprobs(cfg.temperature) if record_logprobs else None
+        raw_response = generate(self.roles, query_ids, query_mask, generation_config(cfg, tokenizer, stop_id), recorder)
+        response_ids, response_mask, stopped = truncate_at_stop(raw_response, stop_id, tokenizer.pad_token_id)
+        logprobs = None
+        if recorder is not None:
+            logprobs = recorder.logprobs(raw_response)[:, : response_ids.shape[1]]
+            logprobs = torch.where(response_mask, logprobs, torch.zeros_like(logprobs))
+        # Decoded for the reward source, which may have a tokenizer of its own.
+        completions = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+        return Samples(query_ids, query_mask, response_ids, response_mask, stopped, completions, logprobs)
+
+    def with_batch_size(self, batch_size: int) -> "Sampler":
+        return replace(self, cfg=self.cfg.model_copy(update={"batch_size": batch_size}))
 
 
 @torch.no_grad()
@@ -262,13 +269,9 @@ def score_passes(
 
 
 def collect_rollout(
-    roles: RoleModel,
-    tokenizer,
+    sampler: Sampler,
     prompts: Sequence[str],
-    cfg: RolloutConfig,
-    reward_fn: RewardFn,
-    side_metrics: dict[str, RewardFn],
-    chat_template: bool,
+    rewards: RewardSources,
     with_values: bool = True,
     with_reference: bool = True,
     peaks: Optional[PhasePeaks] = None,
@@ -277,6 +280,7 @@ def collect_rollout(
 
     For k samples per prompt, pass each prompt k times in a row (group methods rely on it).
     """
+    roles, cfg = sampler.roles, sampler.cfg
     device = roles.lm_head.weight.device
     timings: dict[str, float] = {}
     peaks = peaks if peaks is not None else PhasePeaks()
@@ -284,11 +288,7 @@ def collect_rollout(
     # 1-2. Generate with the policy, truncate after the stop token (what follows is padding).
     t0 = time.perf_counter()
     with peaks.phase("generate"):
-        samples = sample_responses(roles, tokenizer, prompts, cfg, chat_template, cfg.logprobs_from_generation)
-    query_ids, query_mask, response_ids, response_mask = (
-        samples.query_ids, samples.query_mask, samples.response_ids, samples.response_mask
-    )
-    stopped, completions = samples.stopped, samples.completions
+        samples = sampler.sample(prompts, record_logprobs=cfg.logprobs_from_generation)
     timings["generate"] = time.perf_counter() - t0
 
     # 3. Old logprobs (unless sampling recorded them), reference logprobs and values on the
@@ -297,7 +297,7 @@ def collect_rollout(
     input_ids, attention_mask = samples.model_input()
     with peaks.phase("score"):
         old_logprobs, ref_logprobs, values = score_passes(
-            roles, input_ids, attention_mask, query_ids.shape[1], cfg.temperature, cfg.forward_batch_size,
+            roles, input_ids, attention_mask, samples.query_ids.shape[1], cfg.temperature, cfg.forward_batch_size,
             with_values=with_values, with_reference=with_reference, old_logprobs=samples.logprobs,
         )
     timings["score_forward"] = time.perf_counter() - t0
@@ -305,42 +305,26 @@ def collect_rollout(
     # 4. Scores from the reward source, on the decoded text.
     t0 = time.perf_counter()
     with peaks.phase("reward"):
-        raw_scores = torch.tensor(
-            score_completions(reward_fn, prompts, completions), dtype=torch.float32, device=device
-        )
-        side = {name: score_completions(fn, prompts, completions) for name, fn in side_metrics.items()}
+        reward_scores, side = rewards.score(prompts, samples.completions)
+        raw_scores = torch.tensor(reward_scores, dtype=torch.float32, device=device)
     scores = raw_scores
     if cfg.missing_eos_penalty is not None and cfg.stop_token is not None:
-        scores = raw_scores - cfg.missing_eos_penalty * (~stopped).float()
+        scores = raw_scores - cfg.missing_eos_penalty * (~samples.stopped).float()
     timings["reward"] = time.perf_counter() - t0
 
     return Rollout(
-        prompts=list(prompts),
-        completions=completions,
-        query_ids=query_ids,
-        query_mask=query_mask,
-        response_ids=response_ids,
-        response_mask=response_mask,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        values=values,
-        raw_scores=raw_scores,
-        scores=scores,
-        stopped=stopped,
-        side_scores=side,
-        timings=timings,
+        prompts=list(prompts), completions=samples.completions, query_ids=samples.query_ids,
+        query_mask=samples.query_mask, response_ids=samples.response_ids, response_mask=samples.response_mask,
+        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values, raw_scores=raw_scores,
+        scores=scores, stopped=samples.stopped, side_scores=side, timings=timings,
     )
 
 
 @torch.no_grad()
 def evaluate_prompts(
-    roles: RoleModel,
-    tokenizer,
+    sampler: Sampler,
     prompts: Sequence[str],
-    cfg: RolloutConfig,
-    reward_fn: RewardFn,
-    side_metrics: dict[str, RewardFn],
-    chat_template: bool,
+    rewards: RewardSources,
     seed: int,
     samples_per_prompt: int = 1,
 ) -> dict[str, float]:
@@ -352,18 +336,20 @@ def evaluate_prompts(
     inside a forked RNG, so the same policy gets the same completions and the training RNG
     stream is left untouched.
     """
-    device = roles.lm_head.weight.device
+    device = sampler.roles.lm_head.weight.device
+    batch_size = sampler.cfg.batch_size
     rows = [p for p in prompts for _ in range(samples_per_prompt)]
-    scores: dict[str, list[float]] = {"score": [], **{name: [] for name in side_metrics}}
+    scores: dict[str, list[float]] = {"score": [], **{name: [] for name in rewards.side}}
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        for start in range(0, len(rows), cfg.batch_size):
-            batch = rows[start : start + cfg.batch_size]
-            completions = sample_responses(roles, tokenizer, batch, cfg, chat_template).completions
-            scores["score"] += score_completions(reward_fn, batch, completions)
-            for name, fn in side_metrics.items():
-                scores[name] += score_completions(fn, batch, completions)
+        for start in range(0, len(rows), batch_size):
+            batch = rows[start : start + batch_size]
+            completions = sampler.sample(batch).completions
+            batch_scores, side = rewards.score(batch, completions)
+            scores["score"] += batch_scores
+            for name, values in side.items():
+                scores[name] += values
     if not prompts:
         return {name: 0.0 for name in scores} | {"score_se": 0.0}
     per_prompt = {

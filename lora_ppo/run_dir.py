@@ -15,7 +15,6 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -54,38 +53,14 @@ def find_run_root(checkpoint: Path) -> Optional[Path]:
     return None
 
 
-@dataclass(frozen=True)
 class RunDir:
     """Paths and file operations of one run folder."""
 
-    root: Path
-
     def __init__(self, root: str | Path):
-        object.__setattr__(self, "root", Path(root))
-
-    @property
-    def recipe(self) -> Path:
-        return self.root / RECIPE_FILE
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / METRICS_FILE
-
-    @property
-    def samples(self) -> Path:
-        return self.root / SAMPLES_FILE
-
-    @property
-    def summary(self) -> Path:
-        return self.root / SUMMARY_FILE
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / CHECKPOINTS_DIR
-
-    @property
-    def final(self) -> Path:
-        return self.root / FINAL_DIR
+        self.root = Path(root)
+        self.recipe, self.summary = self.root / RECIPE_FILE, self.root / SUMMARY_FILE
+        self.metrics, self.samples = self.root / METRICS_FILE, self.root / SAMPLES_FILE
+        self.checkpoints, self.final = self.root / CHECKPOINTS_DIR, self.root / FINAL_DIR
 
     def step_checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step-{step}"

@@ -65,6 +65,7 @@ class PPOTrainer:
             )
         self.parts = build(recipe, reward_fn)
         self.stream = PromptStream(self.parts.train_prompts.prompts, recipe.train.seed)
+        self.sampler = self.parts.sampler(recipe)
         self.generator = torch.Generator().manual_seed(recipe.train.seed)  # minibatch order
         self.update_settings = UpdateSettings(
             recipe.minibatch_size, recipe.micro_batch_size, recipe.rollout.temperature,
@@ -131,8 +132,7 @@ class PPOTrainer:
         k = r.rollout.samples_per_prompt
         prompts, state.prompt_position = self.stream.take(r.rollout.batch_size // k, state.prompt_position)
         rollout = collect_rollout(
-            parts.roles, parts.tokenizer, [p for p in prompts for _ in range(k)], r.rollout, parts.reward_fn,
-            parts.side_metrics, r.data.chat_template, with_values=r.uses_critic,
+            self.sampler, [p for p in prompts for _ in range(k)], parts.rewards, with_values=r.uses_critic,
             with_reference=r.adapters.reference_enabled, peaks=peaks,
         )
         # 2. Scores as the optimiser sees them: running normalisation, clipping, length penalty.

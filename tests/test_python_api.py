@@ -53,16 +53,16 @@ def test_python_reward_callable_overrides_recipe(tmp_path, tiny_model_dir):
 
 def test_eval_batch_size_sets_how_many_held_out_prompts_generate_at_once(tmp_path, tiny_model_dir, monkeypatch):
     """data.eval_batch_size changes only the evaluation's generation batch, not training's."""
-    import lora_ppo.rollout as rollout_mod
+    from lora_ppo.rollout import Sampler
 
     batches = []
-    real = rollout_mod.sample_responses
+    real = Sampler.sample
 
-    def spy(roles, tokenizer, prompts, cfg, *args, **kwargs):
+    def spy(self, prompts, *args, **kwargs):
         batches.append(len(prompts))
-        return real(roles, tokenizer, prompts, cfg, *args, **kwargs)
+        return real(self, prompts, *args, **kwargs)
 
-    monkeypatch.setattr(rollout_mod, "sample_responses", spy)
+    monkeypatch.setattr(Sampler, "sample", spy)
     d = tiny_recipe_dict(tiny_model_dir, tmp_path / "run")
     d["data"] = {**d.get("data", {}), "eval_size": 6, "eval_batch_size": 6}
     d["rollout"] = {**d.get("rollout", {}), "batch_size": 2}

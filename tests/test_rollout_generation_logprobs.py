@@ -8,7 +8,8 @@ import torch
 
 from lora_ppo.config import ModelConfig, RolloutConfig
 from lora_ppo.model import load_tokenizer
-from lora_ppo.rollout import collect_rollout, sample_responses, score_passes
+from lora_ppo.rollout import Sampler, collect_rollout, score_passes
+from lora_ppo.rewards import RewardSources
 from tests.reward_fns import count_letter_e
 
 PROMPTS = ["This movie was", "The acting in this film was quite", "Honestly", "I rented the sequel on a whim and"]
@@ -36,7 +37,7 @@ def _stop_token_sampled_early(roles, tokenizer, cfg) -> str:
     stops that row early (a random tiny model rarely samples its eos). The stop token changes
     nothing sampled before it, so the rerun draws the same tokens up to there."""
     torch.manual_seed(11)
-    first = sample_responses(roles, tokenizer, PROMPTS, cfg.model_copy(update={"stop_token": None}), False)
+    first = Sampler(roles, tokenizer, cfg.model_copy(update={"stop_token": None}), False).sample(PROMPTS)
     return tokenizer.convert_ids_to_tokens(int(first.response_ids[0, 2]))
 
 
@@ -45,7 +46,7 @@ def test_recorded_logprobs_equal_a_scoring_pass(roles, tokenizer, temperature):
     cfg = RolloutConfig(batch_size=4, max_new_tokens=6, temperature=temperature)
     cfg = cfg.model_copy(update={"stop_token": _stop_token_sampled_early(roles, tokenizer, cfg)})
     torch.manual_seed(11)
-    samples = sample_responses(roles, tokenizer, PROMPTS, cfg, False, record_logprobs=True)
+    samples = Sampler(roles, tokenizer, cfg, False).sample(PROMPTS, record_logprobs=True)
     assert bool(samples.stopped[0]) and int(samples.response_mask[0].sum()) <= 3  # a stopped row is covered
     assert samples.logprobs.shape == samples.response_ids.shape
     scored = _scored_old_logprobs(roles, samples, temperature)
@@ -57,9 +58,9 @@ def test_recorded_logprobs_equal_a_scoring_pass(roles, tokenizer, temperature):
 def test_recording_does_not_change_what_is_sampled(roles, tokenizer):
     cfg = RolloutConfig(batch_size=4, max_new_tokens=6, temperature=0.8)
     torch.manual_seed(5)
-    plain = sample_responses(roles, tokenizer, PROMPTS, cfg, False)
+    plain = Sampler(roles, tokenizer, cfg, False).sample(PROMPTS)
     torch.manual_seed(5)
-    recorded = sample_responses(roles, tokenizer, PROMPTS, cfg, False, record_logprobs=True)
+    recorded = Sampler(roles, tokenizer, cfg, False).sample(PROMPTS, record_logprobs=True)
     assert torch.equal(plain.response_ids, recorded.response_ids)
     assert plain.logprobs is None
 
@@ -67,10 +68,10 @@ def test_recording_does_not_change_what_is_sampled(roles, tokenizer):
 def test_rollout_with_generation_logprobs_matches_a_rescored_rollout(roles, tokenizer):
     base = dict(batch_size=4, max_new_tokens=6, temperature=0.9, forward_batch_size=3)
     torch.manual_seed(2)
-    rescored = collect_rollout(roles, tokenizer, PROMPTS, RolloutConfig(**base), count_letter_e, {}, False)
+    rescored = collect_rollout(Sampler(roles, tokenizer, RolloutConfig(**base), False), PROMPTS, RewardSources(count_letter_e))
     torch.manual_seed(2)
-    recorded = collect_rollout(roles, tokenizer, PROMPTS, RolloutConfig(**base, logprobs_from_generation=True),
-                               count_letter_e, {}, False)
+    recorded = collect_rollout(Sampler(roles, tokenizer, RolloutConfig(**base, logprobs_from_generation=True), False),
+                               PROMPTS, RewardSources(count_letter_e))
     assert torch.equal(rescored.response_ids, recorded.response_ids)
     m = rescored.response_mask
     torch.testing.assert_close(recorded.old_logprobs[m], rescored.old_logprobs[m], atol=1e-4, rtol=0)
@@ -83,6 +84,6 @@ def test_top_k_and_top_p_sampling_still_record_full_vocabulary_logprobs(roles, t
     temperature); the recorded ones must be the same quantity."""
     cfg = RolloutConfig(batch_size=4, max_new_tokens=5, temperature=0.8, top_k=20, top_p=0.9, stop_token=None)
     torch.manual_seed(4)
-    samples = sample_responses(roles, tokenizer, PROMPTS, cfg, False, record_logprobs=True)
+    samples = Sampler(roles, tokenizer, cfg, False).sample(PROMPTS, record_logprobs=True)
     scored = _scored_old_logprobs(roles, samples, 0.8)
     torch.testing.assert_close(samples.logprobs, scored, atol=1e-4, rtol=0)

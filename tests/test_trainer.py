@@ -115,8 +115,7 @@ def test_ratio_threshold_skips_a_drifted_minibatch(tmp_path, tiny_model_dir):
     from lora_ppo.rollout import collect_rollout
 
     parts = trainer.parts
-    rollout = collect_rollout(parts.roles, parts.tokenizer, ["This movie", "The plot", "I", "Honestly"],
-                              recipe.rollout, parts.reward_fn, {}, False)
+    rollout = collect_rollout(parts.sampler(recipe), ["This movie", "The plot", "I", "Honestly"], parts.rewards)
     # Pretend the rollout policy gave every token e^-1 of its probability: ratio = e > 2.
     drifted = dataclasses.replace(rollout, old_logprobs=rollout.old_logprobs - 1.0)
     before_policy = [p.detach().clone() for p in trainer.roles.policy_parameters()]

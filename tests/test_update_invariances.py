@@ -11,8 +11,9 @@ import torch
 from lora_ppo.config import AdaptersConfig, ModelConfig, PPOConfig, RolloutConfig
 from lora_ppo.model import load_base_model, load_tokenizer
 from lora_ppo.roles import POLICY, RoleModel
-from lora_ppo.rollout import Rollout, collect_rollout, score_passes
+from lora_ppo.rollout import Rollout, Sampler, collect_rollout, score_passes
 from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
+from lora_ppo.rewards import RewardSources
 from tests.reward_fns import count_letter_e
 
 TOL = dict(atol=2e-5, rtol=1e-4)
@@ -39,7 +40,7 @@ def _rollout(roles, tokenizer, temperature=1.0, seed=0, prompts=PROMPTS) -> Roll
     torch.manual_seed(seed)
     cfg = RolloutConfig(batch_size=len(prompts), max_new_tokens=8, temperature=temperature,
                         forward_batch_size=3)
-    rollout = collect_rollout(roles, tokenizer, prompts, cfg, count_letter_e, {}, chat_template=False)
+    rollout = collect_rollout(Sampler(roles, tokenizer, cfg, chat_template=False), prompts, RewardSources(count_letter_e))
     lengths = torch.tensor(LENGTHS[: len(prompts)])
     mask = torch.arange(rollout.response_ids.shape[1])[None, :] < lengths[:, None]
     ids = torch.where(mask, rollout.response_ids, torch.full_like(rollout.response_ids, tokenizer.pad_token_id))
