@@ -34,19 +34,17 @@ from random_models import build_random_model  # noqa: E402  (bench/, beside this
 GB = 1e9
 
 
-def long_prompts(tokenizer, max_tokens: int, chat_template: bool, n: int = 64) -> tuple[list[str], int]:
-    """Prompts of one repeated word, as long as `max_tokens` allows (with the chat template if used)."""
-    def length(text: str) -> int:
-        if chat_template:
-            return len(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                     add_generation_prompt=True, return_dict=False))
-        return len(tokenizer(text)["input_ids"])
+def long_prompts(tokenizer, data, n: int = 64) -> tuple[list, int]:
+    """PromptRows of one repeated word, as long as data.max_prompt_tokens allows (formatted as
+    the recipe formats its prompts)."""
+    from lora_ppo.data import PromptFormat, prepare_rows
 
-    words = max_tokens
-    while words > 1 and length(" ".join(["the"] * words)) > max_tokens:
+    fmt = PromptFormat(tokenizer, data.chat_template, data.system_prompt)
+    words = data.max_prompt_tokens
+    while words > 1 and len(fmt.render(" ".join(["the"] * words))[1]) > data.max_prompt_tokens:
         words -= 1
-    text = " ".join(["the"] * words)
-    return [text] * n, length(text)
+    rows = prepare_rows([{"prompt": " ".join(["the"] * words)}] * n, "prompt", fmt, data.max_prompt_tokens, "bench")
+    return rows.rows, len(rows.rows[0].ids)
 
 
 def main() -> None:
@@ -97,8 +95,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     base = lora_ppo.load_recipe(args.recipe, [f"model.name={model_dir}", *args.overrides])
-    prompts, prompt_tokens = long_prompts(AutoTokenizer.from_pretrained(model_dir), base.data.max_prompt_tokens,
-                                          base.data.chat_template)
+    prompts, prompt_tokens = long_prompts(AutoTokenizer.from_pretrained(model_dir), base.data)
     overrides = [f"model.name={model_dir}", "data.eval_source=null", "data.eval_size=0", "train.eval=false",
                  "rollout.stop_token=null", f"train.output_dir={work / 'run'}", "train.overwrite=true", *args.overrides]
     recipe = lora_ppo.load_recipe(args.recipe, overrides)

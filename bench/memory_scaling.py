@@ -97,16 +97,17 @@ def measure_one(model_dir: Path, quant: str, prompts: Path, out: Path) -> dict:
 
     import lora_ppo
     from lora_ppo import memory
-    from lora_ppo.data import PromptStream
+    from lora_ppo.data import PromptFormat, PromptStream, prepare_rows
     from lora_ppo.estimate import as_json, estimate_recipe
 
     baseline = memory.resident_bytes()
     recipe = lora_ppo.load_recipe(REPO / "recipes" / "quickstart.yaml", recipe_overrides(model_dir, quant, prompts, out))
     trainer = lora_ppo.PPOTrainer(recipe, progress=False)
     # Every prompt the same length, so the estimate sees the real sequence length.
-    same_length = prompts.read_text().splitlines()
-    trainer.stream = PromptStream(same_length, recipe.train.seed)
-    prompt_tokens = max(len(trainer.parts.tokenizer(p)["input_ids"]) for p in same_length)
+    fmt = PromptFormat(trainer.parts.tokenizer, recipe.data.chat_template)
+    same_length = prepare_rows([{"prompt": p} for p in prompts.read_text().splitlines()], "prompt", fmt, 10**6, str(prompts))
+    trainer.stream = PromptStream(same_length.rows, recipe.train.seed)
+    prompt_tokens = max(len(row.ids) for row in same_length.rows)
     memory.release_memory()
     loaded = memory.resident_bytes()
     t0 = time.perf_counter()

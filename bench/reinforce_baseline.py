@@ -48,7 +48,7 @@ def run_reinforce(recipe, budget_s: float, lr: float | None = None) -> dict:
     from lora_ppo.state import PromptPosition
 
     parts = build(recipe)  # the model, prompts, reward and evaluation PPO uses
-    stream, position = PromptStream(parts.train_prompts.prompts, recipe.train.seed), PromptPosition()
+    stream, position = PromptStream(parts.train_prompts.rows, recipe.train.seed), PromptPosition()
     optimizer = torch.optim.AdamW(parts.roles.policy_parameters(), lr=lr or recipe.ppo.learning_rate,
                                   weight_decay=0.0, eps=ADAM_EPS)
     before = evaluate_heldout(parts, recipe)
@@ -87,12 +87,13 @@ def reinforce_step(parts, recipe, optimizer, prompts):
     """Sample a batch, score it, one gradient step on -(score - batch mean) * logprob."""
     import torch
 
-    from lora_ppo.rewards import score_completions
+    from lora_ppo.rewards import RewardBatch
 
     roles, cfg = parts.roles, recipe.rollout
     with roles.as_role("policy"):
         samples = parts.sampler(recipe).sample(prompts)
-    scores = torch.tensor(score_completions(parts.rewards.reward, prompts, samples.completions))
+    batch = RewardBatch.from_rows(prompts, samples.completions, samples.completion_ids())
+    scores = torch.tensor(parts.rewards.score(batch)[0])
     advantage = scores - scores.mean()
     input_ids, attention_mask = samples.model_input()
     mask = samples.response_mask.float()

@@ -94,7 +94,7 @@ def train(
         start = f" from step {trainer.step} ({trainer.resume_from})" if trainer.resume_from else ""
         typer.echo(
             f"training {cfg.model.name} ({cfg.model.quantization}) for {cfg.train.steps} steps{start} "
-            f"on {len(trainer.parts.train_prompts.prompts)} prompts -> {cfg.train.output_dir}",
+            f"on {len(trainer.parts.train_prompts.rows)} prompts -> {cfg.train.output_dir}",
             err=True,
         )
         summary = trainer.train()

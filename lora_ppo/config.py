@@ -144,14 +144,26 @@ class AdaptersConfig(Section):
 class RewardConfig(Section):
     """Where the score of a completion comes from."""
 
-    kind: Literal["vader", "function", "classifier"] = "vader"
+    kind: Literal["vader", "function", "classifier", "math_answer", "exact_match"] = "vader"
     """`vader`: VADER compound sentiment of the completion, in [-1, 1]; `function`: a Python function;
-    `classifier`: a sequence-classification model. VADER by default: it needs no download and is the
-    quickstart's task.
+    `classifier`: a sequence-classification model; `math_answer`: 1 when the completion's final answer
+    (a `#### N` line, a `\\boxed{N}`, else its last number) equals the `answer_column` value as a number,
+    else 0; `exact_match`: 1 when the completion equals the `answer_column` value (case and spacing
+    ignored). VADER by default: it needs no download and is the quickstart's task.
     """
     function: Optional[str] = None
-    """For `kind: function`: `package.module:function`, called as `f(prompts, completions) -> list[float]`.
-    Imported only when `kind` is `function`.
+    """For `kind: function`: `package.module:function`, called as TRL calls reward functions:
+    `f(prompts=..., completions=..., completion_ids=..., **columns)` with every other dataset column as a
+    keyword (one value per completion); `f(prompts, completions)` works too. Imported only when `kind`
+    is `function`.
+    """
+    answer_column: Optional[str] = None
+    """For `math_answer` and `exact_match`: the dataset column holding the reference answer (a bare answer,
+    or a worked solution ending in `#### N` as in GSM8K).
+    """
+    format_bonus: float = Field(0.0, ge=0.0)
+    """For `math_answer`: added to the score when the completion marks its final answer as `#### N` or
+    `\\boxed{N}`, right or wrong; 0 leaves the score the accuracy.
     """
     model: Optional[str] = None
     """For `kind: classifier`: a Hugging Face sequence-classification model (folder or hub id). It keeps its
@@ -178,6 +190,10 @@ class RewardConfig(Section):
             raise ValueError(f"reward.function must look like 'module:function', got {self.function!r}")
         if self.kind == "classifier" and not self.model:
             raise ValueError("reward.model is required when reward.kind is 'classifier'")
+        if self.kind in ("math_answer", "exact_match") and not self.answer_column:
+            raise ValueError(f"reward.answer_column is required when reward.kind is {self.kind!r}")
+        if self.format_bonus and self.kind != "math_answer":
+            raise ValueError(f"reward.format_bonus applies to reward.kind 'math_answer' only (kind is {self.kind!r})")
         return self
 
 
@@ -185,25 +201,43 @@ class DataConfig(Section):
     """The prompts: training rows, and held-out rows scored before and after training."""
 
     source: str = "builtin:movie_review_openers"
-    """A local `.jsonl`, `.json`, `.csv`, `.parquet` or `.txt` file (one prompt a line), a Hugging Face
-    dataset id, or `builtin:<name>`. The default ships with the package.
+    """A local `.jsonl`, `.json`, `.csv`, `.parquet` or `.txt` file (one prompt a line, column `prompt`), a
+    folder or glob of such files, a Hugging Face dataset id or dataset folder, or `builtin:<name>`
+    (`movie_review_openers`, `arithmetic`). The default ships with the package.
     """
+    name: Optional[str] = None
+    """The dataset's config name, for datasets that have several (`main` for `openai/gsm8k`; `add2`,
+    `addsub2` or `addsub3` for `builtin:arithmetic`)."""
+    revision: Optional[str] = None
+    """A hub dataset's revision (branch, tag or commit), so a run can be repeated on the same data."""
     split: str = "train"
-    """The dataset split to read (hub datasets)."""
+    """The split to read; slices select part of it: `train[:2000]`, `train[10%:]`."""
     prompt_column: str = "prompt"
-    """The column holding the prompt text (ignored for `.txt`)."""
+    """The column holding the prompt: text, or a conversation (a list of `{role, content}` messages, the
+    format of TRL's conversational datasets). Every other column reaches reward functions.
+    """
     chat_template: bool = False
-    """Wrap each prompt as a user message with the tokenizer's chat template; off: the prompt text is given to
-    the model as it is.
+    """Wrap each text prompt as a user message in the tokenizer's chat template; off: text is given to the
+    model as it is. Conversations always go through the chat template.
+    """
+    system_prompt: Optional[str] = None
+    """A system message put first in every prompt's conversation (conversations that have their own keep
+    it). Text prompts take one only with `chat_template: true`.
     """
     max_prompt_tokens: int = Field(64, gt=0)
-    """Longer prompts are dropped and counted, so prompt length stays within what the memory plan assumed."""
+    """Longer prompts (counted after the chat template) are dropped and counted, so prompt length stays within
+    what the memory plan assumed.
+    """
     eval_source: Optional[str] = "builtin:movie_review_openers_heldout"
     """Held-out prompts, in any form `source` takes; null: `eval_size` prompts are split off `source` instead
     (seeded). The default is the builtin training set's held-out companion.
     """
     eval_split: str = "train"
-    """The split of `eval_source`."""
+    """The split of `eval_source` (slices allowed, as for `split`)."""
+    eval_name: Optional[str] = None
+    """The config name of `eval_source`; null: `name` when `eval_source` is the same dataset as `source`,
+    else none.
+    """
     eval_size: int = Field(64, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """How many held-out prompts to evaluate on."""
     eval_batch_size: Optional[int] = Field(None, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)

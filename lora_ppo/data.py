@@ -1,124 +1,274 @@
-"""Prompts: load them (local file, Hugging Face dataset, or a built-in set), format them,
-drop and count unusable rows, and serve them in a seeded, resumable order.
+"""Prompts: load dataset rows (a builtin set, local files, or a Hugging Face dataset with its config
+name), turn each into a PromptRow (the prompt as given, the text and tokens the policy sees, the
+row's other columns), drop and count unusable rows, and serve them in a seeded, resumable order.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
 import random
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
-from lora_ppo.config import BUILTIN_PREFIX
+from lora_ppo.builtin_datasets import BUILTIN_DATASETS
+from lora_ppo.config import BUILTIN_PREFIX, DataConfig
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.state import PromptPosition
 
 log = logging.getLogger(__name__)
 
-BUILTIN_DATASETS = {
-    "movie_review_openers": "movie_review_openers.txt",
-    "movie_review_openers_heldout": "movie_review_openers_heldout.txt",
-}
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+ROLES = ("system", "user", "assistant", "tool")
+Messages = list[dict[str, str]]
+
+# Why a row was dropped.
+NOT_TEXT = "not_text"  # neither text nor a list of messages
+EMPTY = "empty"
+TOO_LONG = "too_long"
+BAD_MESSAGE = "message_without_role_or_content"
+UNKNOWN_ROLE = "unknown_role"
+ASSISTANT_LAST = "assistant_turn_last"
 
 
-def load_prompt_texts(source: str, split: str, column: str, field_name: str = "data.source") -> list[Any]:
-    """Raw prompt values from a builtin set, a local file, or a Hugging Face dataset id."""
-    if source.startswith(BUILTIN_PREFIX):
-        key = source[len(BUILTIN_PREFIX) :]
-        if key not in BUILTIN_DATASETS:
-            raise RecipeError(f"{field_name}: unknown builtin dataset {key!r} (known: {', '.join(BUILTIN_DATASETS)})")
-        text = resources.files("lora_ppo.builtin_prompts").joinpath(BUILTIN_DATASETS[key]).read_text(encoding="utf-8")
-        return [line for line in text.splitlines() if line.strip()]
+@dataclass(frozen=True)
+class PromptRow:
+    """One prompt with everything that travels with it."""
 
-    import datasets
+    prompt: Union[str, Messages]  # as the dataset gives it: what reward functions see
+    text: str  # what the policy sees: the chat-templated prompt, or the text itself
+    ids: tuple[int, ...]  # the tokens of `text`, special tokens included
+    columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for rewards
 
-    path = Path(source)
-    try:
-        if path.suffix.lower() in FILE_BUILDERS or path.exists():
-            if not path.is_file():
-                raise RecipeError(f"{field_name}: file not found: {source}")
-            builder = FILE_BUILDERS.get(path.suffix.lower())
-            if builder is None:
-                raise RecipeError(
-                    f"{field_name}: unsupported file type {path.suffix!r} (use {', '.join(FILE_BUILDERS)})"
-                )
-            dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
-            if builder == "text":
-                column = "text"
-        else:
-            dataset = datasets.load_dataset(source, split=split)
-    except RecipeError:
-        raise
-    except Exception as err:  # datasets raises many types; all mean "this source is unusable"
-        raise RecipeError(f"{field_name}: cannot load {source!r}: {first_line(err)}") from None
-    if column not in dataset.column_names:
-        raise RecipeError(
-            f"data.prompt_column: column {column!r} not in {source!r} (columns: {', '.join(dataset.column_names)})"
-        )
-    return list(dataset[column])
+    @property
+    def is_conversation(self) -> bool:
+        return isinstance(self.prompt, list)
 
 
 @dataclass
 class PromptSet:
-    """Formatted prompts that fit, and how many rows were dropped for which reason."""
+    """The rows that are usable, how many were dropped for which reason, and the names of the
+    columns other than the prompt (what a reward function may ask for)."""
 
-    prompts: list[str]
+    rows: list[PromptRow]
     dropped: dict[str, int] = field(default_factory=dict)
+    columns: list[str] = field(default_factory=list)
 
 
-def format_prompt(text: str, tokenizer, chat_template: bool) -> str:
-    if not chat_template:
-        return text
-    if not getattr(tokenizer, "chat_template", None):
-        raise RecipeError("data.chat_template: the tokenizer has no chat template")
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+# ---- loading rows -----------------------------------------------------------------------------
 
 
-def prepare_prompts(raw: list[Any], tokenizer, chat_template: bool, max_prompt_tokens: int) -> PromptSet:
-    """Format prompts and drop (counting) rows that are not text, empty, or too long."""
-    kept: list[str] = []
-    dropped = {"not_text": 0, "empty": 0, "too_long": 0}
-    for value in raw:
-        if not isinstance(value, str):
-            dropped["not_text"] += 1
-            continue
-        if not value.strip():
-            dropped["empty"] += 1
-            continue
-        text = format_prompt(value, tokenizer, chat_template)
-        n_tokens = len(tokenizer(text, add_special_tokens=not chat_template)["input_ids"])
-        if n_tokens > max_prompt_tokens:
-            dropped["too_long"] += 1
-            continue
-        kept.append(text)
-    return PromptSet(kept, {k: v for k, v in dropped.items() if v})
+def load_rows(source: str, split: str, name: Optional[str] = None, revision: Optional[str] = None,
+              field_name: str = "data.source") -> tuple[list[dict], list[str]]:
+    """The rows (dicts) and column names of a builtin set (`builtin:<name>`), a local file, a folder
+    or glob of files, or a Hugging Face dataset id (with its config `name` and `revision`). `split`
+    may slice: `train[:2000]`, `test[10%:]`."""
+    if source.startswith(BUILTIN_PREFIX):
+        return _builtin_rows(source[len(BUILTIN_PREFIX):], name, split, field_name)
+    import datasets
+
+    try:
+        files = _local_files(source, field_name)
+        if files is not None:
+            builder = _one_builder(files, field_name)
+            dataset = datasets.load_dataset(builder, data_files=files, split=split)
+            if builder == "text":  # one prompt a line: the column is "text"
+                dataset = dataset.rename_column("text", "prompt")
+        else:
+            # datasets caches a local dataset folder by its name and config, not its contents: an
+            # edited folder would load stale rows, so a local folder is always read afresh.
+            local = Path(source).expanduser().is_dir()
+            dataset = datasets.load_dataset(source, name=name, split=split, revision=revision,
+                                            download_mode="force_redownload" if local else None)
+    except RecipeError:
+        raise
+    except Exception as err:  # datasets raises many types; all mean "this source is unusable"
+        config = f" (data.name {name!r})" if name else ""
+        raise RecipeError(f"{field_name}: cannot load {source!r}{config}: {first_line(err)}") from None
+    return dataset.to_list(), list(dataset.column_names)
 
 
-def load_prompt_sets(data_cfg, tokenizer, seed: int) -> tuple[PromptSet, PromptSet]:
-    """(train, held-out) prompt sets for a recipe's data section."""
-    raw = load_prompt_texts(data_cfg.source, data_cfg.split, data_cfg.prompt_column)
-    train = prepare_prompts(raw, tokenizer, data_cfg.chat_template, data_cfg.max_prompt_tokens)
-    if data_cfg.eval_source:
-        raw_eval = load_prompt_texts(
-            data_cfg.eval_source, data_cfg.eval_split, data_cfg.prompt_column, "data.eval_source"
+def _builtin_rows(key: str, name: Optional[str], split: str, field_name: str) -> tuple[list[dict], list[str]]:
+    from datasets import ReadInstruction
+
+    if key not in BUILTIN_DATASETS:
+        raise RecipeError(f"{field_name}: unknown builtin dataset {key!r} (known: {', '.join(BUILTIN_DATASETS)})")
+    split_name = split.split("[")[0]
+    rows = BUILTIN_DATASETS[key](name, split_name)
+    try:  # the slicing syntax of datasets' splits: train[:100], test[10%:20%]
+        ranges = ReadInstruction.from_spec(split).to_absolute({split_name: len(rows)})
+    except (ValueError, AssertionError) as err:
+        raise RecipeError(f"data.split: cannot read {split!r} of builtin:{key}: {first_line(err)}") from None
+    picked = [row for r in ranges for row in rows[r.from_:r.to]]
+    return picked, list(rows[0]) if rows else []
+
+
+def _local_files(source: str, field_name: str) -> Optional[list[str]]:
+    """The data files `source` names (a file, a glob, or a folder holding only data files), or
+    None when it is a dataset id or a dataset folder (one with its own README/config)."""
+    path = Path(source).expanduser()
+    if any(ch in source for ch in "*?["):
+        files = sorted(glob.glob(str(path)))
+        if not files:
+            raise RecipeError(f"{field_name}: no file matches {source!r}")
+        return files
+    if path.is_file() or path.suffix.lower() in FILE_BUILDERS:
+        if not path.is_file():
+            raise RecipeError(f"{field_name}: file not found: {source}")
+        return [str(path)]
+    if path.is_dir() and not (path / "README.md").is_file():
+        files = sorted(str(p) for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        if not files:
+            raise RecipeError(f"{field_name}: folder {source!r} holds no data files")
+        return files
+    if source.startswith((".", "/", "~")) and not path.exists():
+        raise RecipeError(f"{field_name}: not found: {source}")
+    return None
+
+
+def _one_builder(files: list[str], field_name: str) -> str:
+    suffixes = {Path(f).suffix.lower() for f in files}
+    unknown = sorted(s or "(none)" for s in suffixes if s not in FILE_BUILDERS)
+    if unknown:
+        raise RecipeError(f"{field_name}: unsupported file type {unknown[0]!r} (use {', '.join(FILE_BUILDERS)})")
+    builders = {FILE_BUILDERS[s] for s in suffixes}
+    if len(builders) > 1:
+        raise RecipeError(f"{field_name}: files of different types ({', '.join(sorted(suffixes))}); use one type")
+    return builders.pop()
+
+
+# ---- formatting -------------------------------------------------------------------------------
+
+
+class PromptProblem(ValueError):
+    """Why one row cannot be a prompt (one of the reason names above)."""
+
+
+class PromptFormat:
+    """How a dataset's prompt becomes what the policy sees. A conversation (a list of {role,
+    content} messages) always goes through the tokenizer's chat template with the generation
+    prompt added; text goes through it as a user message when data.chat_template is on.
+    data.system_prompt comes first as a system message, unless the conversation has its own."""
+
+    def __init__(self, tokenizer, chat_template: bool, system_prompt: Optional[str] = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
+
+    def render(self, prompt: Any) -> tuple[str, tuple[int, ...]]:
+        """(text, token ids) the policy sees for `prompt`; raises PromptProblem for a bad row."""
+        messages = self._messages(prompt)
+        if messages is None:
+            text = prompt
+            # A plain text prompt gets the tokenizer's usual special tokens (a BOS, for some).
+            ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        else:
+            text = self._apply_template(messages)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template has them
+        return text, tuple(ids)
+
+    def template_tokens(self) -> int:
+        """How many tokens the chat template (and system prompt) add around an empty user turn."""
+        return len(self.render([{"role": "user", "content": ""}])[1])
+
+    def _messages(self, prompt: Any) -> Optional[Messages]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise PromptProblem(EMPTY)
+            if not self.chat_template:
+                if self.system_prompt:
+                    raise RecipeError("data.system_prompt: text prompts take a system prompt only with "
+                                      "data.chat_template: true")
+                return None
+            return self._with_system([{"role": "user", "content": prompt}])
+        if not isinstance(prompt, list):
+            raise PromptProblem(NOT_TEXT)
+        if not prompt:
+            raise PromptProblem(EMPTY)
+        for message in prompt:
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise PromptProblem(BAD_MESSAGE)
+            if message["role"] not in ROLES:
+                raise PromptProblem(UNKNOWN_ROLE)
+        if prompt[-1]["role"] == "assistant":
+            raise PromptProblem(ASSISTANT_LAST)
+        return self._with_system([{"role": m["role"], "content": m["content"]} for m in prompt])
+
+    def _with_system(self, messages: Messages) -> Messages:
+        if self.system_prompt and messages[0]["role"] != "system":
+            return [{"role": "system", "content": self.system_prompt}, *messages]
+        return messages
+
+    def _apply_template(self, messages: Messages) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RecipeError("data.chat_template: the tokenizer has no chat template, and conversations "
+                              "and data.chat_template need one")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def prepare_rows(rows: list[dict], prompt_column: str, fmt: PromptFormat, max_prompt_tokens: int,
+                 source: str) -> PromptSet:
+    """PromptRows for the rows that are usable; the others are dropped and counted by reason."""
+    columns = list(rows[0]) if rows else []
+    if rows and prompt_column not in rows[0]:
+        raise RecipeError(
+            f"data.prompt_column: column {prompt_column!r} not in {source!r} (columns: {', '.join(columns)})"
         )
-        held_out = prepare_prompts(raw_eval, tokenizer, data_cfg.chat_template, data_cfg.max_prompt_tokens)
-        held_out.prompts = held_out.prompts[: data_cfg.eval_size]
+    kept: list[PromptRow] = []
+    dropped: dict[str, int] = {}
+    for row in rows:
+        try:
+            text, ids = fmt.render(row[prompt_column])
+            if len(ids) > max_prompt_tokens:
+                raise PromptProblem(TOO_LONG)
+        except PromptProblem as problem:
+            dropped[str(problem)] = dropped.get(str(problem), 0) + 1
+            continue
+        others = {k: v for k, v in row.items() if k != prompt_column}
+        kept.append(PromptRow(row[prompt_column], text, ids, others))
+    return PromptSet(kept, dropped, [c for c in columns if c != prompt_column])
+
+
+# ---- the recipe's prompt sets -----------------------------------------------------------------
+
+
+def load_prompt_sets(cfg: DataConfig, tokenizer, seed: int) -> tuple[PromptSet, PromptSet]:
+    """(train, held-out) prompt sets for a recipe's data section."""
+    fmt = PromptFormat(tokenizer, cfg.chat_template, cfg.system_prompt)
+    rows, _ = load_rows(cfg.source, cfg.split, cfg.name, cfg.revision)
+    train = prepare_rows(rows, cfg.prompt_column, fmt, cfg.max_prompt_tokens, cfg.source)
+    if cfg.eval_source:
+        same = cfg.eval_source == cfg.source
+        eval_name = cfg.eval_name if cfg.eval_name is not None else (cfg.name if same else None)
+        eval_rows, _ = load_rows(cfg.eval_source, cfg.eval_split, eval_name, cfg.revision if same else None,
+                                 "data.eval_source")
+        held_out = prepare_rows(eval_rows, cfg.prompt_column, fmt, cfg.max_prompt_tokens, cfg.eval_source)
+        held_out.rows = held_out.rows[: cfg.eval_size]
     else:
         # Split the held-out prompts off the training set with the run's seed, before training.
-        order = list(range(len(train.prompts)))
+        order = list(range(len(train.rows)))
         random.Random(seed).shuffle(order)
-        cut = min(data_cfg.eval_size, max(0, len(order) - 1))
+        cut = min(cfg.eval_size, max(0, len(order) - 1))
         held_idx = set(order[:cut])
-        held_out = PromptSet([p for i, p in enumerate(train.prompts) if i in held_idx])
-        train.prompts = [p for i, p in enumerate(train.prompts) if i not in held_idx]
-    if not train.prompts:
-        reasons = ", ".join(f"{v} {k}" for k, v in train.dropped.items()) or "the source is empty"
-        raise RecipeError(f"data.source: no usable prompts in {data_cfg.source!r} ({reasons})")
+        held_out = PromptSet([r for i, r in enumerate(train.rows) if i in held_idx], columns=train.columns)
+        train.rows = [r for i, r in enumerate(train.rows) if i not in held_idx]
+    if not train.rows:
+        raise RecipeError(f"data.source: no usable prompts in {cfg.source!r} ({_no_rows_reason(train, fmt, cfg)})")
     return train, held_out
+
+
+def _no_rows_reason(prompts: PromptSet, fmt: PromptFormat, cfg: DataConfig) -> str:
+    reasons = ", ".join(f"{v} {k}" for k, v in prompts.dropped.items()) or "the source is empty"
+    if prompts.dropped.get(TOO_LONG) and (cfg.chat_template or fmt.system_prompt):
+        try:
+            overhead = fmt.template_tokens()
+        except (RecipeError, PromptProblem):
+            return reasons
+        reasons += (f"; data.max_prompt_tokens is {cfg.max_prompt_tokens} and the chat template alone "
+                    f"adds {overhead} tokens")
+    return reasons
 
 
 class PromptStream:
@@ -128,26 +278,26 @@ class PromptStream:
     position lives in the run's TrainState and a resumed run continues the same order.
     """
 
-    def __init__(self, prompts: list[str], seed: int):
-        self.prompts = prompts
+    def __init__(self, rows: list[PromptRow], seed: int):
+        self.rows = rows
         self.seed = seed
         self._orders: dict[int, list[int]] = {}
 
     def _order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
-            order = list(range(len(self.prompts)))
+            order = list(range(len(self.rows)))
             random.Random(self.seed * 100_003 + epoch).shuffle(order)
             self._orders = {epoch: order}  # only the current pass is ever needed again
         return self._orders[epoch]
 
-    def take(self, size: int, position: PromptPosition) -> tuple[list[str], PromptPosition]:
+    def take(self, size: int, position: PromptPosition) -> tuple[list[PromptRow], PromptPosition]:
         """The next `size` prompts from `position`, and the position after them."""
         epoch, cursor = position
-        batch: list[str] = []
+        batch: list[PromptRow] = []
         while len(batch) < size:
-            if cursor >= len(self.prompts):
+            if cursor >= len(self.rows):
                 epoch, cursor = epoch + 1, 0
-            batch.append(self.prompts[self._order(epoch)[cursor]])
+            batch.append(self.rows[self._order(epoch)[cursor]])
             cursor += 1
         return batch, PromptPosition(epoch, cursor)
 

@@ -372,7 +372,7 @@ def _export_merged(checkpoint: Checkpoint, recipe, adapter_dir: Path, out: Path,
 
     torch_dtype = DTYPES[dtype]
     tokenizer = load_tokenizer(recipe.model)
-    prompts = probe_ids(tokenizer, recipe.data.chat_template)
+    prompts = probe_ids(tokenizer, recipe.data)
     log.info("merging %s into the %s base (%s)", adapter_dir, base, recipe.model.name)
     merged, refs, ref_description, ref_dtype = _merged_model(recipe, adapter_dir, base, prompts, verify)
     merge_parity = None
@@ -422,7 +422,7 @@ def _check_written(folder: Path, recipe, prompts: list[torch.Tensor], refs: list
     )
     exported.eval()
     exported_tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust)
-    same_ids = all(torch.equal(a, b) for a, b in zip(prompts, probe_ids(exported_tok, recipe.data.chat_template)))
+    same_ids = all(torch.equal(a, b) for a, b in zip(prompts, probe_ids(exported_tok, recipe.data)))
     parity = compare(exported, refs, tolerance, ref_description, f"exported {dtype} model", same_ids)
     del exported
     _release()

@@ -10,8 +10,11 @@ from typing import Optional
 
 import torch
 
+from lora_ppo.config import DataConfig
+from lora_ppo.data import PromptFormat
+
 # Probe prompts for the parity check: short, mixed text any tokenizer can encode. With
-# data.chat_template they are wrapped in the chat template, as the policy saw its prompts.
+# data.chat_template (and data.system_prompt) they are formatted as the policy saw its prompts.
 PROBE_PROMPTS = (
     "The movie started slowly, but",
     "Write one sentence about the sea.",
@@ -122,15 +125,10 @@ class ProbeReference:
     logits: torch.Tensor  # [T, V] float32, on CPU
 
 
-def probe_ids(tokenizer, chat_template: bool) -> list[torch.Tensor]:
+def probe_ids(tokenizer, data: DataConfig) -> list[torch.Tensor]:
     """The probe prompts as token ids ([T] each), formatted as the run formatted its prompts."""
-    from lora_ppo.data import format_prompt
-
-    return [
-        tokenizer(format_prompt(p, tokenizer, chat_template), add_special_tokens=not chat_template,
-                  return_tensors="pt")["input_ids"][0]
-        for p in PROBE_PROMPTS
-    ]
+    fmt = PromptFormat(tokenizer, data.chat_template, data.system_prompt)
+    return [torch.tensor(fmt.render(p)[1]) for p in PROBE_PROMPTS]
 
 
 @torch.no_grad()

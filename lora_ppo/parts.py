@@ -35,8 +35,8 @@ class Parts:
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler]
 
     def sampler(self, recipe: Recipe) -> Sampler:
-        """How the policy samples in this run: its rollout settings and prompt format."""
-        return Sampler(self.roles, self.tokenizer, recipe.rollout, recipe.data.chat_template)
+        """How the policy samples in this run."""
+        return Sampler(self.roles, self.tokenizer, recipe.rollout)
 
 
 def seed_everything(seed: int) -> None:
@@ -60,6 +60,7 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
     tokenizer = load_tokenizer(recipe.model)
     train_prompts, eval_prompts = load_prompt_sets(recipe.data, tokenizer, recipe.train.seed)
     rewards = build_reward_sources(recipe.reward, recipe.model.trust_remote_code, reward_fn)
+    rewards.check_columns(train_prompts.columns, recipe.data.source)
     if not recipe.adapters.reference_enabled:
         log.warning("adapters.reference is 'none': no KL penalty; the policy may drift far from the base model")
     roles = RoleModel(load_base_model(recipe.model), recipe.adapters, with_value=recipe.uses_critic)
@@ -86,11 +87,11 @@ def build_optimizer(
 def evaluate_heldout(parts: Parts, recipe: Recipe) -> dict[str, float]:
     """Mean held-out score (and side metrics) with its standard error, sampled with a fixed seed
     that leaves the training RNG untouched; {} when there are no held-out prompts."""
-    if not parts.eval_prompts.prompts:
+    if not parts.eval_prompts.rows:
         return {}
     sampler = parts.sampler(recipe)
     if recipe.data.eval_batch_size is not None:
         sampler = sampler.with_batch_size(recipe.data.eval_batch_size)
     with dequantized_once(parts.roles.peft, recipe.model):
-        return evaluate_prompts(sampler, parts.eval_prompts.prompts, parts.rewards, seed=recipe.train.seed,
+        return evaluate_prompts(sampler, parts.eval_prompts.rows, parts.rewards, seed=recipe.train.seed,
                                 samples_per_prompt=recipe.data.eval_samples_per_prompt)

@@ -12,7 +12,8 @@ import torch
 
 from lora_ppo.config import RolloutConfig
 from lora_ppo.memory import PhasePeaks
-from lora_ppo.rewards import RewardSources
+from lora_ppo.data import PromptRow
+from lora_ppo.rewards import RewardBatch, RewardSources
 from lora_ppo.roles import POLICY, REFERENCE, VALUE, RoleModel
 
 
@@ -34,7 +35,7 @@ class Rollout:
     """One batch of experience. Per-token tensors are [B, T_resp]; `response_mask` is True on
     real response tokens (the stop token included)."""
 
-    prompts: list[str]
+    rows: list[PromptRow]  # the prompts, with the dataset columns that travel with them
     completions: list[str]
     query_ids: torch.Tensor  # [B, P] left-padded
     query_mask: torch.Tensor  # [B, P]
@@ -123,10 +124,16 @@ def generation_config(cfg: RolloutConfig, tokenizer, stop_id: Optional[int]):
     )
 
 
-def tokenize_prompts(tokenizer, prompts: Sequence[str], chat_template: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
-    # A chat-formatted prompt already holds its special tokens.
-    enc = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=not chat_template)
-    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+def left_pad(rows: Sequence[PromptRow], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts' token ids, left-padded to the longest: (ids, attention_mask), each [B, P]."""
+    width = max((len(row.ids) for row in rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row.ids:
+            ids[i, width - len(row.ids):] = torch.tensor(row.ids)
+            mask[i, width - len(row.ids):] = 1
+    return ids.to(device), mask.to(device)
 
 
 class SampledTokenLogprobs:
@@ -198,24 +205,26 @@ class Samples:
         """(input_ids, attention_mask) of prompt + response, [B, P + T_resp]."""
         return join_prompt_response(self.query_ids, self.query_mask, self.response_ids, self.response_mask)
 
+    def completion_ids(self) -> list[list[int]]:
+        """Each response's real tokens (the stop token included), for reward functions."""
+        return [ids[mask].tolist() for ids, mask in zip(self.response_ids, self.response_mask)]
+
 
 @dataclass(frozen=True)
 class Sampler:
-    """How the policy samples: the roles, their tokenizer, the rollout settings, and whether the
-    prompts come chat-templated (they then hold their own special tokens)."""
+    """How the policy samples: the roles, their tokenizer and the rollout settings."""
 
     roles: RoleModel
     tokenizer: Any
     cfg: RolloutConfig
-    chat_template: bool
 
     @torch.no_grad()
-    def sample(self, prompts: Sequence[str], record_logprobs: bool = False) -> Samples:
+    def sample(self, rows: Sequence[PromptRow], record_logprobs: bool = False) -> Samples:
         """Generate with the policy (left-padded prompts, KV cache) and cut each response after
         its stop token; with `record_logprobs`, the sampled tokens' logprobs come along."""
         cfg, tokenizer = self.cfg, self.tokenizer
         stop_id = stop_token_id(tokenizer, cfg.stop_token)
-        query_ids, query_mask = tokenize_prompts(tokenizer, prompts, self.chat_template, self.roles.lm_head.weight.device)
+        query_ids, query_mask = left_pad(rows, tokenizer.pad_token_id, self.roles.lm_head.weight.device)
         recorder = SampledTokenLogprobs(cfg.temperature) if record_logprobs else None
         raw_response = generate(self.roles, query_ids, query_mask, generation_config(cfg, tokenizer, stop_id), recorder)
         response_ids, response_mask, stopped = truncate_at_stop(raw_response, stop_id, tokenizer.pad_token_id)
@@ -270,13 +279,13 @@ def score_passes(
 
 def collect_rollout(
     sampler: Sampler,
-    prompts: Sequence[str],
+    rows: Sequence[PromptRow],
     rewards: RewardSources,
     with_values: bool = True,
     with_reference: bool = True,
     peaks: Optional[PhasePeaks] = None,
 ) -> Rollout:
-    """Generate responses to `prompts` and score them; everything under no_grad.
+    """Generate responses to the prompts of `rows` and score them; everything under no_grad.
 
     For k samples per prompt, pass each prompt k times in a row (group methods rely on it).
     """
@@ -288,7 +297,7 @@ def collect_rollout(
     # 1-2. Generate with the policy, truncate after the stop token (what follows is padding).
     t0 = time.perf_counter()
     with peaks.phase("generate"):
-        samples = sampler.sample(prompts, record_logprobs=cfg.logprobs_from_generation)
+        samples = sampler.sample(rows, record_logprobs=cfg.logprobs_from_generation)
     timings["generate"] = time.perf_counter() - t0
 
     # 3. Old logprobs (unless sampling recorded them), reference logprobs and values on the
@@ -305,7 +314,8 @@ def collect_rollout(
     # 4. Scores from the reward source, on the decoded text.
     t0 = time.perf_counter()
     with peaks.phase("reward"):
-        reward_scores, side = rewards.score(prompts, samples.completions)
+        batch = RewardBatch.from_rows(rows, samples.completions, samples.completion_ids())
+        reward_scores, side = rewards.score(batch)
         raw_scores = torch.tensor(reward_scores, dtype=torch.float32, device=device)
     scores = raw_scores
     if cfg.missing_eos_penalty is not None and cfg.stop_token is not None:
@@ -313,7 +323,7 @@ def collect_rollout(
     timings["reward"] = time.perf_counter() - t0
 
     return Rollout(
-        prompts=list(prompts), completions=samples.completions, query_ids=samples.query_ids,
+        rows=list(rows), completions=samples.completions, query_ids=samples.query_ids,
         query_mask=samples.query_mask, response_ids=samples.response_ids, response_mask=samples.response_mask,
         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values, raw_scores=raw_scores,
         scores=scores, stopped=samples.stopped, side_scores=side, timings=timings,
@@ -323,7 +333,7 @@ def collect_rollout(
 @torch.no_grad()
 def evaluate_prompts(
     sampler: Sampler,
-    prompts: Sequence[str],
+    prompts: Sequence[PromptRow],
     rewards: RewardSources,
     seed: int,
     samples_per_prompt: int = 1,
@@ -345,8 +355,8 @@ def evaluate_prompts(
         torch.manual_seed(seed)
         for start in range(0, len(rows), batch_size):
             batch = rows[start : start + batch_size]
-            completions = sampler.sample(batch).completions
-            batch_scores, side = rewards.score(batch, completions)
+            samples = sampler.sample(batch)
+            batch_scores, side = rewards.score(RewardBatch.from_rows(batch, samples.completions, samples.completion_ids()))
             scores["score"] += batch_scores
             for name, values in side.items():
                 scores[name] += values

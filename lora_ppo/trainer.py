@@ -64,7 +64,7 @@ class PPOTrainer:
                 "or set train.overwrite=true (the old run is then moved aside, not deleted)"
             )
         self.parts = build(recipe, reward_fn)
-        self.stream = PromptStream(self.parts.train_prompts.prompts, recipe.train.seed)
+        self.stream = PromptStream(self.parts.train_prompts.rows, recipe.train.seed)
         self.sampler = self.parts.sampler(recipe)
         self.generator = torch.Generator().manual_seed(recipe.train.seed)  # minibatch order
         self.update_settings = UpdateSettings(
@@ -159,7 +159,7 @@ class PPOTrainer:
         # 6. KL controller: move kl_coef toward ppo.target_kl (Ziegler et al. 2019).
         if r.ppo.target_kl is not None and bad is None:
             state.kl_coef = ppo_math.adaptive_kl_coef(
-                state.kl_coef, adv.kl.sum(dim=1).mean().item(), r.ppo.target_kl, r.ppo.kl_horizon, len(rollout.prompts)
+                state.kl_coef, adv.kl.sum(dim=1).mean().item(), r.ppo.target_kl, r.ppo.kl_horizon, len(rollout.rows)
             )
         # 7. Metrics.
         metrics = step_metrics(
@@ -211,9 +211,9 @@ class PPOTrainer:
         append_jsonl(self.run.metrics, metrics)
         state.metrics_lines += 1
         if r.train.sample_every and (state.step % r.train.sample_every == 0 or state.step == r.train.steps):
-            for i in range(min(SAMPLES_PER_LOG, len(rollout.prompts))):
+            for i in range(min(SAMPLES_PER_LOG, len(rollout.rows))):
                 append_jsonl(self.run.samples, {
-                    "step": state.step, "prompt": rollout.prompts[i],
+                    "step": state.step, "prompt": rollout.rows[i].prompt,
                     "completion": rollout.completions[i], "score": rollout.scores[i].item(),
                 })
                 state.samples_lines += 1

@@ -4,12 +4,14 @@ temp folder, so every test loads them through the real loading path (4-bit inclu
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
-# Tests never reach a hub; the builtin model cache stays out of the user's home.
+# Tests never reach a hub, and leave no datasets cache behind in the user's home.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="lora_ppo-tests-datasets-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 CHAT_TEMPLATE = (
@@ -181,3 +183,39 @@ def bnb_4bit_layers(roles) -> list:
     import bitsandbytes as bnb
 
     return [m for m in roles.peft.modules() if isinstance(m, bnb.nn.Linear4bit)]
+
+
+def prompt_rows(tokenizer, texts, chat_template: bool = False, **columns):
+    """PromptRows for plain text prompts, as the data loader makes them (columns: one list each)."""
+    from lora_ppo.data import PromptFormat, PromptRow
+
+    fmt = PromptFormat(tokenizer, chat_template)
+    rows = []
+    for i, text in enumerate(texts):
+        rendered, ids = fmt.render(text)
+        rows.append(PromptRow(text, rendered, ids, {name: values[i] for name, values in columns.items()}))
+    return rows
+
+
+@pytest.fixture(scope="session")
+def tiny_classifier_dir(tmp_path_factory):
+    """A tiny random sequence classifier (2 labels) with its own word-level tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        LlamaConfig,
+        LlamaForSequenceClassification,
+        PreTrainedTokenizerFast,
+    )
+
+    folder = tmp_path_factory.mktemp("tiny-classifier")
+    # Its own word-level tokenizer, unlike the policy's byte-level BPE: text is re-tokenized.
+    words = ["[PAD]", "[UNK]", "good", "bad", "film", "a", "the", "great", "awful"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=2, pad_token_id=0)
+    LlamaForSequenceClassification(config).save_pretrained(folder)
+    return folder

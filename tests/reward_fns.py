@@ -12,3 +12,23 @@ def wrong_count(prompts, completions):
 
 def raises(prompts, completions):
     raise RuntimeError("reward server is down")
+
+
+# TRL-style functions: keywords, dataset columns as keyword arguments.
+SEEN: list[dict] = []
+
+
+def records_columns(prompts, completions, completion_ids, key, label, **kwargs):
+    """Records what it was given; the score is the key column, so tests can also check order."""
+    SEEN.append({"prompts": list(prompts), "completions": list(completions), "ids": list(completion_ids),
+                 "key": list(key), "label": list(label), "extra": sorted(kwargs)})
+    return [float(k) for k in key]
+
+
+def needs_solution(prompts, completions, solution):
+    return [0.0] * len(completions)
+
+
+def trl_style(completions, **kwargs):
+    """As TRL's own reward functions are written: completions, and everything else in kwargs."""
+    return [float(len(c[0]["content"] if isinstance(c, list) else c)) for c in completions]

@@ -1,9 +1,11 @@
-"""Prompt loading from every supported file type, row filtering with counts, held-out
-splits, and a seeded prompt order that can be resumed."""
+"""Prompt data: every file type with text and conversational prompts, folders and globs, a
+dataset with config names, split slicing, chat templates and system prompts, rows dropped and
+counted per reason, held-out splits, and a seeded prompt order that can be resumed."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,83 +14,204 @@ from typer.testing import CliRunner
 import lora_ppo
 from lora_ppo.cli import app
 from lora_ppo.config import DataConfig
-from lora_ppo.data import (
-    PromptStream,
-    load_prompt_sets,
-    load_prompt_texts,
-    prepare_prompts,
-)
+from lora_ppo.data import PromptFormat, PromptStream, load_prompt_sets, load_rows, prepare_rows
 from lora_ppo.errors import RecipeError
 from lora_ppo.state import PromptPosition
 from tests.conftest import tiny_recipe_dict, write_recipe
 
-ROWS = ["This movie was", "The acting in this film", "Honestly, the sequel"]
+TEXTS = ["This movie was", "The acting in this film", "Honestly, the sequel"]
+CONVERSATIONS = [
+    [{"role": "user", "content": "Review this film."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Rate the sequel."}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "A film?"}],
+]
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
+def tokenizer(tiny_tokenizer):
+    return tiny_tokenizer
 
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet", ".txt"])
-def test_every_file_type_loads(tmp_path, suffix):
+def _write(path: Path, rows: list[dict]) -> Path:
     import pandas as pd
 
-    path = tmp_path / f"prompts{suffix}"
-    frame = pd.DataFrame({"prompt": ROWS, "other": [1, 2, 3]})
-    if suffix == ".jsonl":
-        path.write_text("\n".join(json.dumps(r) for r in frame.to_dict("records")))
-    elif suffix == ".csv":
+    frame = pd.DataFrame(rows)
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif path.suffix == ".csv":
         frame.to_csv(path, index=False)
-    elif suffix == ".parquet":
+    elif path.suffix == ".parquet":
         frame.to_parquet(path)
     else:
-        path.write_text("\n".join(ROWS) + "\n")
-    assert load_prompt_texts(str(path), "train", "prompt") == ROWS
+        path.write_text("\n".join(row["prompt"] for row in rows) + "\n")
+    return path
 
 
-def test_missing_column_names_the_columns(tmp_path):
-    path = tmp_path / "p.jsonl"
-    path.write_text(json.dumps({"text": "hi"}) + "\n")
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet", ".txt"])
+def test_text_prompts_load_from_every_file_type(tmp_path, suffix):
+    rows = [{"prompt": text, "answer": str(i)} for i, text in enumerate(TEXTS)]
+    loaded, columns = load_rows(str(_write(tmp_path / f"p{suffix}", rows)), "train")
+    assert [row["prompt"] for row in loaded] == TEXTS
+    if suffix != ".txt":  # one prompt a line: no other column
+        assert columns == ["prompt", "answer"] and [str(row["answer"]) for row in loaded] == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_conversational_prompts_load_and_go_through_the_chat_template(tmp_path, tokenizer, suffix):
+    rows = [{"prompt": messages, "id": i} for i, messages in enumerate(CONVERSATIONS)]
+    loaded, _ = load_rows(str(_write(tmp_path / f"p{suffix}", rows)), "train")
+    prompts = prepare_rows(loaded, "prompt", PromptFormat(tokenizer, chat_template=False), 256, "p")
+    assert [row.prompt for row in prompts.rows] == CONVERSATIONS  # as the dataset gives them
+    assert prompts.rows[0].text == "<|im_start|>user\nReview this film.<|im_end|>\n<|im_start|>assistant\n"
+    assert prompts.rows[2].text.count("<|im_start|>") == 4 and prompts.rows[2].columns == {"id": 2}
+    assert list(prompts.rows[1].ids) == tokenizer(prompts.rows[1].text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_folder_or_glob_of_files_is_one_dataset(tmp_path):
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    _write(folder / "a.jsonl", [{"prompt": TEXTS[0]}])
+    _write(folder / "b.jsonl", [{"prompt": TEXTS[1]}, {"prompt": TEXTS[2]}])
+    assert [r["prompt"] for r in load_rows(str(folder), "train")[0]] == TEXTS
+    assert [r["prompt"] for r in load_rows(str(folder / "b*.jsonl"), "train")[0]] == TEXTS[1:]
+    with pytest.raises(RecipeError, match="no file matches"):
+        load_rows(str(folder / "c*.jsonl"), "train")
+    _write(folder / "c.csv", [{"prompt": "x"}])
+    with pytest.raises(RecipeError, match="files of different types"):
+        load_rows(str(folder), "train")
+
+
+@pytest.fixture()
+def dataset_with_configs(tmp_path) -> Path:
+    """A local dataset folder with two configs and train/test splits, as hub datasets have
+    (openai/gsm8k: config `main`, columns `question` and `answer`)."""
+    root = tmp_path / "gsm8k-like"
+    for config, offset in (("main", 0), ("socratic", 100)):
+        for split, start, count in (("train", 0, 6), ("test", 50, 2)):
+            (root / config).mkdir(parents=True, exist_ok=True)
+            _write(root / config / f"{split}.jsonl", [
+                {"question": f"What is {n} + 1?", "answer": f"{n} + 1 = {n + 1}\n#### {n + 1}"}
+                for n in range(offset + start, offset + start + count)
+            ])
+    (root / "README.md").write_text(
+        "---\nconfigs:\n"
+        "- config_name: main\n  data_files:\n  - split: train\n    path: main/train.jsonl\n"
+        "  - split: test\n    path: main/test.jsonl\n"
+        "- config_name: socratic\n  data_files:\n  - split: train\n    path: socratic/train.jsonl\n"
+        "  - split: test\n    path: socratic/test.jsonl\n---\n"
+    )
+    return root
+
+
+def test_a_dataset_config_name_and_split_slices(dataset_with_configs):
+    rows, columns = load_rows(str(dataset_with_configs), "train", name="main")
+    assert len(rows) == 6 and columns == ["question", "answer"] and rows[0]["question"] == "What is 0 + 1?"
+    socratic, _ = load_rows(str(dataset_with_configs), "test[:1]", name="socratic")
+    assert [r["question"] for r in socratic] == ["What is 150 + 1?"]
+    with pytest.raises(RecipeError, match=r"data.source: cannot load .* \(data.name 'mian'\)"):
+        load_rows(str(dataset_with_configs), "train", name="mian")
+
+
+def test_recipe_with_config_name_reads_train_and_held_out_splits(dataset_with_configs, tokenizer):
+    cfg = DataConfig(source=str(dataset_with_configs), name="main", prompt_column="question",
+                     eval_source=str(dataset_with_configs), eval_split="test", eval_size=8)
+    train, held_out = load_prompt_sets(cfg, tokenizer, seed=0)
+    assert len(train.rows) == 6 and len(held_out.rows) == 2
+    assert held_out.rows[0].prompt == "What is 50 + 1?" and held_out.rows[0].columns["answer"].endswith("#### 51")
+    assert train.columns == ["answer"]
+
+
+def test_builtin_splits_slice_like_hub_splits(tokenizer):
+    rows, columns = load_rows("builtin:arithmetic", "train[:10]", name="add2")
+    assert len(rows) == 10 and columns == ["prompt", "answer"]
+    head, _ = load_rows("builtin:arithmetic", "train[:3]", name="add2")
+    assert head == rows[:3]
+    with pytest.raises(RecipeError, match="data.split: builtin:arithmetic has no split 'validation'"):
+        load_rows("builtin:arithmetic", "validation", name="add2")
+    with pytest.raises(RecipeError, match="data.name: builtin:movie_review_openers has no configs"):
+        load_rows("builtin:movie_review_openers", "train", name="main")
+
+
+def test_missing_column_names_the_columns(tmp_path, tokenizer):
+    rows, _ = load_rows(str(_write(tmp_path / "p.jsonl", [{"text": "hi"}])), "train")
     with pytest.raises(RecipeError, match=r"data.prompt_column: column 'prompt' not in .* \(columns: text\)"):
-        load_prompt_texts(str(path), "train", "prompt")
+        prepare_rows(rows, "prompt", PromptFormat(tokenizer, False), 64, "p.jsonl")
 
 
 def test_unsupported_and_missing_files(tmp_path):
     with pytest.raises(RecipeError, match="file not found"):
-        load_prompt_texts(str(tmp_path / "none.jsonl"), "train", "prompt")
+        load_rows(str(tmp_path / "none.jsonl"), "train")
     (tmp_path / "p.xml").write_text("<a/>")
     with pytest.raises(RecipeError, match="unsupported file type '.xml'"):
-        load_prompt_texts(str(tmp_path / "p.xml"), "train", "prompt")
+        load_rows(str(tmp_path / "p.xml"), "train")
 
 
-def test_bad_rows_are_dropped_and_counted(tokenizer):
-    raw = ["fine prompt", "", "   ", None, 7, "word " * 100]
-    prompt_set = prepare_prompts(raw, tokenizer, chat_template=False, max_prompt_tokens=16)
-    assert prompt_set.prompts == ["fine prompt"]
-    assert prompt_set.dropped == {"empty": 2, "not_text": 2, "too_long": 1}
+def test_bad_rows_are_dropped_and_counted_per_reason(tokenizer):
+    raw = [
+        "fine prompt", "", "   ", None, 7, {"role": "user"}, "word " * 100,
+        [{"role": "user", "content": "fine conversation"}],
+        [],  # an empty conversation
+        [{"role": "user"}],  # no content
+        [{"content": "who am I"}],  # no role
+        ["just text in a list"],
+        [{"role": "narrator", "content": "once upon a time"}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],  # nothing to answer
+    ]
+    prompts = prepare_rows([{"prompt": value} for value in raw], "prompt", PromptFormat(tokenizer, False), 48, "p")
+    assert [row.prompt for row in prompts.rows] == ["fine prompt", [{"role": "user", "content": "fine conversation"}]]
+    assert prompts.dropped == {"empty": 3, "not_text": 3, "too_long": 1, "message_without_role_or_content": 3,
+                               "unknown_role": 1, "assistant_turn_last": 1}
 
 
-def test_chat_template_wraps_prompts(tokenizer):
-    prompt_set = prepare_prompts(["hello"], tokenizer, chat_template=True, max_prompt_tokens=64)
-    assert prompt_set.prompts == ["<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"]
+def test_chat_template_and_system_prompt_wrap_text_prompts(tokenizer):
+    plain = PromptFormat(tokenizer, chat_template=True).render("hello")[0]
+    assert plain == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    with_system = PromptFormat(tokenizer, chat_template=True, system_prompt="Be kind.").render("hello")[0]
+    assert with_system == "<|im_start|>system\nBe kind.<|im_end|>\n" + plain
+    # A conversation with its own system message keeps it.
+    own = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hello"}]
+    assert "Be kind." not in PromptFormat(tokenizer, True, "Be kind.").render(own)[0]
+    with pytest.raises(RecipeError, match="data.system_prompt: text prompts take a system prompt only with"):
+        PromptFormat(tokenizer, chat_template=False, system_prompt="Be kind.").render("hello")
+
+
+def test_too_long_for_the_template_says_what_the_template_costs(tokenizer, tmp_path):
+    source = _write(tmp_path / "p.jsonl", [{"prompt": text} for text in TEXTS])
+    cfg = DataConfig(source=str(source), eval_source=None, chat_template=True, system_prompt="You are a film critic.",
+                     max_prompt_tokens=8)
+    overhead = PromptFormat(tokenizer, True, "You are a film critic.").template_tokens()
+    assert overhead > 8
+    with pytest.raises(RecipeError) as err:
+        load_prompt_sets(cfg, tokenizer, seed=0)
+    assert str(err.value) == (f"data.source: no usable prompts in {str(source)!r} (3 too_long; data.max_prompt_tokens "
+                              f"is 8 and the chat template alone adds {overhead} tokens)")
 
 
 def test_held_out_split_is_seeded_and_disjoint(tokenizer):
     cfg = DataConfig(eval_source=None, eval_size=20)
     train_a, held_a = load_prompt_sets(cfg, tokenizer, seed=1)
     train_b, held_b = load_prompt_sets(cfg, tokenizer, seed=1)
-    assert held_a.prompts == held_b.prompts and len(held_a.prompts) == 20
-    assert not set(held_a.prompts) & set(train_a.prompts)
-    assert len(train_a.prompts) == 300 - 20
+    assert held_a.rows == held_b.rows and len(held_a.rows) == 20
+    assert not {r.prompt for r in held_a.rows} & {r.prompt for r in train_a.rows}
+    assert len(train_a.rows) == 300 - 20
 
 
 def test_builtin_held_out_set_differs_from_training(tokenizer):
     train, held = load_prompt_sets(DataConfig(eval_size=32), tokenizer, seed=0)
-    assert len(train.prompts) == 300 and len(held.prompts) == 32
-    assert not set(train.prompts) & set(held.prompts)
+    assert len(train.rows) == 300 and len(held.rows) == 32
+    assert not {r.prompt for r in train.rows} & {r.prompt for r in held.rows}
+
+
+def test_builtin_arithmetic_is_deterministic_with_answers_and_a_disjoint_test_split():
+    train, _ = load_rows("builtin:arithmetic", "train")
+    test, _ = load_rows("builtin:arithmetic", "test")
+    assert len(train) == 4000 and len(test) == 256 and load_rows("builtin:arithmetic", "test")[0] == test
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    for row in train[:200] + test:
+        a, op, b = re.search(r"(\d+) ([+-]) (\d+)", row["prompt"]).groups()
+        assert int(row["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
 
 
 def test_prompt_stream_is_seeded_and_resumable_from_a_position():
@@ -113,13 +236,8 @@ def test_prompt_stream_is_seeded_and_resumable_from_a_position():
     assert PromptStream(prompts, seed=4).take(7, PromptPosition())[0] != stream.take(7, PromptPosition())[0]
 
 
-def _rows(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
 def test_malformed_rows_are_counted_and_reported(tmp_path, tiny_model_dir, caplog):
-    source = _rows(tmp_path / "p.jsonl", [
+    source = _write(tmp_path / "p.jsonl", [
         {"prompt": "The movie was"}, {"prompt": "I think the film"}, {"other": "no prompt here"},
         {"prompt": ""}, {"prompt": "word " * 200},
     ])
@@ -128,13 +246,13 @@ def test_malformed_rows_are_counted_and_reported(tmp_path, tiny_model_dir, caplo
         train={"steps": 1, "eval": False},
     ))
     trainer = lora_ppo.PPOTrainer(recipe, progress=False)
-    assert trainer.parts.train_prompts.prompts == ["The movie was", "I think the film"]
+    assert [row.prompt for row in trainer.parts.train_prompts.rows] == ["The movie was", "I think the film"]
     trainer.train()
     assert "1 not text, 1 empty, 1 too long" in caplog.text
 
 
 def test_no_usable_rows_refuses_to_start_in_one_line(tmp_path, tiny_model_dir):
-    source = _rows(tmp_path / "p.jsonl", [{"other": "x"}, {"prompt": "  "}, {"prompt": "word " * 200}])
+    source = _write(tmp_path / "p.jsonl", [{"other": "x"}, {"prompt": "  "}, {"prompt": "word " * 200}])
     recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run")
     result = CliRunner().invoke(app, ["train", str(recipe), f"data.source={source}"])
     assert result.exit_code == 2

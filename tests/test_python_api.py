@@ -87,7 +87,7 @@ def test_eval_samples_per_prompt_averages_within_prompts_and_reports_standard_er
     d = tiny_recipe_dict(tiny_model_dir, tmp_path / "run")
     d["data"] = {**d["data"], "eval_size": 3, "eval_samples_per_prompt": 4, "eval_batch_size": 5}
     trainer = lora_ppo.PPOTrainer(lora_ppo.recipe_from_dict(d), reward_fn=reward, progress=False)
-    prompts = trainer.parts.eval_prompts.prompts
+    prompts = [row.prompt for row in trainer.parts.eval_prompts.rows]
     result = trainer.evaluate()
     assert seen == [p for p in prompts for _ in range(4)]  # 12 rows, 4 of each, in batches of 5
     lengths = torch.tensor([float(len(p)) for p in prompts], dtype=torch.float64)

@@ -10,6 +10,7 @@ from lora_ppo.config import ModelConfig, RolloutConfig
 from lora_ppo.model import load_tokenizer
 from lora_ppo.rollout import Sampler, collect_rollout, score_passes
 from lora_ppo.rewards import RewardSources
+from tests.conftest import prompt_rows
 from tests.reward_fns import count_letter_e
 
 PROMPTS = ["This movie was", "The acting in this film was quite", "Honestly", "I rented the sequel on a whim and"]
@@ -18,6 +19,11 @@ PROMPTS = ["This movie was", "The acting in this film was quite", "Honestly", "I
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     return load_tokenizer(ModelConfig(name=str(tiny_model_dir)))
+
+
+@pytest.fixture(scope="module")
+def rows(tokenizer):
+    return prompt_rows(tokenizer, PROMPTS)
 
 
 @pytest.fixture(scope="module")
@@ -32,21 +38,21 @@ def _scored_old_logprobs(roles, samples, temperature):
                         with_values=False, with_reference=False)[0]
 
 
-def _stop_token_sampled_early(roles, tokenizer, cfg) -> str:
+def _stop_token_sampled_early(roles, tokenizer, rows, cfg) -> str:
     """A token the seeded sampler emits at step 2 of row 0, so a rerun with it as the stop token
     stops that row early (a random tiny model rarely samples its eos). The stop token changes
     nothing sampled before it, so the rerun draws the same tokens up to there."""
     torch.manual_seed(11)
-    first = Sampler(roles, tokenizer, cfg.model_copy(update={"stop_token": None}), False).sample(PROMPTS)
+    first = Sampler(roles, tokenizer, cfg.model_copy(update={"stop_token": None})).sample(rows)
     return tokenizer.convert_ids_to_tokens(int(first.response_ids[0, 2]))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_recorded_logprobs_equal_a_scoring_pass(roles, tokenizer, temperature):
+def test_recorded_logprobs_equal_a_scoring_pass(roles, tokenizer, rows, temperature):
     cfg = RolloutConfig(batch_size=4, max_new_tokens=6, temperature=temperature)
-    cfg = cfg.model_copy(update={"stop_token": _stop_token_sampled_early(roles, tokenizer, cfg)})
+    cfg = cfg.model_copy(update={"stop_token": _stop_token_sampled_early(roles, tokenizer, rows, cfg)})
     torch.manual_seed(11)
-    samples = Sampler(roles, tokenizer, cfg, False).sample(PROMPTS, record_logprobs=True)
+    samples = Sampler(roles, tokenizer, cfg).sample(rows, record_logprobs=True)
     assert bool(samples.stopped[0]) and int(samples.response_mask[0].sum()) <= 3  # a stopped row is covered
     assert samples.logprobs.shape == samples.response_ids.shape
     scored = _scored_old_logprobs(roles, samples, temperature)
@@ -55,23 +61,23 @@ def test_recorded_logprobs_equal_a_scoring_pass(roles, tokenizer, temperature):
     assert (samples.logprobs[~m] == 0).all()
 
 
-def test_recording_does_not_change_what_is_sampled(roles, tokenizer):
+def test_recording_does_not_change_what_is_sampled(roles, tokenizer, rows):
     cfg = RolloutConfig(batch_size=4, max_new_tokens=6, temperature=0.8)
     torch.manual_seed(5)
-    plain = Sampler(roles, tokenizer, cfg, False).sample(PROMPTS)
+    plain = Sampler(roles, tokenizer, cfg).sample(rows)
     torch.manual_seed(5)
-    recorded = Sampler(roles, tokenizer, cfg, False).sample(PROMPTS, record_logprobs=True)
+    recorded = Sampler(roles, tokenizer, cfg).sample(rows, record_logprobs=True)
     assert torch.equal(plain.response_ids, recorded.response_ids)
     assert plain.logprobs is None
 
 
-def test_rollout_with_generation_logprobs_matches_a_rescored_rollout(roles, tokenizer):
+def test_rollout_with_generation_logprobs_matches_a_rescored_rollout(roles, tokenizer, rows):
     base = dict(batch_size=4, max_new_tokens=6, temperature=0.9, forward_batch_size=3)
     torch.manual_seed(2)
-    rescored = collect_rollout(Sampler(roles, tokenizer, RolloutConfig(**base), False), PROMPTS, RewardSources(count_letter_e))
+    rescored = collect_rollout(Sampler(roles, tokenizer, RolloutConfig(**base)), rows, RewardSources(count_letter_e))
     torch.manual_seed(2)
-    recorded = collect_rollout(Sampler(roles, tokenizer, RolloutConfig(**base, logprobs_from_generation=True), False),
-                               PROMPTS, RewardSources(count_letter_e))
+    recorded = collect_rollout(Sampler(roles, tokenizer, RolloutConfig(**base, logprobs_from_generation=True)),
+                               rows, RewardSources(count_letter_e))
     assert torch.equal(rescored.response_ids, recorded.response_ids)
     m = rescored.response_mask
     torch.testing.assert_close(recorded.old_logprobs[m], rescored.old_logprobs[m], atol=1e-4, rtol=0)
@@ -79,11 +85,11 @@ def test_rollout_with_generation_logprobs_matches_a_rescored_rollout(roles, toke
     torch.testing.assert_close(recorded.values, rescored.values)
 
 
-def test_top_k_and_top_p_sampling_still_record_full_vocabulary_logprobs(roles, tokenizer):
+def test_top_k_and_top_p_sampling_still_record_full_vocabulary_logprobs(roles, tokenizer, rows):
     """Scoring ignores top-k/top-p (the logprobs are over the whole vocabulary at the sampling
     temperature); the recorded ones must be the same quantity."""
     cfg = RolloutConfig(batch_size=4, max_new_tokens=5, temperature=0.8, top_k=20, top_p=0.9, stop_token=None)
     torch.manual_seed(4)
-    samples = Sampler(roles, tokenizer, cfg, False).sample(PROMPTS, record_logprobs=True)
+    samples = Sampler(roles, tokenizer, cfg).sample(rows, record_logprobs=True)
     scored = _scored_old_logprobs(roles, samples, 0.8)
     torch.testing.assert_close(samples.logprobs, scored, atol=1e-4, rtol=0)

@@ -13,7 +13,7 @@ import torch
 import lora_ppo
 from lora_ppo.config import PPOConfig
 from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import prompt_rows, tiny_recipe_dict
 
 
 def _train(tmp_path, tiny_model_dir, overrides):
@@ -115,7 +115,8 @@ def test_ratio_threshold_skips_a_drifted_minibatch(tmp_path, tiny_model_dir):
     from lora_ppo.rollout import collect_rollout
 
     parts = trainer.parts
-    rollout = collect_rollout(parts.sampler(recipe), ["This movie", "The plot", "I", "Honestly"], parts.rewards)
+    rows = prompt_rows(parts.tokenizer, ["This movie", "The plot", "I", "Honestly"])
+    rollout = collect_rollout(parts.sampler(recipe), rows, parts.rewards)
     # Pretend the rollout policy gave every token e^-1 of its probability: ratio = e > 2.
     drifted = dataclasses.replace(rollout, old_logprobs=rollout.old_logprobs - 1.0)
     before_policy = [p.detach().clone() for p in trainer.roles.policy_parameters()]

@@ -10,7 +10,7 @@ from lora_ppo.config import PPOConfig
 from lora_ppo.roles import REFERENCE
 from lora_ppo.rollout import Rollout, score_passes
 from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
-from tests.conftest import prompt_and_random_response
+from tests.conftest import prompt_and_random_response, prompt_rows
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +24,15 @@ def roles(make_roles):
 
 
 def _rollout_for_update(roles, tokenizer):
-    ids, mask, start = prompt_and_random_response(tokenizer, ["This movie was", "The acting in this film", "Honestly", "I"], 6)
+    prompts = ["This movie was", "The acting in this film", "Honestly", "I"]
+    ids, mask, start = prompt_and_random_response(tokenizer, prompts, 6)
     response_mask = torch.ones(4, 6, dtype=torch.bool)
     response_mask[1, 4:] = False  # a response that stopped early
     mask[1, start + 4 :] = 0
     old, ref, values = score_passes(roles, ids, mask, start, 1.0, forward_batch_size=2)
     scores = torch.tensor([1.0, -1.0, 0.5, 2.0])
     return Rollout(
-        prompts=[""] * 4, completions=[""] * 4, query_ids=ids[:, :start], query_mask=mask[:, :start],
+        rows=prompt_rows(tokenizer, prompts), completions=[""] * 4, query_ids=ids[:, :start], query_mask=mask[:, :start],
         response_ids=ids[:, start:], response_mask=response_mask, old_logprobs=old, ref_logprobs=ref,
         values=values, raw_scores=scores, scores=scores, stopped=torch.tensor([False, True, False, False]),
     )

@@ -1,0 +1,67 @@
+"""Final-answer extraction and comparison on hand-written cases, including answers that must not
+match: a longer number that contains the right digits, and a right number that is not the final one."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from lora_ppo.verifiable import answers_match, final_answer, last_boxed, states_answer_in_format, to_number
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Natalia sold 48 clips in April and 24 in May.\n#### 72", "72"),
+    ("First 12, then 30.\n####  1,000 ", "1,000"),
+    ("#### 5\nLater text ####  6", "6"),  # the last #### line wins
+    ("So the answer is \\boxed{42}.", "42"),
+    ("Try \\boxed{1} first, then \\boxed{\\frac{3}{4}}", "\\frac{3}{4}"),
+    ("It costs 3 dollars, so 5 cost 15 dollars.", "15"),
+    ("The result is -7.", "-7"),
+    ("47 - 38 = 9", "9"),
+    ("I get 1,250.5 in total", "1,250.5"),
+    ("no digits here", None),
+])
+def test_final_answer(text, expected):
+    assert final_answer(text) == expected
+
+
+@pytest.mark.parametrize("answer, number", [
+    ("1,000", Fraction(1000)), ("1000.0", Fraction(1000)), ("-3/4", Fraction(-3, 4)), ("\\frac{3}{4}", Fraction(3, 4)),
+    ("$42.", Fraction(42)), ("42%", Fraction(42)), ("0.5", Fraction(1, 2)), ("  7 ", Fraction(7)),
+    ("seven", None), ("3/0", None), ("1,00", None),
+])
+def test_to_number(answer, number):
+    assert to_number(answer) == number
+
+
+@pytest.mark.parametrize("response, reference", [
+    ("The answer is 72.", "72"),
+    ("#### 1,000", "1000"),
+    ("So we get 1000.0", "1,000"),
+    ("The answer is \\boxed{-3/4}", "-0.75"),
+    ("She has 5 apples.", "Natalia has 2 + 3 = 5 apples.\n#### 5"),  # a GSM8K worked solution
+    ("#### Paris", "paris"),  # not numbers: compared as text, case ignored
+])
+def test_answers_that_match(response, reference):
+    assert answers_match(response, reference)
+
+
+@pytest.mark.parametrize("response, reference", [
+    ("The answer is 420.", "42"),  # the right digits inside a longer number
+    ("The answer is 4.2", "42"),
+    ("42 is close, but the total is 43.", "42"),  # the right number, but not the final one
+    ("#### 42\nActually #### 41", "42"),
+    ("I don't know.", "42"),
+    ("The answer is -42", "42"),
+    ("", "#### 7"),
+])
+def test_answers_that_must_not_match(response, reference):
+    assert not answers_match(response, reference)
+
+
+def test_boxed_with_nested_braces_and_format_marks():
+    assert last_boxed("x = \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{unclosed") is None
+    assert states_answer_in_format("so #### 12") and states_answer_in_format("\\boxed{3}")
+    assert not states_answer_in_format("the answer is 12")
