@@ -32,13 +32,18 @@ def movie_review_openers_heldout(name: Optional[str], split: str) -> Rows:
     return _text_file("movie_review_openers_heldout.txt")
 
 
-# Arithmetic difficulties (data.name): operand digits and operations.
+# Arithmetic difficulties (data.name): the digits of the two operands, and the operations.
 ARITHMETIC_CONFIGS = {
-    "add2": {"digits": (2,), "ops": ("+",)},
-    "addsub2": {"digits": (2,), "ops": ("+", "-")},
-    "addsub3": {"digits": (2, 3), "ops": ("+", "-")},
+    "addsub1": {"digits": ((1, 1),), "ops": ("+", "-")},
+    "add12": {"digits": ((1, 2), (2, 1)), "ops": ("+",)},
+    "addsub12": {"digits": ((1, 2), (2, 1)), "ops": ("+", "-")},
+    "add2": {"digits": ((2, 2),), "ops": ("+",)},
+    "addsub2": {"digits": ((2, 2),), "ops": ("+", "-")},
+    "addsub3": {"digits": ((2, 2), (2, 3), (3, 2), (3, 3)), "ops": ("+", "-")},
 }
 ARITHMETIC_DEFAULT = "addsub3"
+ARITHMETIC_SPLITS = ("train", "test")
+# Split sizes where the problem space is large; a small space is split in two halves instead.
 ARITHMETIC_SPLIT_SIZES = {"train": 4000, "test": 256}
 # A few phrasings, so the policy learns the arithmetic rather than one sentence.
 ARITHMETIC_TEMPLATES = (
@@ -52,30 +57,45 @@ _ARITHMETIC_SEED = 20261123
 
 def arithmetic(name: Optional[str], split: str) -> Rows:
     """Questions such as "What is 47 + 385?" with an `answer` column ("432"). Subtractions never go
-    below zero. The test split holds no question of the train split."""
+    below zero, and the test split holds no problem of the train split."""
     config = name or ARITHMETIC_DEFAULT
     if config not in ARITHMETIC_CONFIGS:
         raise RecipeError(f"data.name: builtin:arithmetic has no config {config!r} (known: {', '.join(ARITHMETIC_CONFIGS)})")
-    if split not in ARITHMETIC_SPLIT_SIZES:
-        raise RecipeError(f"data.split: builtin:arithmetic has no split {split!r} (known: train, test)")
-    spec = ARITHMETIC_CONFIGS[config]
+    if split not in ARITHMETIC_SPLITS:
+        raise RecipeError(f"data.split: builtin:arithmetic has no split {split!r} (known: {', '.join(ARITHMETIC_SPLITS)})")
     rng = random.Random(f"{_ARITHMETIC_SEED}-{config}")
+    problems = _arithmetic_problems(ARITHMETIC_CONFIGS[config], rng)
+    return [{"prompt": rng.choice(ARITHMETIC_TEMPLATES).format(a=a, op=op, b=b), "answer": str(a + b if op == "+" else a - b)}
+            for a, op, b in problems[split]]
+
+
+def _arithmetic_problems(spec: dict, rng: random.Random) -> dict[str, list[tuple[int, str, int]]]:
+    """Distinct problems per split: all of a small problem space, shuffled and halved; a sample of
+    a large one."""
+    def numbers(digits: int) -> range:
+        return range(0 if digits == 1 else 10 ** (digits - 1), 10**digits)
+
+    pairs = [(a, b) for da, db in spec["digits"] for a in numbers(da) for b in numbers(db)]
+    space = len(pairs) * len(spec["ops"])
+    if space <= 2 * sum(ARITHMETIC_SPLIT_SIZES.values()):
+        problems = sorted({(max(a, b), op, min(a, b)) if op == "-" else (a, op, b)
+                           for a, b in pairs for op in spec["ops"]})
+        rng.shuffle(problems)
+        half = len(problems) // 2
+        return {"test": problems[:half], "train": problems[half:]}
     seen: set[tuple[int, str, int]] = set()
-    rows_by_split: dict[str, Rows] = {}
-    for part in ("test", "train"):  # the test questions first, so train can skip them
-        rows: Rows = []
-        while len(rows) < ARITHMETIC_SPLIT_SIZES[part]:
-            a, b = (rng.randint(10 ** (d - 1), 10**d - 1) for d in (rng.choice(spec["digits"]), rng.choice(spec["digits"])))
-            op = rng.choice(spec["ops"])
-            if op == "-" and b > a:
-                a, b = b, a
-            if (a, op, b) in seen:
-                continue
-            seen.add((a, op, b))
-            question = rng.choice(ARITHMETIC_TEMPLATES).format(a=a, op=op, b=b)
-            rows.append({"prompt": question, "answer": str(a + b if op == "+" else a - b)})
-        rows_by_split[part] = rows
-    return rows_by_split[split]
+    split_problems: dict[str, list[tuple[int, str, int]]] = {}
+    for part in ("test", "train"):
+        chosen = []
+        while len(chosen) < ARITHMETIC_SPLIT_SIZES[part]:
+            da, db = rng.choice(spec["digits"])
+            a, b, op = rng.choice(numbers(da)), rng.choice(numbers(db)), rng.choice(spec["ops"])
+            problem = (max(a, b), op, min(a, b)) if op == "-" else (a, op, b)
+            if problem not in seen:
+                seen.add(problem)
+                chosen.append(problem)
+        split_problems[part] = chosen
+    return split_problems
 
 
 def _no_config(dataset: str, name: Optional[str]) -> None:

@@ -206,8 +206,8 @@ class DataConfig(Section):
     (`movie_review_openers`, `arithmetic`). The default ships with the package.
     """
     name: Optional[str] = None
-    """The dataset's config name, for datasets that have several (`main` for `openai/gsm8k`; `add2`,
-    `addsub2` or `addsub3` for `builtin:arithmetic`)."""
+    """The dataset's config name, for datasets that have several (`main` for `openai/gsm8k`; the
+    difficulty of `builtin:arithmetic`: `addsub1`, `add12`, `addsub12`, `add2`, `addsub2`, `addsub3`)."""
     revision: Optional[str] = None
     """A hub dataset's revision (branch, tag or commit), so a run can be repeated on the same data."""
     split: str = "train"

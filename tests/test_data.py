@@ -204,6 +204,19 @@ def test_builtin_held_out_set_differs_from_training(tokenizer):
     assert not {r.prompt for r in train.rows} & {r.prompt for r in held.rows}
 
 
+@pytest.mark.parametrize("config, sizes", [("addsub1", (78, 77)), ("add12", (900, 900))])
+def test_small_arithmetic_spaces_are_split_in_disjoint_halves(config, sizes):
+    train, _ = load_rows("builtin:arithmetic", "train", name=config)
+    test, _ = load_rows("builtin:arithmetic", "test", name=config)
+    assert (len(train), len(test)) == sizes
+
+    def problem(row):
+        return re.search(r"(\d+) ([+-]) (\d+)", row["prompt"]).groups()
+
+    assert not {problem(r) for r in train} & {problem(r) for r in test}
+    assert all(0 <= int(r["answer"]) for r in train + test)
+
+
 def test_builtin_arithmetic_is_deterministic_with_answers_and_a_disjoint_test_split():
     train, _ = load_rows("builtin:arithmetic", "train")
     test, _ = load_rows("builtin:arithmetic", "test")
