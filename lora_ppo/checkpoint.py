@@ -3,6 +3,8 @@ lr schedule, TrainState and every random number generator, in one checkpoint fol
 
     step-N/  policy/  value/  optimizer.pt  scheduler.pt  rng.pt  trainer_state.json  manifest.json
 
+(a reward-model run saves reward/ instead of policy/ and value/).
+
 manifest.json is written last: a folder holding it is complete (`run_dir.is_checkpoint`).
 """
 
@@ -10,49 +12,59 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
 from lora_ppo.atomic import STAGING_MARK, atomic_folder
-from lora_ppo.config import Recipe, resume_differences
+from lora_ppo.config import Recipe, RewardRecipe, resume_differences
 from lora_ppo.errors import RecipeError, first_line
-from lora_ppo.roles import POLICY, VALUE, VALUE_HEAD_FILE, RoleModel
+from lora_ppo.roles import HEAD_FILES, Backbone
 from lora_ppo.run_dir import MANIFEST_FILE, STATE_FILE, RunDir, is_checkpoint, read_manifest
-from lora_ppo.state import TrainState
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-FORMAT_VERSION = 2  # 2: trainer_state.json holds a TrainState
+FORMAT_VERSION = 3  # 2: trainer_state.json holds the run's state record; 3: with per-source reward moments
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that could not be written or read; the message says which and why."""
 
 
+class RunState(Protocol):
+    """A run's state besides weights, optimizer and RNGs (TrainState, RewardTrainState)."""
+
+    step: int
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True)
 class Trainables:
-    """What a checkpoint saves besides the TrainState: the adapters and the optimizer with its
-    schedule, and the generator that orders minibatches."""
+    """What a checkpoint saves besides the run state: the trained adapters (with their heads),
+    the optimizer with its schedule, and the generator that orders minibatches."""
 
-    roles: RoleModel
+    model: Backbone
+    trained: tuple[str, ...]  # adapters saved and restored
     optimizer: torch.optim.Optimizer
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler]
     generator: torch.Generator
+    frozen: tuple[str, ...] = ()  # adapters saved only, so the run folder holds everything it used
 
 
 def recipe_hash(recipe_yaml: str) -> str:
     return hashlib.sha256(recipe_yaml.encode("utf-8")).hexdigest()
 
 
-def save(folder: Path, parts: Trainables, state: TrainState, recipe_yaml: str,
+def save(folder: Path, parts: Trainables, state: RunState, recipe_yaml: str,
          keep_last: Optional[int] = None) -> Path:
     """Write the whole state to `folder` (staged beside it, fsynced, renamed), and with
     `keep_last` delete all but the newest `keep_last` complete checkpoints beside it.
@@ -62,9 +74,8 @@ def save(folder: Path, parts: Trainables, state: TrainState, recipe_yaml: str,
     folder = Path(folder)
     try:
         with atomic_folder(folder) as staging:
-            parts.roles.save_adapter(POLICY, staging / POLICY)
-            if parts.roles.has_value:
-                parts.roles.save_adapter(VALUE, staging / VALUE)
+            for name in parts.trained + parts.frozen:
+                parts.model.save_adapter(name, staging / name)
             torch.save(parts.optimizer.state_dict(), staging / OPTIMIZER_FILE)
             if parts.scheduler is not None:
                 torch.save(parts.scheduler.state_dict(), staging / SCHEDULER_FILE)
@@ -88,12 +99,9 @@ def save(folder: Path, parts: Trainables, state: TrainState, recipe_yaml: str,
     return folder
 
 
-def load(folder: Path, parts: Trainables) -> TrainState:
+def load(folder: Path, parts: Trainables, state_type: type) -> Any:
     """Put the adapters, optimizer, schedule and RNG streams saved in `folder` back into freshly
-    built parts, and return the saved TrainState."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
+    built parts, and return the saved run state (a `state_type`)."""
     folder = Path(folder)
     try:
         manifest = read_manifest(folder)
@@ -103,15 +111,8 @@ def load(folder: Path, parts: Trainables) -> TrainState:
                 "(written by another version of lora_ppo)"
             )
         record = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
-        state = TrainState.from_json({k: v for k, v in record.items() if k != "rng"})
-        roles = parts.roles
-        for name in [POLICY, VALUE] if roles.has_value else [POLICY]:
-            weights = load_file(str(folder / name / ADAPTER_WEIGHTS_FILE))
-            result = set_peft_model_state_dict(roles.peft, weights, adapter_name=name)
-            if getattr(result, "unexpected_keys", None):
-                raise CheckpointError(f"checkpoint {folder}: {name} adapter does not fit this model")
-        if roles.has_value:
-            roles.load_value_head(folder / VALUE / VALUE_HEAD_FILE)
+        state = state_type.from_json({k: v for k, v in record.items() if k != "rng"})
+        load_adapters(folder, parts.model, parts.trained)
         parts.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, weights_only=True))
         if parts.scheduler is not None and (folder / SCHEDULER_FILE).exists():
             parts.scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=True))
@@ -124,14 +125,50 @@ def load(folder: Path, parts: Trainables) -> TrainState:
     return state
 
 
-def resolve_resume(run: RunDir, resume: str | Path, recipe: Recipe) -> Path:
-    """The checkpoint `--resume` names ("auto": the newest complete one of the run), after
-    checking that the recipe changes nothing a step computes (model, adapters, sizes...)."""
+def load_adapters(folder: Path, model: Backbone, names: tuple[str, ...]) -> None:
+    """Put the adapters `names` (and their heads) saved in a checkpoint into `model`'s own ones.
+
+    Raises CheckpointError when an adapter does not fit the model, or the files cannot be read.
+    """
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    try:
+        for name in names:
+            weights = load_file(str(Path(folder) / name / ADAPTER_WEIGHTS_FILE))
+            result = set_peft_model_state_dict(model.peft, weights, adapter_name=name)
+            if getattr(result, "unexpected_keys", None):
+                raise CheckpointError(f"checkpoint {folder}: {name} adapter does not fit this model")
+            if name in model.heads:
+                model.load_head(name, Path(folder) / name / HEAD_FILES[name])
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise CheckpointError(f"checkpoint {folder} cannot be loaded: {first_line(err)}") from None
+
+
+log = logging.getLogger(__name__)
+
+
+def open_run(recipe: Recipe | RewardRecipe, resume: Optional[str | Path]) -> tuple[RunDir, Optional[Path]]:
+    """The run folder of a new or resumed run, and the checkpoint to resume from: a new run
+    refuses a folder another run wrote to (unless train.overwrite), a resumed one checks its recipe."""
+    run = RunDir(recipe.train.output_dir)
+    if resume is not None:
+        return run, resolve_resume(run, resume, recipe)
+    run.refuse_if_taken(recipe.train.overwrite)
+    return run, None
+
+
+def resolve_resume(run: RunDir, resume: str | Path, recipe: Recipe | RewardRecipe) -> Path:
+    """The checkpoint `--resume` names ("auto": the newest complete one of the run, final/
+    included, so a finished run continues with more steps), after checking that the recipe
+    changes nothing a step computes (model, adapters, sizes...)."""
     if str(resume) == "auto":
-        found = run.complete_checkpoints()
+        found = run.complete_checkpoints() + ([run.final] if is_checkpoint(run.final) else [])
         if not found:
-            raise RecipeError(f"--resume auto: no complete checkpoint under {run.checkpoints}")
-        folder = found[-1]
+            raise RecipeError(f"--resume auto: no complete checkpoint under {run.root}")
+        folder = max(found, key=lambda f: (int(read_manifest(f).get("step", -1)), f == run.final))
     else:
         folder = Path(resume)
         if not is_checkpoint(folder):
@@ -140,12 +177,21 @@ def resolve_resume(run: RunDir, resume: str | Path, recipe: Recipe) -> Path:
         raise RecipeError(f"--resume: {run.recipe} is missing; cannot check the recipe matches")
     import yaml
 
-    differences = resume_differences(yaml.safe_load(run.recipe.read_text(encoding="utf-8")), recipe)
+    saved = yaml.safe_load(run.recipe.read_text(encoding="utf-8"))
+    differences = resume_differences(saved, recipe)
     if differences:
         raise RecipeError(
             f"--resume: the recipe differs from the run's {run.recipe} in fields a resumed run cannot "
             f"change: {', '.join(differences)}"
         )
+    ppo = isinstance(recipe, Recipe)
+    schedule = recipe.ppo.lr_schedule if ppo else recipe.train.lr_schedule
+    length = "steps" if ppo else "epochs"
+    before, now = (saved.get("train") or {}).get(length), getattr(recipe.train, length)
+    if schedule == "linear" and before != now:
+        log.warning("train.%s changed from %s to %d: the linear learning-rate decay is re-planned to the new end, "
+                    "so this is not the run the new recipe makes from the start (with a constant schedule it is)",
+                    length, before, now)
     return folder
 
 

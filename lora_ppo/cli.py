@@ -24,12 +24,13 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
     raise typer.Exit(code)
 
 
-def _load_recipe(recipe: Path, overrides: Optional[List[str]]):
-    """The validated recipe, or a one-line error and exit 2."""
-    from lora_ppo.config import load_recipe
+def _load_recipe(recipe: Path, overrides: Optional[List[str]], schema="ppo"):
+    """The validated recipe (a PPO `Recipe`, the `schema` given, or with None whichever the file
+    is), or a one-line error and exit 2."""
+    from lora_ppo.config import Recipe, load_recipe
 
     try:
-        return load_recipe(recipe, overrides or [])
+        return load_recipe(recipe, overrides or [], Recipe if schema == "ppo" else schema)
     except RecipeError as err:
         _fail(str(err))
 
@@ -84,38 +85,77 @@ def train(
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = _load_recipe(recipe, overrides)
     _quiet_libraries()
+    from lora_ppo.summary import format_summary
+    from lora_ppo.trainer import PPOTrainer
+
+    def start(progress: bool):
+        trainer = PPOTrainer(cfg, progress=progress, resume=resume)
+        typer.echo(f"training {cfg.model.name} ({cfg.model.quantization}) for {cfg.train.steps} steps"
+                   f"{_resumed(trainer)} on {len(trainer.parts.train_prompts.rows)} prompts -> {cfg.train.output_dir}",
+                   err=True)
+        return trainer
+
+    _run("train", recipe, overrides, start, format_summary, progress=not no_progress)
+
+
+@app.command("train-reward")
+def train_reward(
+    recipe: Path = typer.Argument(..., help="YAML reward-model recipe file."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="Overrides like train.learning_rate=5e-5."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="Print a log line every few steps instead of a bar."),
+    resume: Optional[str] = typer.Option(
+        None, "--resume", help="Continue a run: 'auto' (its newest checkpoint) or a checkpoint folder."
+    ),
+) -> None:
+    """Train a reward adapter on preference pairs, on the base model PPO will use."""
+    from lora_ppo.config import RewardRecipe
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = _load_recipe(recipe, overrides, RewardRecipe)
+    _quiet_libraries()
+    from lora_ppo.reward_training import RewardTrainer, format_reward_summary
+
+    def start(progress: bool):
+        trainer = RewardTrainer(cfg, progress=progress, resume=resume)
+        typer.echo(f"training a reward adapter on {cfg.model.name} ({cfg.model.quantization}) for "
+                   f"{trainer.total_steps} steps{_resumed(trainer)} on {len(trainer.train_pairs.pairs)} pairs "
+                   f"-> {cfg.train.output_dir}", err=True)
+        return trainer
+
+    _run("train-reward", recipe, overrides, start, format_reward_summary, progress=not no_progress)
+
+
+def _resumed(trainer) -> str:
+    return f" from step {trainer.state.step} ({trainer.resume_from})" if trainer.resume_from else ""
+
+
+def _run(command: str, recipe: Path, overrides: Optional[List[str]], start, summarise, progress: bool) -> None:
+    """Build a trainer and train, mapping failures to one line: bad input exits 2, a failure at
+    run time (reward, NaN halt, checkpoint) 1, Ctrl-C 130 with the command that resumes."""
     from lora_ppo.checkpoint import CheckpointError
     from lora_ppo.rewards import RewardError
-    from lora_ppo.summary import format_summary
-    from lora_ppo.trainer import PPOTrainer, TrainingHalted
+    from lora_ppo.trainer import TrainingHalted
 
     try:
-        trainer = PPOTrainer(cfg, progress=not no_progress and sys.stderr.isatty(), resume=resume)
-        start = f" from step {trainer.step} ({trainer.resume_from})" if trainer.resume_from else ""
-        typer.echo(
-            f"training {cfg.model.name} ({cfg.model.quantization}) for {cfg.train.steps} steps{start} "
-            f"on {len(trainer.parts.train_prompts.rows)} prompts -> {cfg.train.output_dir}",
-            err=True,
-        )
-        summary = trainer.train()
+        summary = start(progress and sys.stderr.isatty()).train()
     except RecipeError as err:
         _fail(str(err))
     except (RewardError, TrainingHalted, CheckpointError) as err:
         _fail(str(err), code=1)
     except KeyboardInterrupt:
         again = " ".join([str(recipe), *(overrides or [])])
-        typer.echo(f"resume with: lora-ppo train {again} --resume auto", err=True)
+        typer.echo(f"resume with: lora-ppo {command} {again} --resume auto", err=True)
         raise typer.Exit(EXIT_INTERRUPTED)
-    typer.echo(format_summary(summary))
+    typer.echo(summarise(summary))
 
 
 @app.command()
 def validate(recipe: Path = typer.Argument(..., help="YAML recipe file."),
              overrides: Optional[List[str]] = typer.Argument(None, help="Overrides like ppo.kl_coef=0.1.")) -> None:
-    """Check a recipe without loading anything; print the resolved recipe."""
+    """Check a recipe (PPO or reward model) without loading anything; print the resolved recipe."""
     from lora_ppo.config import recipe_to_yaml
 
-    typer.echo(recipe_to_yaml(_load_recipe(recipe, overrides)), nl=False)
+    typer.echo(recipe_to_yaml(_load_recipe(recipe, overrides, schema=None)), nl=False)
 
 
 @app.command()
@@ -149,6 +189,105 @@ def estimate(
         raise typer.Exit(1)
 
 
+@app.command()
+def report(run_dir: Path = typer.Argument(..., help="A run folder (it holds metrics.jsonl).")) -> None:
+    """Plot a run's metrics and write RUN_DIR/report/index.html: plots, held-out scores and
+    completions before and after, alarms, recipe. Works on a finished, interrupted or running run."""
+    from lora_ppo.report import write_report
+
+    try:
+        page = write_report(run_dir)
+    except RecipeError as err:
+        _fail(str(err))
+    typer.echo(str(page))
+
+
+def _load_trained(source: Path):
+    from lora_ppo.trained import load_trained
+
+    try:
+        return load_trained(source)
+    except RecipeError as err:
+        _fail(str(err))
+
+
+@app.command("eval")
+def eval_command(
+    source: Path = typer.Argument(..., help="A run folder (its final/ checkpoint) or a checkpoint folder."),
+    prompts: Optional[Path] = typer.Option(
+        None, "--prompts", help="Prompts to use instead of the run's held-out ones (any file data.source takes)."
+    ),
+    samples: Optional[int] = typer.Option(None, "--samples", help="Completions per prompt (default: the recipe's)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write every completion and its scores (JSONL)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+) -> None:
+    """Score a trained policy: reward, KL to the reference, response length, distinct-1/2."""
+    import json
+
+    if samples is not None and samples < 1:
+        _fail(f"--samples must be >= 1, got {samples}")
+    _quiet_libraries()
+    from tqdm.auto import tqdm
+
+    from lora_ppo.evaluation import format_evaluation
+    from lora_ppo.rewards import RewardError
+    from lora_ppo.run_dir import write_jsonl
+    from lora_ppo.trained import evaluate_trained, prompts_from_file
+
+    trained = _load_trained(source)
+    try:
+        rows = prompts_from_file(trained, str(prompts)) if prompts is not None else None
+        count = len(rows if rows is not None else trained.parts.eval_prompts.rows)
+        with tqdm(total=count, desc="eval", unit="prompt", disable=no_progress or not sys.stderr.isatty(),
+                  dynamic_ncols=True, file=sys.stderr) as bar:
+            evaluation = evaluate_trained(trained, rows, samples, progress=bar)
+    except RecipeError as err:
+        _fail(str(err))
+    except RewardError as err:
+        _fail(str(err), code=1)
+    if out is not None:
+        write_jsonl(out, evaluation.records)
+    if as_json:
+        typer.echo(json.dumps({"checkpoint": str(trained.folder), "step": trained.step, **evaluation.scores}))
+    else:
+        typer.echo(format_evaluation(evaluation, f"{trained.folder} (step {trained.step})"))
+
+
+@app.command()
+def generate(
+    source: Path = typer.Argument(..., help="A run folder (its final/ checkpoint) or a checkpoint folder."),
+    prompts: List[str] = typer.Argument(..., help="One or more prompts."),
+    compare_reference: bool = typer.Option(
+        False, "--compare-reference", help="Also sample the reference policy on the same prompts."
+    ),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Default: the recipe's."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (default: the recipe's train.seed)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object per prompt."),
+) -> None:
+    """Sample the trained policy (as the run samples) on prompts given on the command line."""
+    import json
+
+    if max_new_tokens is not None and max_new_tokens < 1:
+        _fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    _quiet_libraries()
+    from lora_ppo.trained import generate as sample_trained
+
+    trained = _load_trained(source)
+    try:
+        records = sample_trained(trained, prompts, compare_reference, max_new_tokens, seed)
+    except RecipeError as err:
+        _fail(str(err))
+    for record in records:
+        if as_json:
+            typer.echo(json.dumps(record))
+            continue
+        typer.echo(f"prompt: {record['prompt']}")
+        for role in ("policy", "reference"):
+            if role in record:
+                typer.echo(f"  {role}: {record[role]}")
+
+
 @app.command("merge-and-export")
 def merge_and_export(
     source: Path = typer.Argument(..., help="A run folder (its final/ checkpoint) or a checkpoint folder."),
@@ -157,7 +296,7 @@ def merge_and_export(
     base: str = typer.Option(
         "original", "--base", help="original (reloaded unquantized) or dequantized (the 4-bit weights trained on)."
     ),
-    adapter: str = typer.Option("policy", "--adapter", help="policy or value."),
+    adapter: str = typer.Option("policy", "--adapter", help="policy, value or reward."),
     adapter_only: bool = typer.Option(
         False, "--adapter-only", help="Copy the adapter as a PEFT folder instead of merging."
     ),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional, Union
+from typing import Any, Iterator, Literal, Optional, Union, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -108,7 +108,9 @@ class LoraSettings(Section):
     """
     init_from: Optional[str] = None
     """A PEFT adapter folder to start from (e.g. an SFT adapter) instead of a fresh LoRA; for the value
-    adapter a `value_head.safetensors` beside it is loaded too.
+    adapter a `value_head.safetensors` beside it is loaded too. For the value adapter, `reward` starts it
+    as a trainable copy of the reward adapter and its head (with `reward.kind: adapter`), which lowers the
+    early value loss.
     """
 
 
@@ -141,15 +143,29 @@ class AdaptersConfig(Section):
         return self.reference
 
 
-class RewardConfig(Section):
-    """Where the score of a completion comes from."""
+RewardKind = Literal["vader", "textblob", "function", "classifier", "math_answer", "exact_match", "adapter"]
+# What a source is called by default in the logs (objective/<name>): its kind, or its function's name.
+VERIFIABLE_KINDS = ("math_answer", "exact_match")
 
-    kind: Literal["vader", "function", "classifier", "math_answer", "exact_match"] = "vader"
-    """`vader`: VADER compound sentiment of the completion, in [-1, 1]; `function`: a Python function;
-    `classifier`: a sequence-classification model; `math_answer`: 1 when the completion's final answer
-    (a `#### N` line, a `\\boxed{N}`, else its last number) equals the `answer_column` value as a number,
+
+class RewardSourceConfig(Section):
+    """One source of reward."""
+
+    kind: RewardKind = "vader"
+    """`vader` / `textblob`: sentiment of the completion, in [-1, 1]; `function`: a Python function;
+    `classifier`: a sequence-classification model; `adapter`: a reward adapter and score head on the
+    policy's own backbone (no second model); `math_answer`: 1 when the completion's final answer (a
+    `#### N` line, a `\\boxed{N}`, else its last number) equals the `answer_column` value as a number,
     else 0; `exact_match`: 1 when the completion equals the `answer_column` value (case and spacing
     ignored). VADER by default: it needs no download and is the quickstart's task.
+    """
+    name: Optional[str] = None
+    """What the source is called in the logs (`objective/<name>`); null: its kind (a function: its name)."""
+    weight: float = 1.0
+    """The source's weight in the total score (a negative weight makes it a penalty)."""
+    normalize: bool = False
+    """Scale the source's scores by a running mean and standard deviation over the run before weighting,
+    so sources on different scales mix as the weights say.
     """
     function: Optional[str] = None
     """For `kind: function`: `package.module:function`, called as TRL calls reward functions:
@@ -165,36 +181,95 @@ class RewardConfig(Section):
     """For `math_answer`: added to the score when the completion marks its final answer as `#### N` or
     `\\boxed{N}`, right or wrong; 0 leaves the score the accuracy.
     """
+    adapter: Optional[str] = None
+    """For `kind: adapter`: a reward adapter folder (a PEFT adapter and its `reward_head.safetensors`), as
+    `lora-ppo train-reward` writes it to `final/reward`. It scores prompt + response at the last real
+    token, frozen, on the policy's own 4-bit backbone.
+    """
     model: Optional[str] = None
     """For `kind: classifier`: a Hugging Face sequence-classification model (folder or hub id). It keeps its
-    own tokenizer: prompt and completion text are re-tokenized.
+    own tokenizer; with a chat template it scores the conversation in it.
     """
+    quantization: Optional[Quantization] = None
+    """For `kind: classifier`: how its weights are stored (`4bit`, `8bit`, `none`); null: as the policy's
+    (`model.quantization`). An 8B reward model in fp32 needs 32 GB; in 4-bit it fits beside the policy.
+    """
+    dtype: Optional[Literal["auto", "float32", "bfloat16", "float16"]] = None
+    """For `kind: classifier`: its compute dtype; null: the policy's (`model.compute_dtype`)."""
     label: Optional[int] = None
-    """Which classifier logit is the score; null: the last one (the positive class of the usual sentiment
-    classifiers).
+    """For `kind: classifier`: which logit is the score; null: the last one (a reward model's only logit,
+    or the positive class of a sentiment classifier).
     """
     batch_size: int = Field(16, gt=0)
-    """Texts per classifier forward pass."""
+    """Texts per classifier or reward-adapter forward pass."""
     max_length: int = Field(512, gt=0)
-    """Classifier truncation length in tokens; 512 is what BERT-style classifiers accept."""
+    """Classifier truncation length in tokens. Truncation drops the start of the text, never its end: the
+    last token is the one a reward model scores.
+    """
+
+    @model_validator(mode="after")
+    def _source_fields(self) -> "RewardSourceConfig":
+        if self.kind == "function" and not self.function:
+            raise ValueError("function is required when kind is 'function'")
+        if self.kind == "function" and ":" not in (self.function or ""):
+            raise ValueError(f"function must look like 'module:function', got {self.function!r}")
+        if self.kind == "classifier" and not self.model:
+            raise ValueError("model is required when kind is 'classifier'")
+        if self.kind == "adapter" and not self.adapter:
+            raise ValueError("adapter is required when kind is 'adapter'")
+        if self.kind in VERIFIABLE_KINDS and not self.answer_column:
+            raise ValueError(f"answer_column is required when kind is {self.kind!r}")
+        if self.format_bonus and self.kind != "math_answer":
+            raise ValueError(f"format_bonus applies to kind 'math_answer' only (kind is {self.kind!r})")
+        return self
+
+    @property
+    def log_name(self) -> str:
+        if self.name:
+            return self.name
+        return self.function.rpartition(":")[2] if self.kind == "function" else self.kind
+
+
+class RewardConfig(RewardSourceConfig):
+    """Where the score of a completion comes from: one source (the fields below), or a weighted mix of several."""
+
+    sources: list[RewardSourceConfig] = []
+    """Several sources, each with its own `kind`, fields, `weight` and `normalize`; the score is the
+    weighted sum and each source is logged as `objective/<name>`. Empty: the single source above.
+    """
     also_log: list[Literal["vader", "textblob"]] = []
     """Independent scores logged beside the reward, never optimised (`vader`, `textblob`), so reward hacking
     shows as a gap between the reward and them.
     """
 
     @model_validator(mode="after")
-    def _source_fields(self) -> "RewardConfig":
-        if self.kind == "function" and not self.function:
-            raise ValueError("reward.function is required when reward.kind is 'function'")
-        if self.kind == "function" and ":" not in (self.function or ""):
-            raise ValueError(f"reward.function must look like 'module:function', got {self.function!r}")
-        if self.kind == "classifier" and not self.model:
-            raise ValueError("reward.model is required when reward.kind is 'classifier'")
-        if self.kind in ("math_answer", "exact_match") and not self.answer_column:
-            raise ValueError(f"reward.answer_column is required when reward.kind is {self.kind!r}")
-        if self.format_bonus and self.kind != "math_answer":
-            raise ValueError(f"reward.format_bonus applies to reward.kind 'math_answer' only (kind is {self.kind!r})")
+    def _mix(self) -> "RewardConfig":
+        if self.sources:
+            beside = sorted(set(self.model_fields_set) - {"sources", "also_log"})
+            if beside:
+                raise ValueError(f"{beside[0]}: with sources, set each source's fields in its entry of sources")
+            names = [source.log_name for source in self.sources]
+            repeated = sorted({n for n in names if names.count(n) > 1})
+            if repeated:
+                raise ValueError(f"sources: two sources are named {repeated[0]!r}; give one a `name`")
+        clash = sorted({s.log_name for s in self.source_list()} & set(self.also_log))
+        if clash:
+            raise ValueError(f"also_log: {clash[0]!r} is also a reward source; name the source otherwise")
+        if sum(s.kind == "adapter" for s in self.source_list()) > 1:
+            raise ValueError("sources: one reward adapter at most shares the policy's backbone")
         return self
+
+    def source_list(self) -> list[RewardSourceConfig]:
+        """The sources of the score: `sources`, or this section as the one source."""
+        if self.sources:
+            return list(self.sources)
+        fields = {name: getattr(self, name) for name in RewardSourceConfig.model_fields}
+        return [RewardSourceConfig(**fields)]
+
+    @property
+    def adapter_path(self) -> Optional[str]:
+        """The reward adapter a source scores with, if any (it lives on the policy's backbone)."""
+        return next((s.adapter for s in self.source_list() if s.kind == "adapter"), None)
 
 
 class DataConfig(Section):
@@ -406,6 +481,12 @@ class TrainConfig(Section):
     """Score the held-out prompts before and after training."""
     keep_last: int = Field(3, ge=1, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """Full-state checkpoints kept under `checkpoints/`; older ones are deleted."""
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field([], json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Trackers that receive every step's metrics, the resolved recipe as the run's config, and samples as
+    a table (`tensorboard` writes to `output_dir/tensorboard`; `wandb` follows its own login or
+    `WANDB_MODE=offline`; `trackio` writes locally). Each needs its extra: `pip install 'lora_ppo[wandb]'`.
+    metrics.jsonl is written whatever this says.
+    """
     max_consecutive_skips: int = Field(3, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """Stop the run (with a checkpoint) after this many steps in a row whose update was skipped for a NaN/inf:
     one can be a fluke, several in a row mean the run has diverged.
@@ -450,6 +531,9 @@ class Recipe(Section):
                 f"rollout.batch_size ({self.rollout.batch_size}) must be divisible by "
                 f"ppo.num_minibatches * ppo.grad_accum_steps ({parts})"
             )
+        if self.uses_critic and self.adapters.value.init_from == "reward" and self.reward.adapter_path is None:
+            raise ValueError("adapters.value.init_from: 'reward' starts the value from the reward adapter, "
+                             "and this recipe has none (reward.kind: adapter)")
         return self
 
     @property
@@ -466,10 +550,108 @@ class Recipe(Section):
         return self.minibatch_size // self.ppo.grad_accum_steps
 
 
+# ---- the reward model's recipe (lora-ppo train-reward) --------------------------------------
+
+
+class PreferenceDataConfig(Section):
+    """Preference pairs: a prompt with a chosen and a rejected response (TRL's preference format)."""
+
+    source: str = "data/preferences.jsonl"
+    """Where the pairs are, in any form `data.source` of a PPO recipe takes (local files, a folder or glob
+    of files, a Hugging Face dataset id or dataset folder).
+    """
+    name: Optional[str] = None
+    """The dataset's config name, for datasets that have several."""
+    revision: Optional[str] = None
+    """A hub dataset's revision (branch, tag or commit)."""
+    split: str = "train"
+    """The split to read; slices select part of it: `train[:2000]`."""
+    prompt_column: Optional[str] = "prompt"
+    """The prompt (text or messages). A dataset without it has implicit prompts: `chosen` and
+    `rejected` are whole conversations that share the prompt and differ in the last (assistant) turn.
+    """
+    chosen_column: str = "chosen"
+    """The preferred response: text, or messages (the assistant turn last)."""
+    rejected_column: str = "rejected"
+    """The other response, in the same form."""
+    margin_column: Optional[str] = None
+    """A column with how much better `chosen` is; the loss becomes -log sigmoid(r_chosen - r_rejected -
+    margin) (as in Llama 2's reward models). null: no margin.
+    """
+    chat_template: bool = False
+    """Wrap text prompts in the tokenizer's chat template, as the PPO recipe that will use this reward
+    model formats its prompts; conversations always go through it.
+    """
+    system_prompt: Optional[str] = None
+    """A system message first in every templated prompt, as in the PPO recipe."""
+    max_length: int = Field(512, gt=0)
+    """Longer pairs (prompt + response, in tokens) are dropped and counted."""
+    eval_source: Optional[str] = None
+    """Held-out pairs; null: `eval_size` pairs are split off `source` (seeded)."""
+    eval_split: str = "test"
+    """The split of `eval_source`."""
+    eval_size: int = Field(256, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """How many held-out pairs to measure accuracy and margin on."""
+
+
+class RewardTrainConfig(Section):
+    """How long and how fast the reward adapter trains, and what the run writes."""
+
+    epochs: int = Field(1, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Passes over the training pairs; one is the usual choice, as reward models overfit quickly."""
+    batch_size: int = Field(8, gt=0)
+    """Pairs per optimizer step."""
+    grad_accum_steps: int = Field(1, gt=0)
+    """Micro-batches per step (`batch_size` must divide by it): less memory for the same update."""
+    learning_rate: float = Field(1e-4, gt=0.0)
+    """AdamW learning rate of the reward adapter and its head."""
+    lr_schedule: Literal["constant", "linear"] = "linear"
+    """`linear`: decay to 0 over the run; `constant`."""
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    """Gradient clipping of the adapter and head together."""
+    seed: int = Field(0, ge=0, lt=2**63)
+    """Seeds the adapter's initial weights, the held-out split and the order of pairs."""
+    output_dir: str = "runs/reward"
+    """The folder everything the run writes goes to; the adapter ends in `final/reward`."""
+    overwrite: bool = Field(False, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Start over in a folder that already holds a run (the old run is moved aside, never deleted)."""
+    eval_every: int = Field(50, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Measure held-out accuracy and margin every N steps (and before and after training); 0: only then."""
+    save_every: int = Field(0, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Save a full-state checkpoint to `checkpoints/step-N/` every N steps; 0: only at the end."""
+    keep_last: int = Field(3, ge=1, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Full-state checkpoints kept under `checkpoints/`."""
+    log_every: int = Field(10, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Print a log line every N steps when there is no progress bar."""
+
+    @model_validator(mode="after")
+    def _accumulation(self) -> "RewardTrainConfig":
+        if self.batch_size % self.grad_accum_steps:
+            raise ValueError(f"batch_size ({self.batch_size}) must be divisible by grad_accum_steps "
+                             f"({self.grad_accum_steps})")
+        return self
+
+
+class RewardRecipe(Section):
+    """A reward model's recipe: a reward LoRA adapter and head trained on preference pairs."""
+
+    model: ModelConfig = ModelConfig()
+    adapter: LoraSettings = LoraSettings()
+    data: PreferenceDataConfig = PreferenceDataConfig()
+    train: RewardTrainConfig = RewardTrainConfig()
+
+
 def nested_section(field: FieldInfo) -> Optional[type[Section]]:
     """The section model a field holds (e.g. `adapters.policy` holds LoraSettings), or None for a value."""
     annotation = field.annotation
     return annotation if isinstance(annotation, type) and issubclass(annotation, Section) else None
+
+
+def _listed_section(field: FieldInfo) -> Optional[type[Section]]:
+    """The section model of each entry of a list field (`reward.sources`), or None."""
+    args = get_args(field.annotation)
+    inner = args[0] if len(args) == 1 else None
+    return inner if isinstance(inner, type) and issubclass(inner, Section) else None
 
 
 def leaf_fields(model: type[Section], prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
@@ -490,8 +672,12 @@ def may_change_on_resume(field: FieldInfo) -> bool:
     return isinstance(extra, dict) and extra.get("resume") == MAY_CHANGE_ON_RESUME["resume"]
 
 
-# Fields a resumed run may change (those marked MAY_CHANGE_ON_RESUME).
-RESUME_ALLOWED = frozenset(path for path, field in leaf_fields(Recipe) if may_change_on_resume(field))
+def resume_allowed(schema: type[Section]) -> frozenset[str]:
+    """The fields a resumed run of `schema` may change (those marked MAY_CHANGE_ON_RESUME)."""
+    return frozenset(path for path, field in leaf_fields(schema) if may_change_on_resume(field))
+
+
+RESUME_ALLOWED = resume_allowed(Recipe)
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -503,11 +689,12 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def resume_differences(saved: dict[str, Any], recipe: Recipe) -> list[str]:
+def resume_differences(saved: dict[str, Any], recipe: Section) -> list[str]:
     """Field paths where `recipe` differs from the run's saved recipe and a resume is unsafe."""
     old, new = _flatten(saved), _flatten(recipe.model_dump(mode="json"))
     changed = sorted(k for k in set(old) | set(new) if old.get(k, "<unset>") != new.get(k, "<unset>"))
-    return [k for k in changed if k not in RESUME_ALLOWED]
+    allowed = resume_allowed(type(recipe))
+    return [k for k in changed if k not in allowed]
 
 
 def _path_part(part: Any) -> str:
@@ -516,30 +703,39 @@ def _path_part(part: Any) -> str:
     return text if text and text.isprintable() and text.strip() == text else repr(text)
 
 
-def _unknown_field(loc: tuple[Any, ...]) -> str:
+def _unknown_field(loc: tuple[Any, ...], schema: type[Section]) -> str:
     """`path: unknown field`, naming the known field at the same level that is closest in spelling."""
     path = ".".join(_path_part(p) for p in loc)
-    model: Optional[type[Section]] = Recipe
+    model: Optional[type[Section]] = schema
+    listed: Optional[type[Section]] = None  # the entry model after a list field, for the index that follows
     for part in loc[:-1]:
+        if isinstance(part, int) and listed is not None:
+            model, listed = listed, None
+            continue
         field = model.model_fields.get(part) if isinstance(part, str) else None
         model = nested_section(field) if field is not None else None
-        if model is None:
+        listed = _listed_section(field) if field is not None else None
+        if model is None and listed is None:
             return f"{path}: unknown field (check the spelling)"
+    if model is None:
+        return f"{path}: unknown field (check the spelling)"
     name = loc[-1]
     close = difflib.get_close_matches(name, list(model.model_fields), n=1) if isinstance(name, str) else []
     if not close:
         return f"{path}: unknown field (check the spelling)"
-    return f"{path}: unknown field (did you mean {'.'.join([*loc[:-1], close[0]])}?)"
+    return f"{path}: unknown field (did you mean {'.'.join(str(p) for p in [*loc[:-1], close[0]])}?)"
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def _format_validation_error(err: ValidationError, schema: type[Section]) -> str:
     first = err.errors()[0]
     path = ".".join(_path_part(p) for p in first["loc"])
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        line = _unknown_field(tuple(first["loc"]))
+        line = _unknown_field(tuple(first["loc"]), schema)
     elif first["type"] == "missing":
         line = f"{path}: required field is missing"
+    elif path and first["type"] == "value_error" and isinstance(first.get("input"), dict):
+        line = f"{path}.{msg}"  # a section's own check, naming fields relative to the section
     elif path:
         line = f"{path}: {msg} (got {first.get('input')!r})"
     else:
@@ -571,21 +767,29 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def recipe_from_dict(data: dict[str, Any], overrides: list[str] = ()) -> Recipe:
-    """Validate a recipe given as a dict (e.g. from Python), with optional overrides."""
+def recipe_from_dict(data: dict[str, Any], overrides: list[str] = (), schema: type[Section] = Recipe) -> Any:
+    """Validate a recipe given as a dict (e.g. from Python), with optional overrides; `schema` is
+    `Recipe` (PPO) or `RewardRecipe` (train-reward)."""
     if not isinstance(data, dict):
         raise RecipeError(f"recipe: expected a mapping of sections, got {type(data).__name__}")
     import copy
 
     data = apply_overrides(copy.deepcopy(data), list(overrides))
     try:
-        return Recipe.model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as err:
-        raise RecipeError(_format_validation_error(err)) from None
+        raise RecipeError(_format_validation_error(err, schema)) from None
 
 
-def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
-    """Read and validate a YAML recipe file."""
+def recipe_schema(data: dict[str, Any]) -> type[Section]:
+    """Which recipe a mapping is: a reward model's has an `adapter` section (one adapter), a PPO
+    recipe `adapters`."""
+    return RewardRecipe if "adapter" in data and "adapters" not in data else Recipe
+
+
+def load_recipe(path: str | Path, overrides: list[str] = (), schema: Optional[type[Section]] = Recipe) -> Any:
+    """Read and validate a YAML recipe file: a `Recipe`, the `schema` given, or with
+    `schema=None` whichever the file is (`recipe_schema`)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -602,9 +806,11 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
         raise RecipeError(f"recipe {path}: {problem}{where}") from None
     if data is None:
         data = {}
-    return recipe_from_dict(data, overrides)
+    if schema is None:
+        schema = recipe_schema(data) if isinstance(data, dict) else Recipe
+    return recipe_from_dict(data, overrides, schema)
 
 
-def recipe_to_yaml(recipe: Recipe) -> str:
+def recipe_to_yaml(recipe: Section) -> str:
     """The fully resolved recipe (every default filled in) as YAML."""
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

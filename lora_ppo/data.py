@@ -10,10 +10,10 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Generic, Optional, TypeVar, Union
 
 from lora_ppo.builtin_datasets import BUILTIN_DATASETS
-from lora_ppo.config import BUILTIN_PREFIX, DataConfig
+from lora_ppo.config import BUILTIN_PREFIX, DataConfig, PreferenceDataConfig
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.state import PromptPosition
 
@@ -271,14 +271,17 @@ def _no_rows_reason(prompts: PromptSet, fmt: PromptFormat, cfg: DataConfig) -> s
     return reasons
 
 
-class PromptStream:
-    """Endless batches of prompts, reshuffled each pass with a seeded RNG.
+Row = TypeVar("Row")
+
+
+class PromptStream(Generic[Row]):
+    """Endless batches of prompts (or preference pairs), reshuffled each pass with a seeded RNG.
 
     The stream holds no position of its own: `take` reads one and returns the next, so the
     position lives in the run's TrainState and a resumed run continues the same order.
     """
 
-    def __init__(self, rows: list[PromptRow], seed: int):
+    def __init__(self, rows: list[Row], seed: int):
         self.rows = rows
         self.seed = seed
         self._orders: dict[int, list[int]] = {}
@@ -290,10 +293,10 @@ class PromptStream:
             self._orders = {epoch: order}  # only the current pass is ever needed again
         return self._orders[epoch]
 
-    def take(self, size: int, position: PromptPosition) -> tuple[list[PromptRow], PromptPosition]:
-        """The next `size` prompts from `position`, and the position after them."""
+    def take(self, size: int, position: PromptPosition) -> tuple[list[Row], PromptPosition]:
+        """The next `size` rows from `position`, and the position after them."""
         epoch, cursor = position
-        batch: list[PromptRow] = []
+        batch: list[Row] = []
         while len(batch) < size:
             if cursor >= len(self.rows):
                 epoch, cursor = epoch + 1, 0
@@ -306,3 +309,108 @@ def count_summary(prompt_set: PromptSet) -> Optional[str]:
     if not prompt_set.dropped:
         return None
     return ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in prompt_set.dropped.items())
+
+
+# ---- preference pairs (lora-ppo train-reward) -------------------------------------------------
+
+PROMPT_MISMATCH = "prompt_mismatch"  # implicit prompts: chosen and rejected start differently
+NOT_AN_ANSWER = "last_turn_not_assistant"
+IDENTICAL = "chosen_equals_rejected"
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """A prompt with a preferred and a rejected response, as the tokens the reward model reads:
+    the prompt formatted as the PPO run formats it, then the response and the stop token."""
+
+    prompt: Any  # as the dataset gives it (None for implicit text prompts)
+    chosen_ids: tuple[int, ...]
+    rejected_ids: tuple[int, ...]
+    margin: float = 0.0
+
+
+@dataclass
+class PreferenceSet:
+    pairs: list[PreferencePair]
+    dropped: dict[str, int] = field(default_factory=dict)
+
+
+def _response_text(value: Any) -> str:
+    """A response as text: the text itself, or the content of its (last, assistant) message."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise PromptProblem(EMPTY)
+        return value
+    if not isinstance(value, list) or not value:
+        raise PromptProblem(NOT_TEXT if not isinstance(value, list) else EMPTY)
+    last = value[-1]
+    if not (isinstance(last, dict) and isinstance(last.get("role"), str) and isinstance(last.get("content"), str)):
+        raise PromptProblem(BAD_MESSAGE)
+    if last["role"] != "assistant":
+        raise PromptProblem(NOT_AN_ANSWER)
+    return last["content"]
+
+
+def make_pair(row: dict, cfg: PreferenceDataConfig, fmt: PromptFormat, eos_id: Optional[int]) -> PreferencePair:
+    """One row as a pair of token sequences; raises PromptProblem for a bad row."""
+    chosen, rejected = row.get(cfg.chosen_column), row.get(cfg.rejected_column)
+    if chosen is None or rejected is None:
+        raise PromptProblem(NOT_TEXT)
+    prompt = row.get(cfg.prompt_column) if cfg.prompt_column else None
+    if prompt is None and isinstance(chosen, list) and isinstance(rejected, list):
+        # Implicit prompt: two conversations that share everything but the last (assistant) turn.
+        if chosen[:-1] != rejected[:-1]:
+            raise PromptProblem(PROMPT_MISMATCH)
+        prompt = chosen[:-1] or None
+    answers = (_response_text(chosen), _response_text(rejected))
+    if answers[0] == answers[1]:
+        raise PromptProblem(IDENTICAL)
+    prompt_ids = fmt.render(prompt)[1] if prompt is not None else ()
+    ends = (eos_id,) if eos_id is not None else ()
+    # A response is read as the policy writes it: its tokens, then the stop token.
+    sequences = [tuple(prompt_ids) + tuple(fmt.tokenizer(a, add_special_tokens=prompt is None)["input_ids"]) + ends
+                 for a in answers]
+    if max(len(s) for s in sequences) > cfg.max_length:
+        raise PromptProblem(TOO_LONG)
+    margin = float(row[cfg.margin_column]) if cfg.margin_column else 0.0
+    return PreferencePair(prompt, sequences[0], sequences[1], margin)
+
+
+def prepare_pairs(rows: list[dict], cfg: PreferenceDataConfig, fmt: PromptFormat, eos_id: Optional[int],
+                  source: str) -> PreferenceSet:
+    """PreferencePairs for the usable rows; the others are dropped and counted by reason."""
+    columns = list(rows[0]) if rows else []
+    for needed in (cfg.chosen_column, cfg.rejected_column, cfg.margin_column):
+        if needed and rows and needed not in columns:
+            raise RecipeError(f"data: column {needed!r} not in {source!r} (columns: {', '.join(columns)})")
+    pairs: list[PreferencePair] = []
+    dropped: dict[str, int] = {}
+    for row in rows:
+        try:
+            pairs.append(make_pair(row, cfg, fmt, eos_id))
+        except PromptProblem as problem:
+            dropped[str(problem)] = dropped.get(str(problem), 0) + 1
+    return PreferenceSet(pairs, dropped)
+
+
+def load_preference_sets(cfg: PreferenceDataConfig, tokenizer, seed: int) -> tuple[PreferenceSet, PreferenceSet]:
+    """(train, held-out) preference pairs for a reward recipe's data section."""
+    fmt = PromptFormat(tokenizer, cfg.chat_template, cfg.system_prompt)
+    rows, _ = load_rows(cfg.source, cfg.split, cfg.name, cfg.revision)
+    train = prepare_pairs(rows, cfg, fmt, tokenizer.eos_token_id, cfg.source)
+    if cfg.eval_source:
+        same = cfg.eval_source == cfg.source
+        eval_rows, _ = load_rows(cfg.eval_source, cfg.eval_split, cfg.name if same else None,
+                                 cfg.revision if same else None, "data.eval_source")
+        held_out = prepare_pairs(eval_rows, cfg, fmt, tokenizer.eos_token_id, cfg.eval_source)
+        held_out.pairs = held_out.pairs[: cfg.eval_size]
+    else:
+        order = list(range(len(train.pairs)))
+        random.Random(seed).shuffle(order)
+        held_idx = set(order[: min(cfg.eval_size, max(0, len(order) - 1))])
+        held_out = PreferenceSet([p for i, p in enumerate(train.pairs) if i in held_idx])
+        train.pairs = [p for i, p in enumerate(train.pairs) if i not in held_idx]
+    if not train.pairs:
+        reasons = ", ".join(f"{v} {k}" for k, v in train.dropped.items()) or "the source is empty"
+        raise RecipeError(f"data.source: no usable preference pairs in {cfg.source!r} ({reasons})")
+    return train, held_out

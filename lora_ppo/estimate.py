@@ -17,11 +17,13 @@ has the measurements and how far the estimate is from them.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
-from lora_ppo.config import BUILTIN_PREFIX, Recipe
+from lora_ppo.config import BUILTIN_PREFIX, LoraSettings, ModelConfig, Recipe
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.logprobs import DEFAULT_CHUNK_TOKENS
 
@@ -165,10 +167,10 @@ def _dtype_bytes(recipe: Recipe, device: str) -> int:
     return 4 if recipe.model.compute_dtype_name(device) == "float32" else 2
 
 
-def _weight_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int) -> float:
-    q = recipe.model.quantization
+def _weight_bytes(shape: ModelShape, model: ModelConfig, act_bytes: int) -> float:
+    q = model.quantization
     if q == "4bit":
-        linear = shape.linear_params * FOUR_BIT_BYTES[recipe.model.double_quant]
+        linear = shape.linear_params * FOUR_BIT_BYTES[model.double_quant]
     elif q == "8bit":
         linear = shape.linear_params * EIGHT_BIT_BYTES
     else:
@@ -183,13 +185,33 @@ def _adapter_params(shape: ModelShape, recipe: Recipe) -> tuple[int, int]:
     if recipe.uses_critic:
         trainable += shape.lora_params(ad.value.r, ad.value.target_modules) + shape.hidden + 1
     frozen = shape.lora_params(ad.policy.r, ad.policy.target_modules) if ad.reference_adapter_path else 0
+    if recipe.reward.adapter_path:  # a frozen reward adapter and its head on the same backbone
+        r, targets = _saved_lora_settings(recipe.reward.adapter_path, ad.policy)
+        frozen += shape.lora_params(r, targets) + shape.hidden + 1
     return trainable, frozen
 
 
-def _reward_bytes(recipe: Recipe, reward_shape: Optional[ModelShape], act_bytes: int) -> float:
-    if recipe.reward.kind != "classifier" or reward_shape is None:
-        return 0.0  # vader, textblob, Python functions: negligible
-    return reward_shape.total_params * act_bytes
+def _saved_lora_settings(folder: str, fallback: LoraSettings) -> tuple[int, Any]:
+    """(r, target modules) of a saved PEFT adapter; the fallback's when the folder is not here."""
+    path = Path(folder) / "adapter_config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        targets = config["target_modules"]
+        return int(config["r"]), "all-linear" if targets == "all-linear" else list(targets)
+    except (OSError, ValueError, KeyError, TypeError):
+        return fallback.r, fallback.target_modules
+
+
+def _reward_bytes(recipe: Recipe, classifier_shapes: list[ModelShape], device: str) -> float:
+    """The weights of the classifier reward models, each in its own quantization and dtype
+    (the policy's unless its source says otherwise); other sources need next to nothing."""
+    classifiers = [s for s in recipe.reward.source_list() if s.kind == "classifier"]
+    total = 0.0
+    for source, shape in zip(classifiers, classifier_shapes):
+        model = recipe.model.model_copy(update={"quantization": source.quantization or recipe.model.quantization,
+                                                "compute_dtype": source.dtype or recipe.model.compute_dtype})
+        total += _weight_bytes(shape, model, 4 if model.compute_dtype_name(device) == "float32" else 2)
+    return total
 
 
 def _dequantized_weight_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int) -> float:
@@ -253,16 +275,17 @@ def estimate(
     recipe: Recipe,
     device: str = "cuda",
     budget_gb: Optional[float] = None,
-    reward_shape: Optional[ModelShape] = None,
+    classifier_shapes: Optional[list[ModelShape]] = None,
 ) -> Estimate:
-    """Peak bytes per phase for `recipe` on a model of `shape`, on "cuda" or "cpu"."""
+    """Peak bytes per phase for `recipe` on a model of `shape`, on "cuda" or "cpu" (with the shapes
+    of the recipe's classifier reward models, in the order of its sources)."""
     act = _dtype_bytes(recipe, device)
     trainable, frozen = _adapter_params(shape, recipe)
     components = {
-        "weights": _weight_bytes(shape, recipe, act),
+        "weights": _weight_bytes(shape, recipe.model, act),
         "adapters": (trainable + frozen) * ADAPTER_WEIGHT_BYTES,
         "optimizer": trainable * ADAM_BYTES,
-        "reward_model": _reward_bytes(recipe, reward_shape, act),
+        "reward_model": _reward_bytes(recipe, classifier_shapes or [], device),
         "runtime": RUNTIME_BYTES[device],
     }
     static = sum(components.values())
@@ -332,10 +355,9 @@ def load_shape(name: str, trust_remote_code: bool = False) -> ModelShape:
 
 def estimate_recipe(recipe: Recipe, device: str = "cuda", budget_gb: Optional[float] = None) -> Estimate:
     shape = load_shape(recipe.model.name, recipe.model.trust_remote_code)
-    reward_shape = None
-    if recipe.reward.kind == "classifier" and recipe.reward.model:
-        reward_shape = _classifier_shape(recipe.reward.model, recipe.model.trust_remote_code)
-    return estimate(shape, recipe, device, budget_gb, reward_shape)
+    classifiers = [_classifier_shape(s.model, recipe.model.trust_remote_code)
+                   for s in recipe.reward.source_list() if s.kind == "classifier"]
+    return estimate(shape, recipe, device, budget_gb, classifiers)
 
 
 def _classifier_shape(name: str, trust_remote_code: bool) -> Optional[ModelShape]:

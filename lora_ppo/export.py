@@ -26,6 +26,7 @@ from lora_ppo.parity import (
     reference_outputs,
     tolerance_for,
 )
+from lora_ppo.roles import HEAD_FILES as ROLE_HEAD_FILES
 from lora_ppo.run_dir import (
     CHECKPOINTS_DIR,
     FINAL_DIR,
@@ -41,16 +42,14 @@ log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-VALUE_HEAD_FILE = "value_head.safetensors"  # = lora_ppo.roles.VALUE_HEAD_FILE (not imported: roles pulls in peft)
-
-AdapterName = Literal["policy", "value"]
+AdapterName = Literal["policy", "value", "reward"]
 BaseChoice = Literal["original", "dequantized"]
-ADAPTERS: tuple[str, ...] = ("policy", "value")
+ADAPTERS: tuple[str, ...] = ("policy", "value", "reward")
 BASES: tuple[str, ...] = ("original", "dequantized")
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # Files an adapter carries beside its LoRA weights (a score head), checked and copied with it.
-HEAD_FILES = {"value": (VALUE_HEAD_FILE,)}
+HEAD_FILES = {name: (file,) for name, file in ROLE_HEAD_FILES.items()}
 
 
 class ExportError(RuntimeError):
@@ -170,6 +169,11 @@ def check_adapter(checkpoint: Checkpoint, name: str) -> Path:
                 f"checkpoint {checkpoint.folder} has no value adapter (no value/ folder); "
                 "critic-free runs (ppo.advantage_estimator rloo or grpo) save none"
             )
+        if name == "reward":
+            raise RecipeError(
+                f"checkpoint {checkpoint.folder} has no reward adapter (no reward/ folder); reward-model runs "
+                "(lora-ppo train-reward) and PPO runs with reward.kind: adapter have one"
+            )
         raise RecipeError(f"corrupt checkpoint: {checkpoint.folder} has no {name}/ adapter folder")
     config = _read_json(folder / ADAPTER_CONFIG_FILE) if (folder / ADAPTER_CONFIG_FILE).is_file() else None
     if not isinstance(config, dict) or "peft_type" not in config:
@@ -242,7 +246,8 @@ def _release() -> None:
 
 def _merged_model(recipe, adapter_dir: Path, base: str, prompts: list[torch.Tensor], verify: bool):
     """(merged model in fp32, reference outputs or None, reference description, reference dtype)."""
-    from lora_ppo.model import compute_dtype, load_base_model
+    from lora_ppo.model import load_base_model
+    from lora_ppo.quantization import compute_dtype
 
     cfg = recipe.model
     if base == "original":
@@ -320,7 +325,7 @@ def merge_and_export(
         adapter: "policy" (the only one that can be merged), or "value" with adapter_only.
         verify: run the parity check (exported model vs adapter-on-base) before publishing.
         force: replace an existing `out`.
-        adapter_only: copy the adapter folder (value: with value_head.safetensors) instead of merging.
+        adapter_only: copy the adapter folder (with its score head, for value and reward) instead of merging.
     Raises:
         RecipeError: bad options or a missing/corrupt checkpoint (nothing written).
         ParityError: the merged model failed the parity check (nothing written).
@@ -338,7 +343,7 @@ def merge_and_export(
         )
     checkpoint = find_checkpoint(source)
     adapter_dir = check_adapter(checkpoint, adapter)
-    recipe = load_recipe(checkpoint.run.recipe)
+    recipe = load_recipe(checkpoint.run.recipe, schema=None)  # a PPO or a reward-model run
     out = _check_out(Path(out), checkpoint, force)
     if not adapter_only and base == "dequantized" and recipe.model.quantization == "none":
         raise RecipeError("base=dequantized: this run trained on unquantized weights "
@@ -411,7 +416,7 @@ def _check_written(folder: Path, recipe, prompts: list[torch.Tensor], refs: list
     """Load the exported model and tokenizer from `folder` and compare them with the reference."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lora_ppo.model import device
+    from lora_ppo.quantization import device
 
     log.info("parity check on %d probe prompts", len(prompts))
     dev = device()

@@ -56,6 +56,8 @@ def step_metrics(
     if adv.returns is not None:
         metrics["value/explained_var"] = ppo_math.explained_variance(rollout.values, adv.returns, mask).item()
         metrics["value/mean"] = ppo_math.masked_mean(rollout.values, mask).item()
-    for name, values in rollout.side_scores.items():
+    # Each reward source's own mean, when the score mixes several; the side metrics always.
+    sources = rollout.source_scores if len(rollout.source_scores) > 1 else {}
+    for name, values in {**sources, **rollout.side_scores}.items():
         metrics[f"objective/{name}"] = sum(values) / len(values)
     return metrics

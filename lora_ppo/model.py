@@ -13,6 +13,7 @@ from lora_ppo.bnb_workarounds import dequantized_4bit_layers, keep_4bit_weights_
 from lora_ppo.builtin_model import resolve_builtin
 from lora_ppo.config import BUILTIN_PREFIX, ModelConfig
 from lora_ppo.errors import RecipeError, first_line
+from lora_ppo.quantization import compute_dtype, device, quantization_config
 
 
 def resolve_model_path(name: str) -> str:
@@ -33,34 +34,6 @@ def _load_error(name: str, err: Exception) -> RecipeError:
             "model.trust_remote_code: true (read that code first)"
         )
     return RecipeError(f"model.name: cannot load {name!r}: {first_line(err)}")
-
-
-def compute_dtype(cfg: ModelConfig) -> torch.dtype:
-    """The dtype for computation and for the unquantized parts (norms, embeddings, heads), by
-    the recipe's rule for this machine (`ModelConfig.compute_dtype_name`)."""
-    on_gpu = torch.cuda.is_available()
-    name = cfg.compute_dtype_name("cuda" if on_gpu else "cpu", on_gpu and torch.cuda.is_bf16_supported())
-    return getattr(torch, name)
-
-
-def device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def quantization_config(cfg: ModelConfig):
-    """The BitsAndBytesConfig for the recipe, or None for an unquantized base."""
-    from transformers import BitsAndBytesConfig
-
-    if cfg.quantization == "4bit":
-        return BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
-            bnb_4bit_use_double_quant=cfg.double_quant,
-            bnb_4bit_compute_dtype=compute_dtype(cfg),
-        )
-    if cfg.quantization == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    return None
 
 
 def load_tokenizer(cfg: ModelConfig):

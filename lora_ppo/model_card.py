@@ -14,6 +14,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from lora_ppo.builtin_model import BUILTIN_MODELS
 from lora_ppo.config import BUILTIN_PREFIX
 from lora_ppo.parity import ParityReport
+from lora_ppo.roles import HEAD_FILES
 
 if TYPE_CHECKING:
     from lora_ppo.export import Checkpoint
@@ -72,8 +73,8 @@ def merged_card(checkpoint: Checkpoint, recipe, base: str, dtype: str, parity: O
 def adapter_card(checkpoint: Checkpoint, recipe, adapter: str) -> ModelCard:
     """The card of an adapter-only export: the PEFT folder of `adapter` (with its head, if any)."""
     name = recipe.model.name
-    head = (" with its score head (`value_head.safetensors`: `nn.Linear(hidden, 1)` on the last hidden state)"
-            if adapter == "value" else "")
+    head_file = HEAD_FILES.get(adapter)
+    head = f" with its score head (`{head_file}`: `nn.Linear(hidden, 1)` on the last hidden state)" if head_file else ""
     what = [
         f"The `{adapter}` LoRA adapter{head} from checkpoint `{checkpoint.label}`{_step(checkpoint)} "
         "of a lora_ppo run.",
@@ -91,19 +92,22 @@ def adapter_card(checkpoint: Checkpoint, recipe, adapter: str) -> ModelCard:
         f"base = AutoModelForCausalLM.from_pretrained({base_ref})",
         'model = PeftModel.from_pretrained(base, "path/to/this/folder")',
     ]
-    if adapter == "value":
+    if head_file:
+        read = ("values = head(hidden).squeeze(-1)  # [B, T]: the value of each position" if adapter == "value" else
+                "score = head(hidden[:, -1]).squeeze(-1)  # [B]: at the last token (no padding here)")
         use += [
             "",
-            "# the value of each position: the score head on the decoder's last hidden state",
+            "# the score head on the decoder's last hidden state",
             "import torch",
             "from safetensors.torch import load_file",
             "",
             "head = torch.nn.Linear(base.config.hidden_size, 1)",
-            'head.load_state_dict(load_file("path/to/this/folder/value_head.safetensors"))',
+            f'head.load_state_dict(load_file("path/to/this/folder/{head_file}"))',
             "hidden = model.get_base_model().get_decoder()(input_ids).last_hidden_state",
-            "values = head(hidden).squeeze(-1)  # [B, T]",
+            read,
         ]
-    return _card(checkpoint, recipe, "peft", f"# PPO-trained {adapter} adapter", what, use)
+    trained = "reward" if adapter == "reward" else f"PPO-trained {adapter}"
+    return _card(checkpoint, recipe, "peft", f"# {trained} adapter", what, use)
 
 
 def _card(checkpoint: Checkpoint, recipe, library: str, title: str, what: list[str],

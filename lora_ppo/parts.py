@@ -6,16 +6,18 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
+from lora_ppo.builtin_model import portable_name
 from lora_ppo.config import PPOConfig, Recipe
-from lora_ppo.data import PromptSet, load_prompt_sets
+from lora_ppo.data import PromptRow, PromptSet, load_prompt_sets
 from lora_ppo.model import dequantized_once, load_base_model, load_tokenizer
-from lora_ppo.rewards import RewardSources, build_reward_sources
+from lora_ppo.rewards import RewardSources, build_reward_sources, check_reward_columns
+from lora_ppo.evaluation import Evaluation, evaluate
 from lora_ppo.roles import RoleModel
-from lora_ppo.rollout import Sampler, evaluate_prompts
+from lora_ppo.rollout import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +61,14 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
     seed_everything(recipe.train.seed)
     tokenizer = load_tokenizer(recipe.model)
     train_prompts, eval_prompts = load_prompt_sets(recipe.data, tokenizer, recipe.train.seed)
-    rewards = build_reward_sources(recipe.reward, recipe.model.trust_remote_code, reward_fn)
-    rewards.check_columns(train_prompts.columns, recipe.data.source)
+    check_reward_columns(recipe.reward, train_prompts.columns, recipe.data.source, reward_fn)
     if not recipe.adapters.reference_enabled:
         log.warning("adapters.reference is 'none': no KL penalty; the policy may drift far from the base model")
-    roles = RoleModel(load_base_model(recipe.model), recipe.adapters, with_value=recipe.uses_critic)
+    reward_adapter = None if reward_fn is not None else recipe.reward.adapter_path
+    roles = RoleModel(load_base_model(recipe.model), recipe.adapters, with_value=recipe.uses_critic,
+                      reward_adapter=reward_adapter, base_name=portable_name(recipe.model.name))
+    # After the roles: a reward adapter lives on their backbone, and a classifier loads its weights.
+    rewards = build_reward_sources(recipe.reward, recipe.model, reward_fn, roles.reward_scores if reward_adapter else None)
     optimizer, scheduler = build_optimizer(roles, recipe.ppo, recipe.train.steps)
     return Parts(tokenizer, train_prompts, eval_prompts, rewards, roles, optimizer, scheduler)
 
@@ -84,14 +89,21 @@ def build_optimizer(
     return optimizer, scheduler
 
 
-def evaluate_heldout(parts: Parts, recipe: Recipe) -> dict[str, float]:
-    """Mean held-out score (and side metrics) with its standard error, sampled with a fixed seed
-    that leaves the training RNG untouched; {} when there are no held-out prompts."""
-    if not parts.eval_prompts.rows:
-        return {}
+def evaluate_policy(parts: Parts, recipe: Recipe, prompts: Optional[Sequence[PromptRow]] = None,
+                    samples_per_prompt: Optional[int] = None, detailed: bool = False,
+                    progress: Optional[object] = None) -> Evaluation:
+    """The policy's score (and sources and side metrics) on `prompts` (default: the held-out ones)
+    with standard errors, and every completion, sampled with a fixed seed that leaves the training
+    RNG untouched; empty when there are no prompts. `detailed` adds response length, distinct-1/2
+    and, with a reference, the KL to it."""
+    rows = parts.eval_prompts.rows if prompts is None else list(prompts)
+    if not rows:
+        return Evaluation({}, [])
     sampler = parts.sampler(recipe)
     if recipe.data.eval_batch_size is not None:
-        sampler = sampler.with_batch_size(recipe.data.eval_batch_size)
+        sampler = sampler.with_settings(batch_size=recipe.data.eval_batch_size)
     with dequantized_once(parts.roles.peft, recipe.model):
-        return evaluate_prompts(sampler, parts.eval_prompts.rows, parts.rewards, seed=recipe.train.seed,
-                                samples_per_prompt=recipe.data.eval_samples_per_prompt)
+        return evaluate(sampler, rows, parts.rewards, seed=recipe.train.seed,
+                        samples_per_prompt=samples_per_prompt or recipe.data.eval_samples_per_prompt,
+                        with_text_stats=detailed, with_kl=detailed and recipe.adapters.reference_enabled,
+                        progress=progress)

@@ -1,6 +1,7 @@
-"""The recipe reference, docs/recipe.md, generated from the schema in lora_ppo/config.py.
+"""The recipe references, docs/recipe.md (PPO) and docs/reward-recipe.md (train-reward),
+generated from the schema in lora_ppo/config.py.
 
-`python -m lora_ppo.recipe_reference` writes it; `--check` exits 1 when the file is stale.
+`python -m lora_ppo.recipe_reference` writes them; `--check` exits 1 when one is stale.
 """
 
 from __future__ import annotations
@@ -16,10 +17,25 @@ import annotated_types
 import yaml
 from pydantic.fields import FieldInfo
 
-from lora_ppo.config import Recipe, Section, may_change_on_resume, nested_section
+from lora_ppo.config import Recipe, RewardRecipe, Section, may_change_on_resume, nested_section
 
-REFERENCE_PATH = Path(__file__).resolve().parents[1] / "docs" / "recipe.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+REFERENCE_PATH = DOCS / "recipe.md"
+REWARD_REFERENCE_PATH = DOCS / "reward-recipe.md"
 REGENERATE = "python -m lora_ppo.recipe_reference"
+
+REWARD_INTRO = f"""\
+# Reward-model recipe reference
+
+The recipe of `lora-ppo train-reward`: a reward LoRA adapter and scalar head trained on preference
+pairs, on the base model the PPO run will use. Up to four sections:
+{", ".join(f"`{name}`" for name in RewardRecipe.model_fields)}. It follows the PPO recipe's rules
+([recipe.md](recipe.md)): every field has a default, unknown keys are one-line errors, overrides
+are `section.field=value`, and `lora-ppo validate` prints the resolved recipe.
+
+This file is generated from the field descriptions in `lora_ppo/config.py`; do not edit it by
+hand. After changing the schema, regenerate it with `{REGENERATE}`.
+"""
 
 INTRO = f"""\
 # Recipe reference
@@ -120,30 +136,34 @@ def _section_text(model: type[Section], path: str, level: int, intro: Optional[s
     return blocks
 
 
-def reference_markdown() -> str:
-    """The whole of docs/recipe.md."""
-    blocks = [INTRO.rstrip("\n")]
-    for name, field in Recipe.model_fields.items():
+def reference_markdown(schema: type[Section] = Recipe) -> str:
+    """The whole of docs/recipe.md (or, for RewardRecipe, docs/reward-recipe.md)."""
+    blocks = [(INTRO if schema is Recipe else REWARD_INTRO).rstrip("\n")]
+    for name, field in schema.model_fields.items():
         section = nested_section(field)
         blocks.extend(_section_text(section, name, 2, (section.__doc__ or "").strip()))
     return "\n\n".join(blocks) + "\n"
 
 
+REFERENCES = {REFERENCE_PATH: Recipe, REWARD_REFERENCE_PATH: RewardRecipe}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when docs/recipe.md is stale")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a reference is stale")
     args = parser.parse_args(argv)
-    text = reference_markdown()
-    shown = REFERENCE_PATH.relative_to(REFERENCE_PATH.parents[1])
-    if args.check:
-        current = REFERENCE_PATH.read_text(encoding="utf-8") if REFERENCE_PATH.exists() else None
-        if current != text:
-            print(f"{shown} is stale: regenerate it with {REGENERATE}", file=sys.stderr)
-            return 1
-        return 0
-    REFERENCE_PATH.parent.mkdir(exist_ok=True)
-    REFERENCE_PATH.write_text(text, encoding="utf-8")
-    print(f"wrote {shown}")
+    for path, schema in REFERENCES.items():
+        text = reference_markdown(schema)
+        shown = path.relative_to(path.parents[1])
+        if args.check:
+            current = path.read_text(encoding="utf-8") if path.exists() else None
+            if current != text:
+                print(f"{shown} is stale: regenerate it with {REGENERATE}", file=sys.stderr)
+                return 1
+            continue
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {shown}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Reward sources and how they are called: built-in sentiment lexicons (VADER, TextBlob),
-verifiable answers (math answer, exact match), a Python function, and a Hugging Face sequence
-classifier with its own tokenizer.
+verifiable answers (math answer, exact match), a Python function, a Hugging Face sequence
+classifier with its own tokenizer, and a reward adapter on the policy's own backbone; several
+sources mix as a weighted sum.
 
 Every source is called as TRL calls reward functions, so functions written for TRL work unchanged:
 `f(prompts=..., completions=..., completion_ids=..., **columns)`. `prompts` are the dataset's own
@@ -19,8 +20,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from lora_ppo.config import RewardConfig
-from lora_ppo.errors import RecipeError
+from lora_ppo.config import VERIFIABLE_KINDS, ModelConfig, RewardConfig, RewardSourceConfig
+from lora_ppo.errors import RecipeError, first_line
+from lora_ppo.quantization import compute_dtype, device, quantization_config
 from lora_ppo.verifiable import answers_match, normalise_text, states_answer_in_format
 
 RewardFn = Callable[..., Sequence[float]]
@@ -51,10 +53,14 @@ class RewardBatch:
     completions: list[Completion]
     completion_ids: list[list[int]] = field(default_factory=list)
     columns: dict[str, list[Any]] = field(default_factory=dict)
+    # The policy's own tokens of prompt + response, (input_ids, attention_mask) [B, T], for sources
+    # on its backbone (a reward adapter); never given to reward functions.
+    model_input: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @classmethod
     def from_rows(cls, rows: Sequence[Any], texts: Sequence[str],
-                  completion_ids: Optional[Sequence[Sequence[int]]] = None) -> "RewardBatch":
+                  completion_ids: Optional[Sequence[Sequence[int]]] = None,
+                  model_input: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> "RewardBatch":
         """From PromptRows (prompt, conversation or not, columns) and the decoded responses."""
         completions = [[{"role": "assistant", "content": t}] if r.is_conversation else t for r, t in zip(rows, texts)]
         names = list(rows[0].columns) if rows else []
@@ -62,6 +68,7 @@ class RewardBatch:
             prompts=[r.prompt for r in rows], completions=completions,
             completion_ids=[list(ids) for ids in completion_ids] if completion_ids is not None else [],
             columns={name: [r.columns.get(name) for r in rows] for name in names},
+            model_input=model_input,
         )
 
 
@@ -123,95 +130,182 @@ def import_function(spec: str) -> RewardFn:
 
 
 class ClassifierReward:
-    """Score completions with a sequence classifier: decode, re-tokenize with its own
-    tokenizer, and take one logit (`label`, default the last) as the reward."""
+    """Score completions with a sequence classifier (a reward model) that has its own tokenizer.
+    With a chat template, it scores the conversation (the dataset's prompt as the user turn(s), the
+    completion as the assistant turn) in its own template; otherwise prompt + completion as plain
+    text, never in the policy's chat markup. Truncation drops the start of a long text and keeps the
+    end, where the reward model reads its score. One logit (`label`, default the last) is the reward."""
 
-    def __init__(self, path: str, label: Optional[int], batch_size: int, max_length: int, trust_remote_code: bool):
+    def __init__(self, cfg: RewardSourceConfig, policy_model: ModelConfig):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        # The policy's number formats unless the source says otherwise (an fp32 8B reward model
+        # is 32 GB; in 4-bit it fits beside the policy).
+        settings = policy_model.model_copy(update={
+            "name": cfg.model,
+            "quantization": cfg.quantization or policy_model.quantization,
+            "compute_dtype": cfg.dtype or policy_model.compute_dtype,
+            "dequantize_per_step": False,
+        })
+        dev = device()
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=settings.trust_remote_code)
             self.model = AutoModelForSequenceClassification.from_pretrained(
-                path, trust_remote_code=trust_remote_code, use_safetensors=True
+                cfg.model, trust_remote_code=settings.trust_remote_code, use_safetensors=True,
+                dtype=compute_dtype(settings), quantization_config=quantization_config(settings),
+                device_map={"": dev.index if dev.type == "cuda" else "cpu"},
             )
-        except OSError as err:
-            raise RecipeError(f"reward.model: cannot load a sequence classifier from {path!r}: {err}") from None
-        if torch.cuda.is_available():
-            self.model.to("cuda")
+        except (OSError, ValueError) as err:
+            raise RecipeError(f"reward.model: cannot load a sequence classifier from {cfg.model!r}: {first_line(err)}") from None
         self.model.eval().requires_grad_(False)
         num_labels = self.model.config.num_labels
-        self.label = num_labels - 1 if label is None else label
+        self.label = num_labels - 1 if cfg.label is None else cfg.label
         if not 0 <= self.label < num_labels:
-            raise RecipeError(f"reward.label: {label} is out of range for a classifier with {num_labels} labels")
+            raise RecipeError(f"reward.label: {cfg.label} is out of range for a classifier with {num_labels} labels")
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.batch_size = batch_size
-        self.max_length = max_length
-        self.__name__ = f"classifier({path})"
+        self.tokenizer.truncation_side = "left"  # keep the end: the scored token is the last one
+        self.templated = bool(getattr(self.tokenizer, "chat_template", None))
+        self.batch_size = cfg.batch_size
+        self.max_length = cfg.max_length
+        self.__name__ = f"classifier({cfg.model})"
+
+    def text(self, prompt: Any, completion: Completion) -> str:
+        """What the classifier reads for one completion."""
+        if not self.templated:
+            return prompt_text(prompt) + completion_text(completion)
+        conversation = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        messages = [*conversation, {"role": "assistant", "content": completion_text(completion)}]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False)
 
     @torch.no_grad()
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Completion], **_: Any) -> list[float]:
         scores: list[float] = []
-        texts = [prompt_text(p) + completion_text(c) for p, c in zip(prompts, completions)]
+        texts = [self.text(p, c) for p, c in zip(prompts, completions)]
         for start in range(0, len(texts), self.batch_size):
             enc = self.tokenizer(
-                texts[start : start + self.batch_size],
-                return_tensors="pt",
-                padding=True,
-                truncation=True,
-                max_length=self.max_length,
+                texts[start : start + self.batch_size], return_tensors="pt", padding=True, truncation=True,
+                max_length=self.max_length, add_special_tokens=not self.templated,  # a template has its own
             ).to(self.model.device)
             logits = self.model(**enc).logits.float()  # [b, num_labels]
             scores.extend(logits[:, self.label].tolist())
         return scores
 
 
+class AdapterReward:
+    """Score prompt + response with the reward adapter on the policy's own backbone, at the last
+    real token, in micro-batches: no second model. Called with the whole RewardBatch, since it
+    reads the policy's own tokens (`model_input`)."""
+
+    takes_batch = True
+
+    def __init__(self, score_sequences: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch_size: int):
+        self.score_sequences = score_sequences
+        self.batch_size = batch_size
+        self.__name__ = "adapter"
+
+    def __call__(self, batch: "RewardBatch") -> list[float]:
+        if batch.model_input is None:
+            raise RuntimeError("a reward adapter scores tokens, and this batch holds only text")
+        input_ids, attention_mask = batch.model_input
+        scores = [self.score_sequences(input_ids[i : i + self.batch_size], attention_mask[i : i + self.batch_size])
+                  for i in range(0, input_ids.shape[0], self.batch_size)]
+        return torch.cat(scores).tolist() if scores else []
+
+
+@dataclass(frozen=True)
+class WeightedSource:
+    """One source of the score, with its weight, and whether the trainer normalises it."""
+
+    name: str
+    fn: RewardFn
+    weight: float = 1.0
+    normalize: bool = False
+
+
+@dataclass(frozen=True)
+class RewardScores:
+    """What the sources said about one batch: the weighted total (no normalisation), each
+    source's own scores, and the side metrics' scores."""
+
+    total: list[float]
+    by_source: dict[str, list[float]]
+    side: dict[str, list[float]]
+
+
 @dataclass(frozen=True)
 class RewardSources:
-    """The reward the policy optimises, and the side scores logged beside it (never optimised)."""
+    """The sources the policy optimises (a weighted sum), and the side scores logged beside them
+    (never optimised)."""
 
-    reward: RewardFn
+    sources: list[WeightedSource]
     side: dict[str, RewardFn] = field(default_factory=dict)
-    answer_column: Optional[str] = None  # the column the built-in verifiable reward reads
 
-    def score(self, batch: RewardBatch) -> tuple[list[float], dict[str, list[float]]]:
-        """(reward scores, {side metric name: scores}), one checked float per completion each."""
-        side = {name: score_completions(fn, batch) for name, fn in self.side.items()}
-        return score_completions(self.reward, batch), side
+    @classmethod
+    def of(cls, fn: RewardFn, side: Optional[dict[str, RewardFn]] = None) -> "RewardSources":
+        """One source, with weight 1."""
+        return cls([WeightedSource(_name(fn), fn)], side or {})
 
-    def check_columns(self, columns: Sequence[str], source: str) -> None:
-        """Refuse a reward that needs a column the data does not have, before anything loads."""
-        available = ", ".join(columns) or "none"
-        if self.answer_column is not None and self.answer_column not in columns:
-            raise RecipeError(f"reward.answer_column: column {self.answer_column!r} not in {source!r} "
+    def score(self, batch: RewardBatch) -> RewardScores:
+        """Every source's and side metric's checked scores, and the weighted total."""
+        by_source = {s.name: score_completions(s.fn, batch, s.name) for s in self.sources}
+        side = {name: score_completions(fn, batch, name) for name, fn in self.side.items()}
+        total = [sum(s.weight * by_source[s.name][i] for s in self.sources) for i in range(len(batch.completions))]
+        return RewardScores(total, by_source, side)
+
+
+def check_reward_columns(cfg: RewardConfig, columns: Sequence[str], source: str,
+                         reward_fn: Optional[RewardFn] = None) -> None:
+    """Refuse, before any weights load, a reward that needs a column the data does not have: a
+    verifiable reward's `answer_column`, or a function's named parameter. Imports the functions."""
+    available = ", ".join(columns) or "none"
+    functions = [reward_fn] if reward_fn is not None else []
+    for s in cfg.source_list() if reward_fn is None else []:
+        if s.kind in VERIFIABLE_KINDS and s.answer_column not in columns:
+            raise RecipeError(f"reward.answer_column: column {s.answer_column!r} not in {source!r} "
                               f"(columns besides the prompt: {available})")
-        missing = missing_columns(self.reward, columns)
+        if s.kind == "function":
+            functions.append(import_function(s.function))
+    for fn in functions:
+        missing = missing_columns(fn, columns)
         if missing:
-            raise RecipeError(f"reward.function: {_name(self.reward)} needs column {missing[0]!r}, which "
+            raise RecipeError(f"reward.function: {_name(fn)} needs column {missing[0]!r}, which "
                               f"{source!r} does not have (columns besides the prompt: {available})")
 
 
-def build_reward_sources(cfg: RewardConfig, trust_remote_code: bool = False,
-                         reward_fn: Optional[RewardFn] = None) -> RewardSources:
-    """The recipe's reward (or `reward_fn`, given from Python, in its place) and side metrics."""
+def build_reward_sources(cfg: RewardConfig, policy_model: ModelConfig, reward_fn: Optional[RewardFn] = None,
+                         adapter_scorer: Optional[Callable] = None) -> RewardSources:
+    """The recipe's reward sources (or `reward_fn`, given from Python, in their place) and side
+    metrics. `adapter_scorer` scores token sequences with the reward adapter, for `kind: adapter`."""
+    side = build_side_metrics(cfg)
     if reward_fn is not None:
-        return RewardSources(reward_fn, build_side_metrics(cfg))
-    answer_column = cfg.answer_column if cfg.kind in ("math_answer", "exact_match") else None
-    return RewardSources(build_reward(cfg, trust_remote_code), build_side_metrics(cfg), answer_column)
+        return RewardSources.of(reward_fn, side)
+    sources = [
+        WeightedSource(s.log_name, build_reward(s, policy_model, adapter_scorer), s.weight, s.normalize)
+        for s in cfg.source_list()
+    ]
+    return RewardSources(sources, side)
 
 
-def build_reward(cfg: RewardConfig, trust_remote_code: bool = False) -> RewardFn:
-    """The reward function the recipe names."""
+def build_reward(cfg: RewardSourceConfig, policy_model: Optional[ModelConfig] = None,
+                 adapter_scorer: Optional[Callable] = None) -> RewardFn:
+    """The reward function one source names."""
     if cfg.kind == "vader":
         return vader_reward()
+    if cfg.kind == "textblob":
+        return textblob_reward()
     if cfg.kind == "function":
         return import_function(cfg.function)
     if cfg.kind == "math_answer":
         return math_answer_reward(cfg.answer_column, cfg.format_bonus)
     if cfg.kind == "exact_match":
         return exact_match_reward(cfg.answer_column)
-    return ClassifierReward(cfg.model, cfg.label, cfg.batch_size, cfg.max_length, trust_remote_code)
+    if cfg.kind == "adapter":
+        if adapter_scorer is None:
+            raise ValueError("a reward adapter needs the backbone it lives on")
+        return AdapterReward(adapter_scorer, cfg.batch_size)
+    return ClassifierReward(cfg, policy_model or ModelConfig())
 
 
 def build_side_metrics(cfg: RewardConfig) -> dict[str, RewardFn]:
@@ -230,7 +324,9 @@ def _parameters(fn: RewardFn) -> Optional[list[inspect.Parameter]]:
 def call_reward(fn: RewardFn, batch: RewardBatch) -> Any:
     """Call `fn` as TRL does: every argument by keyword (`prompts`, `completions`,
     `completion_ids`, each column) when it takes `**kwargs` or names `completions`; else the
-    two-argument form `fn(prompts, completions)`."""
+    two-argument form `fn(prompts, completions)`. A source that reads tokens takes the batch."""
+    if getattr(fn, "takes_batch", False):
+        return fn(batch)
     offered = {**batch.columns, "prompts": batch.prompts, "completions": batch.completions,
                "completion_ids": batch.completion_ids}
     params = _parameters(fn)
@@ -258,9 +354,9 @@ def _name(fn: RewardFn) -> str:
     return getattr(fn, "__name__", repr(fn))
 
 
-def score_completions(fn: RewardFn, batch: RewardBatch) -> list[float]:
+def score_completions(fn: RewardFn, batch: RewardBatch, name: Optional[str] = None) -> list[float]:
     """Call a reward source and check what it returns: one finite float per completion."""
-    name = _name(fn)
+    name = name or _name(fn)
     try:
         raw = call_reward(fn, batch)
     except Exception as err:

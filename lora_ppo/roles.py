@@ -1,10 +1,13 @@
-"""The PPO roles on one backbone: policy and value LoRA adapters, the value score head, and
-the reference (adapters disabled, or a named frozen adapter). `as_role` switches between them.
+"""The roles on one backbone: policy and value LoRA adapters with the value's score head, the
+reference (adapters disabled, or a named frozen adapter), and a frozen reward adapter with its
+score head. `as_role` switches between them. `RewardModel` is the same backbone with one
+trainable reward adapter and head, for pairwise reward training.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 from typing import Iterator, Literal, Optional
 
@@ -20,8 +23,15 @@ Role = Literal["policy", "value", "reference", "reward"]
 POLICY: Role = "policy"
 VALUE: Role = "value"
 REFERENCE: Role = "reference"
+REWARD: Role = "reward"
 TRAINABLE_ADAPTERS = (POLICY, VALUE)
 VALUE_HEAD_FILE = "value_head.safetensors"
+REWARD_HEAD_FILE = "reward_head.safetensors"
+# The scalar head saved beside each adapter that has one (nn.Linear(hidden, 1) on the last
+# hidden state): the value's, and a reward adapter's.
+HEAD_FILES = {VALUE: VALUE_HEAD_FILE, REWARD: REWARD_HEAD_FILE}
+# Adapter settings.init_from may name this instead of a folder: start from the recipe's reward adapter.
+FROM_REWARD = "reward"
 
 
 def lora_config(settings: LoraSettings):
@@ -38,9 +48,11 @@ def lora_config(settings: LoraSettings):
     )
 
 
-def _check_adapter_dir(path: str, field: str) -> None:
+def check_adapter_dir(path: str, field: str, head: Optional[str] = None) -> None:
     if not (Path(path) / "adapter_config.json").is_file():
         raise RecipeError(f"{field}: {path!r} is not a PEFT adapter folder (no adapter_config.json)")
+    if head is not None and not (Path(path) / head).is_file():
+        raise RecipeError(f"{field}: {path!r} has no score head ({head})")
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -49,38 +61,21 @@ def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-class RoleModel:
-    """One base model carrying every PPO role.
+def last_real_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The index of each row's last real token, whatever the padding (left, right or both). [B]"""
+    T = attention_mask.shape[1]
+    return T - 1 - attention_mask.long().flip(-1).argmax(dim=-1)
 
-    Args:
-        base_model: the loaded (possibly 4-bit) causal LM, all weights frozen.
-        adapters: the recipe's adapters section.
-        with_value: create the value adapter and score head (critic-free modes do not).
-    """
 
-    def __init__(self, base_model, adapters: AdaptersConfig, with_value: bool = True):
-        from peft import PeftModel, get_peft_model
+class Backbone:
+    """A frozen base model with LoRA adapters and scalar score heads: the decoder's hidden states
+    (no LM head), a head's score at the last real token, gradient checkpointing, and saving."""
 
-        if adapters.policy.init_from:
-            _check_adapter_dir(adapters.policy.init_from, "adapters.policy.init_from")
-            self.peft = PeftModel.from_pretrained(
-                base_model, adapters.policy.init_from, adapter_name=POLICY, is_trainable=True
-            )
-        else:
-            self.peft = get_peft_model(base_model, lora_config(adapters.policy), adapter_name=POLICY)
-        self.has_value = with_value
-        if with_value and adapters.value.init_from:
-            _check_adapter_dir(adapters.value.init_from, "adapters.value.init_from")
-            self.peft.load_adapter(adapters.value.init_from, adapter_name=VALUE, is_trainable=True)
-        elif with_value:
-            self.peft.add_adapter(VALUE, lora_config(adapters.value))
-        # The reference is either the bare base (adapters disabled) or a frozen adapter of its own,
-        # e.g. the SFT adapter the policy started from: then the policy trains a copy of it.
-        self.reference_adapter: Optional[str] = adapters.reference_adapter_path
-        if self.reference_adapter:
-            _check_adapter_dir(self.reference_adapter, "adapters.reference")
-            self.peft.load_adapter(self.reference_adapter, adapter_name=REFERENCE, is_trainable=False)
-
+    def __init__(self, peft_model, base_name: Optional[str] = None):
+        self.peft = peft_model
+        # What saved adapters name as their base (adapter_config.json), so they load elsewhere:
+        # the recipe's name (a builtin model's hub id), never a local cache folder.
+        self.base_name = base_name
         # Eval mode for good: dropout anywhere would make the PPO ratio differ from 1 before
         # any update, and the rollout logprobs would not be those of the policy being trained.
         self.peft.eval()
@@ -88,72 +83,27 @@ class RoleModel:
         base = self.peft.get_base_model()
         self.decoder = base.get_decoder()
         self.lm_head = base.get_output_embeddings()
-        hidden_size = base.config.get_text_config().hidden_size
+        self.hidden_size = base.config.get_text_config().hidden_size
         head_dtype = self.lm_head.weight.dtype if self.lm_head.weight.is_floating_point() else torch.float32
-        if head_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            head_dtype = torch.float32
-        self.value_head: Optional[nn.Linear] = None
-        if with_value:
-            self._make_value_head(hidden_size, head_dtype, adapters.value.init_from)
+        self.head_dtype = head_dtype if head_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+        self.heads: dict[str, nn.Linear] = {}
 
-        self._params = {name: self._adapter_params(name) for name in (POLICY, VALUE, REFERENCE)}
-        self._active: Optional[str] = None
-        self._activate(POLICY)
-
-    def _make_value_head(self, hidden_size: int, head_dtype: torch.dtype, init_from: Optional[str]) -> None:
-        self.value_head = nn.Linear(hidden_size, 1, device=self.lm_head.weight.device, dtype=head_dtype)
-        # Zero init: every value starts at 0 instead of a random offset of the size of the
+    def make_head(self, adapter_name: str, init_from: Optional[Path] = None, trainable: bool = True) -> nn.Linear:
+        """A scalar head for `adapter_name`, zero-initialised or loaded from a head file."""
+        head = nn.Linear(self.hidden_size, 1, device=self.lm_head.weight.device, dtype=self.head_dtype)
+        # Zero init: every score starts at 0 instead of a random offset of the size of the
         # hidden states, which wrecked the first steps' explained variance.
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
-        if init_from and (Path(init_from) / VALUE_HEAD_FILE).is_file():
-            self.load_value_head(Path(init_from) / VALUE_HEAD_FILE)
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+        self.heads[adapter_name] = head
+        if init_from is not None:
+            self.load_head(adapter_name, init_from)
+        head.requires_grad_(trainable)
+        return head
 
-    # ---- parameters -------------------------------------------------------------------------
-
-    def _adapter_params(self, adapter_name: str) -> list[nn.Parameter]:
+    def adapter_params(self, adapter_name: str) -> list[nn.Parameter]:
         marker = f".{adapter_name}."
         return [p for n, p in self.peft.named_parameters() if marker in n and "lora_" in n]
-
-    def policy_parameters(self) -> list[nn.Parameter]:
-        return list(self._params[POLICY])
-
-    def value_parameters(self) -> list[nn.Parameter]:
-        if self.value_head is None:
-            return []
-        return list(self._params[VALUE]) + list(self.value_head.parameters())
-
-    def _fix_requires_grad(self) -> None:
-        # PEFT's set_adapter leaves only the active adapter trainable; both trainable roles
-        # must keep requires_grad through every switch, and the reference must never get it.
-        for name in TRAINABLE_ADAPTERS:
-            for p in self._params[name]:
-                p.requires_grad_(True)
-        for p in self._params[REFERENCE]:
-            p.requires_grad_(False)
-
-    def _activate(self, adapter_name: str) -> None:
-        if self._active != adapter_name:
-            self.peft.set_adapter(adapter_name)
-            self._active = adapter_name
-            self._fix_requires_grad()
-
-    # ---- roles ------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def as_role(self, role: Role) -> Iterator[None]:
-        """Run the enclosed forwards as `role` (policy, value or reference)."""
-        if role == REFERENCE and self.reference_adapter is None:
-            with self.peft.disable_adapter():
-                yield
-            self._fix_requires_grad()
-            return
-        if role not in (POLICY, VALUE, REFERENCE):
-            raise ValueError(f"role {role!r} does not live on the policy backbone")
-        if role == VALUE and not self.has_value:
-            raise ValueError("this RoleModel was built without a value adapter (critic-free mode)")
-        self._activate(role)
-        yield
 
     @contextlib.contextmanager
     def gradient_checkpointing(self, enabled: bool) -> Iterator[None]:
@@ -166,8 +116,8 @@ class RoleModel:
             return
         # transformers checkpoints a layer only while that layer is in training mode, and the
         # model stays in eval mode here (no dropout: ratios must be exactly 1 before the first
-        # update). So the layers' own flag is set, not their children's: without this the
-        # setting silently did nothing (update peaks were identical with and without it).
+        # update). So the layers' own flag is set, not their children's: without it the setting
+        # silently does nothing.
         layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
         was_training = [m.training for m in layers]
         if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2 name
@@ -186,8 +136,6 @@ class RoleModel:
             else:
                 base.gradient_checkpointing_disable()
 
-    # ---- forwards ---------------------------------------------------------------------------
-
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Last hidden states of the decoder (final norm applied), [B, T, H]; no LM head."""
         out = self.decoder(
@@ -197,6 +145,154 @@ class RoleModel:
             use_cache=False,
         )
         return out.last_hidden_state
+
+    def sequence_scores(self, head_name: str, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The head's score of each whole sequence, read at its last real token, [B] float32
+        (under the active adapter)."""
+        hidden = self.hidden_states(input_ids, attention_mask)  # [B, T, H]
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_real_index(attention_mask)]  # [B, H]
+        head = self.heads[head_name]
+        return head(last.to(head.weight.dtype)).squeeze(-1).float()
+
+    def save_adapter(self, adapter_name: str, folder: Path) -> None:
+        """Write one adapter as a PEFT folder loadable by `PeftModel.from_pretrained(base, folder)`,
+        with its score head beside it when it has one."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        # PEFT writes a non-"default" adapter into a subfolder named after it; write to a
+        # scratch parent and lift the files up so the folder itself is the adapter.
+        scratch = folder / ".peft-save"
+        self.peft.save_pretrained(str(scratch), selected_adapters=[adapter_name])
+        for item in (scratch / adapter_name).iterdir():
+            item.replace(folder / item.name)
+        for leftover in sorted(scratch.rglob("*"), reverse=True):
+            leftover.unlink() if leftover.is_file() else leftover.rmdir()
+        scratch.rmdir()
+        if self.base_name is not None:
+            config_path = folder / "adapter_config.json"
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+            config["base_model_name_or_path"] = self.base_name
+            config_path.write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+        if adapter_name in self.heads:
+            state = {k: v.detach().contiguous().cpu() for k, v in self.heads[adapter_name].state_dict().items()}
+            save_file(state, str(folder / HEAD_FILES[adapter_name]))
+
+    def load_head(self, adapter_name: str, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        head = self.heads[adapter_name]
+        state = load_file(str(path))
+        head.load_state_dict({k: v.to(head.weight.dtype) for k, v in state.items()})
+
+
+class RoleModel(Backbone):
+    """One base model carrying every PPO role.
+
+    Args:
+        base_model: the loaded (possibly 4-bit) causal LM, all weights frozen.
+        adapters: the recipe's adapters section.
+        with_value: create the value adapter and score head (critic-free modes do not).
+        reward_adapter: a reward adapter folder (PEFT adapter + reward_head.safetensors, as
+            `lora-ppo train-reward` writes it) to score with, frozen, on the same backbone.
+    """
+
+    def __init__(self, base_model, adapters: AdaptersConfig, with_value: bool = True,
+                 reward_adapter: Optional[str] = None, base_name: Optional[str] = None):
+        from peft import PeftModel, get_peft_model
+
+        if adapters.policy.init_from:
+            check_adapter_dir(adapters.policy.init_from, "adapters.policy.init_from")
+            peft = PeftModel.from_pretrained(base_model, adapters.policy.init_from, adapter_name=POLICY, is_trainable=True)
+        else:
+            peft = get_peft_model(base_model, lora_config(adapters.policy), adapter_name=POLICY)
+        self.has_value = with_value
+        value_from, value_head_from = self._value_start(adapters.value.init_from, reward_adapter)
+        if with_value and value_from:
+            peft.load_adapter(value_from, adapter_name=VALUE, is_trainable=True)
+        elif with_value:
+            peft.add_adapter(VALUE, lora_config(adapters.value))
+        # The reference is either the bare base (adapters disabled) or a frozen adapter of its own,
+        # e.g. the SFT adapter the policy started from: then the policy trains a copy of it.
+        self.reference_adapter: Optional[str] = adapters.reference_adapter_path
+        if self.reference_adapter:
+            check_adapter_dir(self.reference_adapter, "adapters.reference")
+            peft.load_adapter(self.reference_adapter, adapter_name=REFERENCE, is_trainable=False)
+        self.reward_adapter = reward_adapter
+        if reward_adapter:
+            check_adapter_dir(reward_adapter, "reward.adapter", head=REWARD_HEAD_FILE)
+            peft.load_adapter(reward_adapter, adapter_name=REWARD, is_trainable=False)
+        super().__init__(peft, base_name)
+        self.value_head: Optional[nn.Linear] = self.make_head(VALUE, value_head_from) if with_value else None
+        if reward_adapter:
+            self.make_head(REWARD, Path(reward_adapter) / REWARD_HEAD_FILE, trainable=False)
+
+        self._params = {name: self.adapter_params(name) for name in (POLICY, VALUE, REFERENCE, REWARD)}
+        self._active: Optional[str] = None
+        self._activate(POLICY)
+
+    @staticmethod
+    def _value_start(init_from: Optional[str], reward_adapter: Optional[str]) -> tuple[Optional[str], Optional[Path]]:
+        """(adapter folder, head file) the value role starts from, or (None, None) for a fresh one.
+        `init_from: reward` is a trainable copy of the reward adapter and its head, a known way to
+        lower the early value loss."""
+        if init_from == FROM_REWARD:
+            if not reward_adapter:
+                raise RecipeError("adapters.value.init_from: 'reward' needs a reward adapter (reward.kind: adapter)")
+            return reward_adapter, Path(reward_adapter) / REWARD_HEAD_FILE
+        if init_from:
+            check_adapter_dir(init_from, "adapters.value.init_from")
+            head = Path(init_from) / VALUE_HEAD_FILE
+            return init_from, head if head.is_file() else None
+        return None, None
+
+    # ---- parameters -------------------------------------------------------------------------
+
+    def policy_parameters(self) -> list[nn.Parameter]:
+        return list(self._params[POLICY])
+
+    def value_parameters(self) -> list[nn.Parameter]:
+        if self.value_head is None:
+            return []
+        return list(self._params[VALUE]) + list(self.value_head.parameters())
+
+    def _fix_requires_grad(self) -> None:
+        # PEFT's set_adapter leaves only the active adapter trainable; both trainable roles
+        # must keep requires_grad through every switch, and the frozen ones must never get it.
+        for name in TRAINABLE_ADAPTERS:
+            for p in self._params[name]:
+                p.requires_grad_(True)
+        for name in (REFERENCE, REWARD):
+            for p in self._params[name]:
+                p.requires_grad_(False)
+
+    def _activate(self, adapter_name: str) -> None:
+        if self._active != adapter_name:
+            self.peft.set_adapter(adapter_name)
+            self._active = adapter_name
+            self._fix_requires_grad()
+
+    # ---- roles ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def as_role(self, role: Role) -> Iterator[None]:
+        """Run the enclosed forwards as `role` (policy, value, reference or reward)."""
+        if role == REFERENCE and self.reference_adapter is None:
+            with self.peft.disable_adapter():
+                yield
+            self._fix_requires_grad()
+            return
+        if role not in (POLICY, VALUE, REFERENCE, REWARD):
+            raise ValueError(f"role {role!r} does not live on the policy backbone")
+        if role == VALUE and not self.has_value:
+            raise ValueError("this RoleModel was built without a value adapter (critic-free mode)")
+        if role == REWARD and self.reward_adapter is None:
+            raise ValueError("this RoleModel was built without a reward adapter")
+        self._activate(role)
+        yield
+
+    # ---- forwards ---------------------------------------------------------------------------
 
     def response_logprobs(
         self,
@@ -224,30 +320,35 @@ class RoleModel:
         predicting = hidden[:, response_start - 1 : -1]  # [B, T_resp, H]
         return self.value_head(predicting.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
-    # ---- saving -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def reward_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The reward adapter's score of each prompt + response, at its last real token. [B]"""
+        with self.as_role(REWARD):
+            return self.sequence_scores(REWARD, input_ids, attention_mask)
 
-    def save_adapter(self, adapter_name: str, folder: Path) -> None:
-        """Write one adapter as a PEFT folder loadable by `PeftModel.from_pretrained(base, folder)`;
-        the value adapter gets its score head beside it."""
-        from safetensors.torch import save_file
 
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        # PEFT writes a non-"default" adapter into a subfolder named after it; write to a
-        # scratch parent and lift the files up so the folder itself is the adapter.
-        scratch = folder / ".peft-save"
-        self.peft.save_pretrained(str(scratch), selected_adapters=[adapter_name])
-        for item in (scratch / adapter_name).iterdir():
-            item.replace(folder / item.name)
-        for leftover in sorted(scratch.rglob("*"), reverse=True):
-            leftover.unlink() if leftover.is_file() else leftover.rmdir()
-        scratch.rmdir()
-        if adapter_name == VALUE:
-            state = {k: v.detach().contiguous().cpu() for k, v in self.value_head.state_dict().items()}
-            save_file(state, str(folder / VALUE_HEAD_FILE))
+class RewardModel(Backbone):
+    """The backbone with one trainable reward adapter and its scalar head, for pairwise reward
+    training (`lora-ppo train-reward`). Its saved folder is what `reward.kind: adapter` loads."""
 
-    def load_value_head(self, path: Path) -> None:
-        from safetensors.torch import load_file
+    def __init__(self, base_model, settings: LoraSettings, base_name: Optional[str] = None):
+        from peft import PeftModel, get_peft_model
 
-        state = load_file(str(path))
-        self.value_head.load_state_dict({k: v.to(self.value_head.weight.dtype) for k, v in state.items()})
+        if settings.init_from:
+            check_adapter_dir(settings.init_from, "adapter.init_from")
+            peft = PeftModel.from_pretrained(base_model, settings.init_from, adapter_name=REWARD, is_trainable=True)
+        else:
+            peft = get_peft_model(base_model, lora_config(settings), adapter_name=REWARD)
+        super().__init__(peft, base_name)
+        head_file = Path(settings.init_from) / REWARD_HEAD_FILE if settings.init_from else None
+        self.make_head(REWARD, head_file if head_file is not None and head_file.is_file() else None)
+        self.peft.set_adapter(REWARD)
+        for p in self.adapter_params(REWARD):
+            p.requires_grad_(True)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.adapter_params(REWARD) + list(self.heads[REWARD].parameters())
+
+    def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The score of each sequence at its last real token. [B]"""
+        return self.sequence_scores(REWARD, input_ids, attention_mask)

@@ -14,7 +14,7 @@ from lora_ppo.config import RolloutConfig
 from lora_ppo.memory import PhasePeaks
 from lora_ppo.data import PromptRow
 from lora_ppo.rewards import RewardBatch, RewardSources
-from lora_ppo.roles import POLICY, REFERENCE, VALUE, RoleModel
+from lora_ppo.roles import POLICY, REFERENCE, VALUE, Role, RoleModel
 
 
 def join_prompt_response(
@@ -44,10 +44,11 @@ class Rollout:
     old_logprobs: torch.Tensor  # [B, T_resp]
     ref_logprobs: torch.Tensor  # [B, T_resp]
     values: Optional[torch.Tensor]  # [B, T_resp]
-    raw_scores: torch.Tensor  # [B] what the reward source said
+    raw_scores: torch.Tensor  # [B] the weighted sum of what the reward sources said
     scores: torch.Tensor  # [B] after missing_eos_penalty
     stopped: torch.Tensor  # [B] bool: the response ended with the stop token
     side_scores: dict[str, list[float]] = field(default_factory=dict)
+    source_scores: dict[str, list[float]] = field(default_factory=dict)  # each reward source's own
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -176,12 +177,14 @@ def generate(
     query_mask: torch.Tensor,
     gen_config,
     recorder: Optional[SampledTokenLogprobs] = None,
+    role: Role = POLICY,
 ) -> torch.Tensor:
-    """Sample responses with the policy; returns the new tokens only, [B, T_gen]."""
+    """Sample responses as `role` (the policy; the reference, to compare); returns the new tokens
+    only, [B, T_gen]."""
     from transformers import LogitsProcessorList
 
     processors = LogitsProcessorList([recorder] if recorder is not None else [])
-    with roles.as_role(POLICY):
+    with roles.as_role(role):
         out = roles.peft.generate(
             input_ids=query_ids, attention_mask=query_mask, generation_config=gen_config, logits_processor=processors
         )
@@ -219,14 +222,14 @@ class Sampler:
     cfg: RolloutConfig
 
     @torch.no_grad()
-    def sample(self, rows: Sequence[PromptRow], record_logprobs: bool = False) -> Samples:
-        """Generate with the policy (left-padded prompts, KV cache) and cut each response after
-        its stop token; with `record_logprobs`, the sampled tokens' logprobs come along."""
+    def sample(self, rows: Sequence[PromptRow], record_logprobs: bool = False, role: Role = POLICY) -> Samples:
+        """Generate with the policy (or `role`; left-padded prompts, KV cache) and cut each response
+        after its stop token; with `record_logprobs`, the sampled tokens' logprobs come along."""
         cfg, tokenizer = self.cfg, self.tokenizer
         stop_id = stop_token_id(tokenizer, cfg.stop_token)
         query_ids, query_mask = left_pad(rows, tokenizer.pad_token_id, self.roles.lm_head.weight.device)
         recorder = SampledTokenLogprobs(cfg.temperature) if record_logprobs else None
-        raw_response = generate(self.roles, query_ids, query_mask, generation_config(cfg, tokenizer, stop_id), recorder)
+        raw_response = generate(self.roles, query_ids, query_mask, generation_config(cfg, tokenizer, stop_id), recorder, role)
         response_ids, response_mask, stopped = truncate_at_stop(raw_response, stop_id, tokenizer.pad_token_id)
         logprobs = None
         if recorder is not None:
@@ -236,8 +239,9 @@ class Sampler:
         completions = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         return Samples(query_ids, query_mask, response_ids, response_mask, stopped, completions, logprobs)
 
-    def with_batch_size(self, batch_size: int) -> "Sampler":
-        return replace(self, cfg=self.cfg.model_copy(update={"batch_size": batch_size}))
+    def with_settings(self, **settings: Any) -> "Sampler":
+        """The same sampler with some rollout settings changed (eval batch size, max_new_tokens)."""
+        return replace(self, cfg=self.cfg.model_copy(update=settings))
 
 
 @torch.no_grad()
@@ -314,9 +318,9 @@ def collect_rollout(
     # 4. Scores from the reward source, on the decoded text.
     t0 = time.perf_counter()
     with peaks.phase("reward"):
-        batch = RewardBatch.from_rows(rows, samples.completions, samples.completion_ids())
-        reward_scores, side = rewards.score(batch)
-        raw_scores = torch.tensor(reward_scores, dtype=torch.float32, device=device)
+        batch = RewardBatch.from_rows(rows, samples.completions, samples.completion_ids(), (input_ids, attention_mask))
+        said = rewards.score(batch)
+        raw_scores = torch.tensor(said.total, dtype=torch.float32, device=device)
     scores = raw_scores
     if cfg.missing_eos_penalty is not None and cfg.stop_token is not None:
         scores = raw_scores - cfg.missing_eos_penalty * (~samples.stopped).float()
@@ -326,47 +330,5 @@ def collect_rollout(
         rows=list(rows), completions=samples.completions, query_ids=samples.query_ids,
         query_mask=samples.query_mask, response_ids=samples.response_ids, response_mask=samples.response_mask,
         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values, raw_scores=raw_scores,
-        scores=scores, stopped=samples.stopped, side_scores=side, timings=timings,
+        scores=scores, stopped=samples.stopped, side_scores=said.side, source_scores=said.by_source, timings=timings,
     )
-
-
-@torch.no_grad()
-def evaluate_prompts(
-    sampler: Sampler,
-    prompts: Sequence[PromptRow],
-    rewards: RewardSources,
-    seed: int,
-    samples_per_prompt: int = 1,
-) -> dict[str, float]:
-    """Mean reward (and side scores) of policy samples on `prompts`, and its standard error.
-
-    Each prompt is sampled `samples_per_prompt` times; the score is the mean over prompts of
-    each prompt's mean, and `score_se` its standard error across prompts (how far the mean
-    would move with other draws and other prompts like these). Sampling uses a fixed seed
-    inside a forked RNG, so the same policy gets the same completions and the training RNG
-    stream is left untouched.
-    """
-    device = sampler.roles.lm_head.weight.device
-    batch_size = sampler.cfg.batch_size
-    rows = [p for p in prompts for _ in range(samples_per_prompt)]
-    scores: dict[str, list[float]] = {"score": [], **{name: [] for name in rewards.side}}
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        for start in range(0, len(rows), batch_size):
-            batch = rows[start : start + batch_size]
-            samples = sampler.sample(batch)
-            batch_scores, side = rewards.score(RewardBatch.from_rows(batch, samples.completions, samples.completion_ids()))
-            scores["score"] += batch_scores
-            for name, values in side.items():
-                scores[name] += values
-    if not prompts:
-        return {name: 0.0 for name in scores} | {"score_se": 0.0}
-    per_prompt = {
-        name: torch.tensor(values, dtype=torch.float64).view(len(prompts), samples_per_prompt).mean(dim=1)
-        for name, values in scores.items()
-    }
-    result = {name: means.mean().item() for name, means in per_prompt.items()}
-    n = len(prompts)
-    result["score_se"] = (per_prompt["score"].std().item() / n**0.5) if n > 1 else 0.0
-    return result

@@ -5,6 +5,9 @@
       metrics.jsonl         one line per step
       samples.jsonl         a few completions every train.sample_every steps
       summary.json          held-out scores before/after, final KL, time, memory
+      eval_before.jsonl     the held-out completions and their scores before training
+      eval_after.jsonl      ... and after
+      report/               `lora-ppo report`: plots and an HTML page
       checkpoints/step-N/   full-state checkpoints (complete when they hold manifest.json)
       final/                the full-state checkpoint at the end of training
 """
@@ -18,10 +21,15 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from lora_ppo.errors import RecipeError
+
 RECIPE_FILE = "recipe.yaml"
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 SUMMARY_FILE = "summary.json"
+EVAL_BEFORE_FILE = "eval_before.jsonl"  # the held-out completions and their scores, before training
+EVAL_AFTER_FILE = "eval_after.jsonl"  # ... and after
+REPORT_DIR = "report"
 CHECKPOINTS_DIR = "checkpoints"
 FINAL_DIR = "final"
 # Written last into a checkpoint: a folder with a manifest is complete, anything else is not.
@@ -61,6 +69,7 @@ class RunDir:
         self.recipe, self.summary = self.root / RECIPE_FILE, self.root / SUMMARY_FILE
         self.metrics, self.samples = self.root / METRICS_FILE, self.root / SAMPLES_FILE
         self.checkpoints, self.final = self.root / CHECKPOINTS_DIR, self.root / FINAL_DIR
+        self.eval_before, self.eval_after = self.root / EVAL_BEFORE_FILE, self.root / EVAL_AFTER_FILE
 
     def step_checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step-{step}"
@@ -91,6 +100,25 @@ class RunDir:
         os.replace(self.root, target)
         return target
 
+    def refuse_if_taken(self, overwrite: bool) -> None:
+        """A folder that holds a run is refused unless the recipe says to start over."""
+        if self.holds_run() and not overwrite:
+            raise RecipeError(
+                f"train.output_dir: {str(self.root)!r} already holds a run; choose another folder "
+                "or set train.overwrite=true (the old run is then moved aside, not deleted)"
+            )
+
+    def open(self, recipe_yaml: str, resume_lines: Optional[tuple[int, int]] = None) -> Optional[Path]:
+        """Get the folder ready for a run: a resumed run keeps its lines up to `resume_lines`
+        (metrics, samples); a fresh run starts in an empty folder, any run already here moved
+        aside. Returns where an old run was moved, if one was."""
+        if resume_lines is not None:
+            self.resume(recipe_yaml, *resume_lines)
+            return None
+        moved = self.move_aside() if self.holds_run() else None
+        self.start(recipe_yaml)
+        return moved
+
     def start(self, recipe_yaml: str) -> None:
         """Create the folder for a fresh run and write its resolved recipe."""
         self.root.mkdir(parents=True, exist_ok=True)
@@ -112,6 +140,11 @@ class RunDir:
 def append_jsonl(path: Path, record: dict) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    """Replace a JSONL file with `records`, one per line."""
+    Path(path).write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
 
 
 def read_jsonl(path: Path) -> list[dict]:

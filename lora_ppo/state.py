@@ -19,6 +19,7 @@ class TrainState:
     step: int = 0
     kl_coef: float = 0.0  # changes only under the adaptive KL controller (ppo.target_kl)
     score_moments: tuple[float, float, int] = (0.0, 1.0, 0)  # running (mean, var, count), ppo.score_norm
+    source_moments: dict[str, tuple[float, float, int]] = field(default_factory=dict)  # per normalised source
     consecutive_skips: int = 0  # steps in a row whose update the NaN/inf guard skipped
     last_skip_reason: str = ""
     eval_before: Optional[dict[str, float]] = None  # the held-out evaluation before training
@@ -41,6 +42,7 @@ class TrainState:
             kl_coef=float(data["kl_coef"]),
             score_moments=(float(data["score_moments"][0]), float(data["score_moments"][1]),
                            int(data["score_moments"][2])),
+            source_moments={name: (float(m[0]), float(m[1]), int(m[2])) for name, m in data["source_moments"].items()},
             consecutive_skips=int(data["consecutive_skips"]),
             last_skip_reason=str(data["last_skip_reason"]),
             eval_before=data["eval_before"],
@@ -49,3 +51,26 @@ class TrainState:
             metrics_lines=int(data["metrics_lines"]),
             samples_lines=int(data["samples_lines"]),
         )
+
+
+@dataclass
+class RewardTrainState:
+    """What a reward-model training step changes besides the weights, optimizer and RNGs."""
+
+    step: int = 0
+    position: PromptPosition = PromptPosition()  # where the seeded order of pairs stands
+    eval_before: Optional[dict[str, float]] = None  # held-out accuracy and margin before training
+    last_metrics: dict[str, Any] = field(default_factory=dict)
+    metrics_lines: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "RewardTrainState":
+        missing = [f.name for f in fields(cls) if f.name not in data]
+        if missing:
+            raise KeyError(f"reward trainer state lacks {', '.join(missing)}")
+        return cls(step=int(data["step"]), position=PromptPosition(*(int(x) for x in data["position"])),
+                   eval_before=data["eval_before"], last_metrics=dict(data["last_metrics"]),
+                   metrics_lines=int(data["metrics_lines"]))

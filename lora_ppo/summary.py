@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-SCORE_KEYS = ("score", "score_se")
+SE_SUFFIX = "_se"
 
 
 def build_summary(
@@ -17,16 +17,18 @@ def build_summary(
     output_dir: str,
     adapters: list[str],
 ) -> dict:
-    """Held-out scores before and after (with standard errors and side metrics), the final KL,
-    time, memory, and where the trained adapters are."""
+    """Held-out scores before and after with their standard errors (the score first, then each
+    source and side metric), the final KL, time, memory, and where the trained adapters are."""
+    names = ["score", *[k for k in {**before, **after} if k != "score" and not k.endswith(SE_SUFFIX)]]
+    heldout = {}
+    for name in names:
+        for when, values in (("before", before), ("after", after)):
+            heldout[f"heldout_{name}_{when}"] = values.get(name)
+        for when, values in (("before", before), ("after", after)):
+            heldout[f"heldout_{name}_se_{when}"] = values.get(f"{name}{SE_SUFFIX}")
     return {
         "steps": steps,
-        "heldout_score_before": before.get("score"),
-        "heldout_score_after": after.get("score"),
-        "heldout_score_se_before": before.get("score_se"),
-        "heldout_score_se_after": after.get("score_se"),
-        **{f"heldout_{k}_before": v for k, v in before.items() if k not in SCORE_KEYS},
-        **{f"heldout_{k}_after": v for k, v in after.items() if k not in SCORE_KEYS},
+        **heldout,
         "final_kl": final_kl,
         "wall_time_s": wall_time_s,
         "peak_memory_gb": peak_memory_gb,
@@ -40,16 +42,14 @@ def format_summary(summary: dict) -> str:
     def fmt(x):
         return "n/a" if x is None else f"{x:.3f}"
 
-    def with_se(when: str) -> str:
-        se = summary.get(f"heldout_score_se_{when}")
-        return fmt(summary.get(f"heldout_score_{when}")) + ("" if se is None else f" (± {se:.3f})")
+    def with_se(name: str, when: str) -> str:
+        se = summary.get(f"heldout_{name}_se_{when}")
+        return fmt(summary.get(f"heldout_{name}_{when}")) + ("" if se is None else f" (± {se:.3f})")
 
-    lines = [f"held-out mean score: {with_se('before')} -> {with_se('after')}"]
-    for key in summary:
-        if (key.startswith("heldout_") and key.endswith("_before")
-                and key not in ("heldout_score_before", "heldout_score_se_before")):
-            name = key[len("heldout_") : -len("_before")]
-            lines.append(f"held-out {name}: {fmt(summary[key])} -> {fmt(summary.get(f'heldout_{name}_after'))}")
+    names = [key[len("heldout_"):-len("_before")] for key in summary
+             if key.startswith("heldout_") and key.endswith("_before") and not key.endswith(f"{SE_SUFFIX}_before")]
+    lines = [f"held-out {'mean score' if name == 'score' else name}: {with_se(name, 'before')} -> {with_se(name, 'after')}"
+             for name in names]
     adapters = " and ".join(f"final/{name}" for name in summary["adapters"])
     lines += [
         f"final KL: {fmt(summary.get('final_kl'))}",

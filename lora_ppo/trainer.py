@@ -15,23 +15,21 @@ import torch
 from lora_ppo import checkpoint, ppo_math
 from lora_ppo.config import Recipe, recipe_to_yaml
 from lora_ppo.data import PromptStream, count_summary
-from lora_ppo.errors import RecipeError
 from lora_ppo.memory import PhasePeaks, run_peak_gb
 from lora_ppo.metrics import step_metrics
 from lora_ppo.model import dequantized_once
-from lora_ppo.parts import build, evaluate_heldout
-from lora_ppo.roles import POLICY, VALUE, RoleModel
+from lora_ppo.parts import build, evaluate_policy
+from lora_ppo.roles import POLICY, REWARD, VALUE, RoleModel
 from lora_ppo.rollout import Rollout, collect_rollout
-from lora_ppo.run_dir import RunDir, append_jsonl
+from lora_ppo.run_dir import write_jsonl
 from lora_ppo.signals import StopRequest, stop_on_signals
 from lora_ppo.state import TrainState
+from lora_ppo.step_log import StepLog
+from lora_ppo.tracking import check_installed
 from lora_ppo.summary import build_summary
 from lora_ppo.update import UpdateSettings, UpdateStats, compute_advantages, first_nonfinite, ppo_update
 
 log = logging.getLogger(__name__)
-
-SAMPLES_PER_LOG = 4  # completions written to samples.jsonl each time samples are logged
-
 
 class TrainingHalted(RuntimeError):
     """Too many updates in a row were skipped for NaN/inf; a checkpoint was saved first."""
@@ -45,7 +43,7 @@ class PPOTrainer:
         reward_fn: optional Python reward `f(prompts, completions) -> list[float]`; overrides
             the recipe's reward section (handy from Python).
         progress: show a progress bar.
-        resume: "auto" (the newest complete checkpoint under output_dir/checkpoints/) or a
+        resume: "auto" (the newest complete checkpoint of output_dir, final/ included) or a
             checkpoint folder, to continue a run exactly where that checkpoint left it.
     """
 
@@ -56,13 +54,8 @@ class PPOTrainer:
         self.recipe = recipe
         self.recipe_yaml = recipe_to_yaml(recipe)
         self.progress = progress
-        self.run = RunDir(recipe.train.output_dir)
-        self.resume_from = None if resume is None else checkpoint.resolve_resume(self.run, resume, recipe)
-        if self.resume_from is None and self.run.holds_run() and not recipe.train.overwrite:
-            raise RecipeError(
-                f"train.output_dir: {str(self.run.root)!r} already holds a run; choose another folder "
-                "or set train.overwrite=true (the old run is then moved aside, not deleted)"
-            )
+        self.run, self.resume_from = checkpoint.open_run(recipe, resume)
+        check_installed(recipe.train.report_to)  # before minutes of loading
         self.parts = build(recipe, reward_fn)
         self.stream = PromptStream(self.parts.train_prompts.rows, recipe.train.seed)
         self.sampler = self.parts.sampler(recipe)
@@ -72,8 +65,9 @@ class PPOTrainer:
             recipe.model.gradient_checkpointing,
         )
         self.state = TrainState(kl_coef=recipe.ppo.kl_coef)
+        self.step_log = StepLog(recipe, self.run, progress, tuple(self.parts.rewards.side))
         if self.resume_from is not None:
-            self.state = checkpoint.load(self.resume_from, self._trainables())
+            self.state = checkpoint.load(self.resume_from, self._trainables(), TrainState)
             log.info("resuming from %s (step %d)", self.resume_from, self.state.step)
 
     @property
@@ -89,8 +83,6 @@ class PPOTrainer:
 
     def train(self) -> dict:
         """Run the whole recipe; returns the summary (also written to summary.json)."""
-        from tqdm.auto import tqdm
-
         r, state = self.recipe, self.state
         self._open_run_dir()
         t0 = time.perf_counter()
@@ -99,17 +91,16 @@ class PPOTrainer:
             log.warning("dropped prompts from %s: %s", r.data.source, dropped)
         if state.eval_before is None:
             # A resumed run reuses the evaluation its first part made, so its summary matches.
-            state.eval_before = self.evaluate()
-        bar = tqdm(total=r.train.steps, initial=state.step, desc="PPO", disable=not self.progress,
-                   dynamic_ncols=True, file=sys.stderr)
+            state.eval_before = self.evaluate(self.run.eval_before)
+        self.step_log.open(state)
         try:
             with stop_on_signals() as stop:
                 while state.step < r.train.steps:
-                    self._one_step(bar, stop)
+                    self._one_step(stop)
         finally:
-            bar.close()
+            self.step_log.close()
         self.save_checkpoint(self.run.final)
-        after = self.evaluate()
+        after = self.evaluate(self.run.eval_after)
         summary = build_summary(
             state.step, state.eval_before, after, state.last_metrics.get("objective/kl"),
             time.perf_counter() - t0, run_peak_gb(), str(self.run.root),
@@ -136,7 +127,7 @@ class PPOTrainer:
             with_reference=r.adapters.reference_enabled, peaks=peaks,
         )
         # 2. Scores as the optimiser sees them: running normalisation, clipping, length penalty.
-        moments_before = state.score_moments
+        moments_before = (state.score_moments, dict(state.source_moments))
         scores = self._shape_scores(rollout)
         # 3. Advantages: KL-shaped rewards, then GAE with the critic or group baselines.
         kl_coef = self._kl_coef()
@@ -151,7 +142,7 @@ class PPOTrainer:
                                     self.update_settings, kl_coef, self.generator)
             bad = update.nonfinite
         else:
-            state.score_moments = moments_before  # a skipped step leaves no trace but its metrics
+            state.score_moments, state.source_moments = moments_before  # no trace but its metrics
             update = self._skip_update()
         t_end = time.perf_counter()
         state.step += 1
@@ -178,12 +169,30 @@ class PPOTrainer:
     def _shape_scores(self, rollout: Rollout) -> torch.Tensor:
         """Running normalisation, clipping and length penalty, as the recipe asks."""
         ppo, state = self.recipe.ppo, self.state
+        scores = self._combined_scores(rollout)
         mean = std = None
         if ppo.score_norm:
-            state.score_moments = ppo_math.update_running_moments(*state.score_moments, rollout.scores)
+            state.score_moments = ppo_math.update_running_moments(*state.score_moments, scores)
             mean, std = state.score_moments[0], state.score_moments[1] ** 0.5
         lengths = rollout.response_mask.sum(dim=1)
-        return ppo_math.shape_scores(rollout.scores, lengths, ppo.length_penalty, mean, std, ppo.score_clip)
+        return ppo_math.shape_scores(scores, lengths, ppo.length_penalty, mean, std, ppo.score_clip)
+
+    def _combined_scores(self, rollout: Rollout) -> torch.Tensor:
+        """The rollout's scores, or, when a source asks for normalisation, the weighted sum of the
+        sources with each such source scaled by its running mean and standard deviation
+        (missing_eos_penalty kept). [B]"""
+        sources, state = self.parts.rewards.sources, self.state
+        if not any(s.normalize for s in sources):
+            return rollout.scores
+        total = torch.zeros_like(rollout.scores)
+        for source in sources:
+            values = torch.tensor(rollout.source_scores[source.name], dtype=total.dtype, device=total.device)
+            if source.normalize:
+                moments = ppo_math.update_running_moments(*state.source_moments.get(source.name, (0.0, 1.0, 0)), values)
+                state.source_moments[source.name] = moments
+                values = ppo_math.shape_scores(values, torch.zeros_like(values), 0.0, moments[0], moments[1] ** 0.5)
+            total = total + source.weight * values
+        return total - (rollout.raw_scores - rollout.scores)
 
     def _skip_update(self) -> UpdateStats:
         """The adapters and the optimizer stay as they were; the lr schedule still counts the updates."""
@@ -203,20 +212,11 @@ class PPOTrainer:
         log.warning("step %d: non-finite %s, update skipped (%d in a row, limit %d)",
                     state.step, bad, state.consecutive_skips, self.recipe.train.max_consecutive_skips)
 
-    def _one_step(self, bar, stop: StopRequest) -> None:
-        """One step with its logging, samples, guard and checkpoint."""
+    def _one_step(self, stop: StopRequest) -> None:
+        """One step with its log, guard and checkpoint."""
         r, state = self.recipe, self.state
         metrics, rollout = self.train_step()
-        state.last_metrics = metrics
-        append_jsonl(self.run.metrics, metrics)
-        state.metrics_lines += 1
-        if r.train.sample_every and (state.step % r.train.sample_every == 0 or state.step == r.train.steps):
-            for i in range(min(SAMPLES_PER_LOG, len(rollout.rows))):
-                append_jsonl(self.run.samples, {
-                    "step": state.step, "prompt": rollout.rows[i].prompt,
-                    "completion": rollout.completions[i], "score": rollout.scores[i].item(),
-                })
-                state.samples_lines += 1
+        self.step_log.record(state, metrics, rollout)
         if state.consecutive_skips >= r.train.max_consecutive_skips:
             # Skipped updates left the adapters and optimizer moments at the last good update.
             folder = self.save_checkpoint()
@@ -226,11 +226,6 @@ class PPOTrainer:
             )
         if r.train.save_every and state.step % r.train.save_every == 0 and state.step < r.train.steps:
             self.save_checkpoint()
-        bar.update(1)
-        bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
-        if state.step % r.train.log_every == 0 and not self.progress:
-            print(f"step {state.step}/{r.train.steps}  score {metrics['objective/scores']:.3f}  "
-                  f"kl {metrics['objective/kl']:.3f}  {metrics['time/step']:.1f}s", file=sys.stderr)
         if stop.requested:
             folder = self.save_checkpoint()
             print(f"interrupted at step {state.step}: checkpoint saved to {folder}", file=sys.stderr)
@@ -238,22 +233,32 @@ class PPOTrainer:
 
     # ---- evaluation, run folder and checkpoints ---------------------------------------------
 
-    def evaluate(self) -> dict[str, float]:
-        """Mean held-out score (and side metrics) with a fixed sampling seed; {} with train.eval off."""
-        return evaluate_heldout(self.parts, self.recipe) if self.recipe.train.eval else {}
+    def evaluate(self, records_file: Optional[Path] = None) -> dict[str, float]:
+        """Mean held-out score (and side metrics) with standard errors, sampled with a fixed seed;
+        {} with train.eval off. The completions go to `records_file`, for the report."""
+        from tqdm.auto import tqdm
+
+        if not self.recipe.train.eval:
+            return {}
+        with tqdm(total=len(self.parts.eval_prompts.rows), desc="held-out", disable=not self.progress,
+                  dynamic_ncols=True, file=sys.stderr) as bar:
+            evaluation = evaluate_policy(self.parts, self.recipe, progress=bar)
+        if records_file is not None:
+            write_jsonl(records_file, evaluation.records)
+        return evaluation.scores
 
     def _open_run_dir(self) -> None:
-        if self.resume_from is not None:
-            self.run.resume(self.recipe_yaml, self.state.metrics_lines, self.state.samples_lines)
-            return
-        if self.run.holds_run():  # train.overwrite: keep the old run, out of the way
-            moved = self.run.move_aside()
+        lines = None if self.resume_from is None else (self.state.metrics_lines, self.state.samples_lines)
+        moved = self.run.open(self.recipe_yaml, lines)
+        if moved is not None:  # train.overwrite: the old run kept, out of the way
             log.warning("%s held a run: moved it to %s", self.run.root, moved)
-        self.run.start(self.recipe_yaml)
 
     def _trainables(self) -> checkpoint.Trainables:
         p = self.parts
-        return checkpoint.Trainables(p.roles, p.optimizer, p.scheduler, self.generator)
+        roles = p.roles
+        trained = (POLICY, VALUE) if roles.has_value else (POLICY,)
+        frozen = (REWARD,) if roles.reward_adapter else ()
+        return checkpoint.Trainables(roles, trained, p.optimizer, p.scheduler, self.generator, frozen)
 
     def save_checkpoint(self, folder: Optional[Path] = None) -> Path:
         """A full-state checkpoint, by default checkpoints/step-N/ (keeping the newest train.keep_last)."""

@@ -219,3 +219,18 @@ def tiny_classifier_dir(tmp_path_factory):
                          num_attention_heads=2, num_key_value_heads=2, num_labels=2, pad_token_id=0)
     LlamaForSequenceClassification(config).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory, tiny_model_dir) -> Path:
+    """A finished 3-step tiny run (side metric textblob, held-out evaluations before and after,
+    checkpoints/step-2).
+    Read-only: a test that writes into a run folder copies it first."""
+    from lora_ppo.config import Recipe
+    from lora_ppo.trainer import PPOTrainer
+
+    out = tmp_path_factory.mktemp("finished") / "run"
+    recipe = tiny_recipe_dict(tiny_model_dir, out, reward={"also_log": ["textblob"]},
+                              train={"steps": 3, "sample_every": 1, "save_every": 2})
+    PPOTrainer(Recipe(**recipe), progress=False).train()
+    return out

@@ -148,13 +148,13 @@ def test_disk_full_while_saving_is_one_clear_error_and_previous_checkpoint_intac
 
 
 def test_changed_recipe_is_refused_with_the_differences_and_harmless_changes_allowed(tmp_path, tiny_model_dir):
-    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run", steps=2, eval=False,
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run", steps=3, eval=False,
                           keep_last=1)
     runner = CliRunner()
     first = runner.invoke(app, ["train", str(recipe), "--no-progress"])
     assert first.exit_code == 0, first.output
     refused = runner.invoke(
-        app, ["train", str(recipe), "rollout.batch_size=8", "adapters.policy.r=8", "train.steps=3",
+        app, ["train", str(recipe), "rollout.batch_size=8", "adapters.policy.r=8", "train.steps=4",
               "--resume", "auto"],
     )
     assert refused.exit_code == 2
@@ -163,11 +163,11 @@ def test_changed_recipe_is_refused_with_the_differences_and_harmless_changes_all
         "resumed run cannot change: adapters.policy.r, rollout.batch_size"
     ]
     allowed = runner.invoke(
-        app, ["train", str(recipe), "train.steps=3", "train.log_every=2", "--resume", "auto"]
+        app, ["train", str(recipe), "train.steps=4", "train.log_every=2", "--resume", "auto"]
     )
     assert allowed.exit_code == 0, allowed.output
-    assert len(deterministic_metrics(tmp_path / "run")) == 3
-    # keep_last=1: only the newest checkpoint stays.
+    assert len(deterministic_metrics(tmp_path / "run")) == 4
+    # keep_last=1: of step-1 and step-2 only the newest stays (step 3 resumed from final/, step 4 is final/).
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-2"]
 
 
@@ -176,7 +176,7 @@ def test_resume_without_checkpoint_fails_in_one_line(tmp_path, tiny_model_dir):
     result = CliRunner().invoke(app, ["train", str(recipe), "--resume", "auto"])
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [
-        f"error: --resume auto: no complete checkpoint under {tmp_path / 'run' / 'checkpoints'}"
+        f"error: --resume auto: no complete checkpoint under {tmp_path / 'run'}"
     ]
 
 
@@ -209,3 +209,16 @@ def test_saved_state_is_only_loaded_with_weights_only():
     for path in Path(lora_ppo.__file__).parent.glob("*.py"):
         for call in re.findall(r"torch\.load\([^)]*\)", path.read_text()):
             assert "weights_only=True" in call, f"{path.name}: {call}"
+
+
+def test_finished_run_continued_with_more_steps_matches_uninterrupted_run(tmp_path, tiny_model_dir, reference_run):
+    # final/ is a full checkpoint: 2 steps, finished (evaluated, summary written), then 2 more.
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run")
+    first = subprocess.run(_train_cmd(recipe, "train.steps=2"), env=ENV, cwd=REPO, capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 0, first.stderr
+    more = subprocess.run(_train_cmd(recipe, "--resume", "auto", "train.steps=4"), env=ENV, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert more.returncode == 0, more.stderr
+    assert "from step 2" in more.stderr
+    _assert_same_run(reference_run, tmp_path / "run")

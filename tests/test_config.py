@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lora_ppo.config import (
+    RewardRecipe,
     RESUME_ALLOWED,
     ModelConfig,
     Recipe,
@@ -14,7 +15,7 @@ from lora_ppo.config import (
     resume_differences,
 )
 from lora_ppo.errors import RecipeError
-from lora_ppo.recipe_reference import REFERENCE_PATH, REGENERATE, reference_markdown
+from lora_ppo.recipe_reference import REFERENCES, REGENERATE, reference_markdown
 
 
 def _error(data, overrides=()) -> str:
@@ -78,7 +79,7 @@ def test_missing_eos_penalty_needs_a_stop_token():
 def test_resume_allowed_fields():
     assert RESUME_ALLOWED == {
         "train.steps", "train.log_every", "train.sample_every", "train.save_every", "train.keep_last",
-        "train.eval", "train.overwrite", "train.max_consecutive_skips", "data.eval_size",
+        "train.eval", "train.overwrite", "train.max_consecutive_skips", "train.report_to", "data.eval_size",
         "data.eval_batch_size", "data.eval_samples_per_prompt", "model.dequantize_per_step",
     }
 
@@ -112,12 +113,14 @@ def test_compute_dtype_name_refuses_other_devices():
 
 
 def test_every_field_and_section_is_described():
-    undescribed = [path for path, field in leaf_fields(Recipe) if not field.description]
-    assert not undescribed
-    sections = [Recipe.model_fields[name].annotation for name in Recipe.model_fields]
-    assert all(section.__doc__ and "\n" not in section.__doc__.strip() for section in sections)
+    for schema in (Recipe, RewardRecipe):
+        undescribed = [path for path, field in leaf_fields(schema) if not field.description]
+        assert not undescribed
+        sections = [schema.model_fields[name].annotation for name in schema.model_fields]
+        assert all(section.__doc__ and "\n" not in section.__doc__.strip() for section in sections)
 
 
-def test_recipe_reference_is_current():
-    current = REFERENCE_PATH.read_text(encoding="utf-8") if REFERENCE_PATH.exists() else ""
-    assert current == reference_markdown(), f"docs/recipe.md is stale: regenerate it with {REGENERATE}"
+@pytest.mark.parametrize("path", list(REFERENCES), ids=lambda p: p.name)
+def test_recipe_reference_is_current(path):
+    current = path.read_text(encoding="utf-8") if path.exists() else ""
+    assert current == reference_markdown(REFERENCES[path]), f"{path.name} is stale: regenerate it with {REGENERATE}"

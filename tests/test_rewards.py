@@ -4,12 +4,13 @@ tokenizer; bad reward output is caught with the function named."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import sys
 
 import pytest
 import torch
 
-from lora_ppo.config import RewardConfig
+from lora_ppo.config import ModelConfig, RewardConfig
 from lora_ppo.errors import RecipeError
 from lora_ppo.rewards import (
     RewardBatch,
@@ -64,7 +65,7 @@ def test_score_completions_checks_what_comes_back():
 def test_classifier_reward_uses_its_own_tokenizer(tiny_classifier_dir):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    fn = build_reward(RewardConfig(kind="classifier", model=str(tiny_classifier_dir)))
+    fn = build_reward(RewardConfig(kind="classifier", model=str(tiny_classifier_dir), quantization="none"))
     prompts, completions = ["the film", "a film"], [" good great", " bad"]
     scores = score_completions(fn, RewardBatch(prompts, completions))
     tok = AutoTokenizer.from_pretrained(tiny_classifier_dir)
@@ -136,21 +137,18 @@ def test_two_argument_and_trl_written_functions_work_unchanged(tiny_tokenizer):
 
 
 def test_a_function_that_needs_a_missing_column_is_refused_before_training():
-    from lora_ppo.rewards import RewardSources
-    from tests import reward_fns
+    from lora_ppo.rewards import check_reward_columns
 
+    needs = RewardConfig(kind="function", function="tests.reward_fns:needs_solution")
     with pytest.raises(RecipeError, match=r"reward.function: needs_solution needs column 'solution', which "
                                           r"'data.jsonl' does not have \(columns besides the prompt: answer\)"):
-        RewardSources(reward_fns.needs_solution).check_columns(["answer"], "data.jsonl")
-    RewardSources(reward_fns.needs_solution).check_columns(["solution"], "data.jsonl")
+        check_reward_columns(needs, ["answer"], "data.jsonl")
+    check_reward_columns(needs, ["solution"], "data.jsonl")
     with pytest.raises(RecipeError, match="reward.answer_column: column 'answer' not in 'd' "):
-        build_reward_sources_for("math_answer", "answer").check_columns(["solution"], "d")
-
-
-def build_reward_sources_for(kind, column):
-    from lora_ppo.rewards import build_reward_sources
-
-    return build_reward_sources(RewardConfig(kind=kind, answer_column=column))
+        check_reward_columns(RewardConfig(kind="math_answer", answer_column="answer"), ["solution"], "d")
+    mixed = RewardConfig(sources=[{"kind": "vader"}, {"kind": "function", "function": "tests.reward_fns:needs_solution"}])
+    with pytest.raises(RecipeError, match="needs column 'solution'"):
+        check_reward_columns(mixed, [], "d")
 
 
 def test_math_answer_and_exact_match_rewards(tiny_tokenizer):
@@ -199,3 +197,78 @@ def test_columns_follow_their_prompt_through_shuffling_batching_and_groups(tmp_p
         assert call["key"][0::2] == call["key"][1::2]  # each prompt twice in a row
     # Two steps of two prompts each, shuffled: not simply the file's order.
     assert [c["key"][0::2] for c in training_calls] != [[0, 1], [2, 3]]
+
+
+def test_weighted_sources_mix_and_each_is_named_in_its_errors(tiny_tokenizer):
+    from lora_ppo.rewards import RewardError, build_reward_sources
+
+    cfg = RewardConfig(sources=[
+        {"kind": "function", "function": "tests.reward_fns:count_letter_e", "weight": 2.0},
+        {"kind": "exact_match", "answer_column": "answer", "weight": -1.0, "name": "matches"},
+    ])
+    sources = build_reward_sources(cfg, ModelConfig())
+    rows = _rows(tiny_tokenizer)  # answers "0", "1", "2"
+    said = sources.score(RewardBatch.from_rows(rows, ["eee", "1", "e"]))
+    assert said.by_source == {"count_letter_e": [3.0, 0.0, 1.0], "matches": [0.0, 1.0, 0.0]}
+    assert said.total == [6.0, -1.0, 2.0]
+    broken = build_reward_sources(RewardConfig(sources=[{"kind": "vader"}, {
+        "kind": "function", "function": "tests.reward_fns:wrong_count", "name": "judge"}]), ModelConfig())
+    with pytest.raises(RewardError, match="reward function judge returned 1 scores for 3 completions"):
+        broken.score(RewardBatch.from_rows(rows, ["a", "b", "c"]))
+
+
+@pytest.fixture(scope="module")
+def templated_classifier_dir(tiny_classifier_dir, tmp_path_factory):
+    """The tiny classifier, with a chat template of its own (as reward models have)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = Path(shutil.copytree(tiny_classifier_dir, tmp_path_factory.mktemp("templated") / "rm"))
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_classifier_scores_the_conversation_in_its_own_template(templated_classifier_dir, tiny_tokenizer):
+    """The classifier sees the dataset's prompt as the user turn and the completion as the
+    assistant turn, in its own template: never the policy's chat markup."""
+    fn = build_reward(RewardConfig(kind="classifier", model=str(templated_classifier_dir), quantization="none"))
+    assert fn.text("the film", " good") == "[user] the film [assistant]  good "
+    conversation = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "a film"}]
+    assert fn.text(conversation, [{"role": "assistant", "content": "great"}]) == \
+        "[system] be kind [user] a film [assistant] great "
+    rows = _rows(tiny_tokenizer)  # their text is wrapped in the policy's <|im_start|> template
+    seen = []
+    original = fn.text
+    fn.text = lambda prompt, completion: seen.append(prompt) or original(prompt, completion)
+    score_completions(fn, RewardBatch.from_rows(rows, ["good", "bad", "film"]))
+    assert seen == ["question 0", "question 1", "question 2"]
+
+
+def test_classifier_truncation_keeps_the_scored_end(tiny_classifier_dir):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    fn = build_reward(RewardConfig(kind="classifier", model=str(tiny_classifier_dir), quantization="none",
+                                   max_length=4))
+    long_text = "the film " * 10
+    [score] = score_completions(fn, RewardBatch(["" ], [long_text + "good great"]))
+    tok = AutoTokenizer.from_pretrained(tiny_classifier_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_classifier_dir)
+    ids = tok(long_text + "good great")["input_ids"][-4:]  # the end survives, the start goes
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([ids])).logits[0, 1].item()
+    assert score == pytest.approx(expected, abs=1e-5)
+
+
+def test_classifier_loads_in_4bit_like_the_policy(tiny_classifier_dir):
+    import bitsandbytes as bnb
+
+    fn = build_reward(RewardConfig(kind="classifier", model=str(tiny_classifier_dir)), ModelConfig(quantization="4bit"))
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in fn.model.modules())
+    scores = score_completions(fn, RewardBatch(["the film", "a film"], [" good great", " bad"]))
+    assert len(scores) == 2 and all(math.isfinite(s) for s in scores)
+    plain = build_reward(RewardConfig(kind="classifier", model=str(tiny_classifier_dir), quantization="none"),
+                         ModelConfig(quantization="4bit"))
+    assert not any(isinstance(m, bnb.nn.Linear4bit) for m in plain.model.modules())

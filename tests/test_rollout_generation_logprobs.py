@@ -74,10 +74,10 @@ def test_recording_does_not_change_what_is_sampled(roles, tokenizer, rows):
 def test_rollout_with_generation_logprobs_matches_a_rescored_rollout(roles, tokenizer, rows):
     base = dict(batch_size=4, max_new_tokens=6, temperature=0.9, forward_batch_size=3)
     torch.manual_seed(2)
-    rescored = collect_rollout(Sampler(roles, tokenizer, RolloutConfig(**base)), rows, RewardSources(count_letter_e))
+    rescored = collect_rollout(Sampler(roles, tokenizer, RolloutConfig(**base)), rows, RewardSources.of(count_letter_e))
     torch.manual_seed(2)
     recorded = collect_rollout(Sampler(roles, tokenizer, RolloutConfig(**base, logprobs_from_generation=True)),
-                               rows, RewardSources(count_letter_e))
+                               rows, RewardSources.of(count_letter_e))
     assert torch.equal(rescored.response_ids, recorded.response_ids)
     m = rescored.response_mask
     torch.testing.assert_close(recorded.old_logprobs[m], rescored.old_logprobs[m], atol=1e-4, rtol=0)

@@ -41,7 +41,7 @@ def _rollout(roles, tokenizer, temperature=1.0, seed=0, prompts=PROMPTS) -> Roll
     torch.manual_seed(seed)
     cfg = RolloutConfig(batch_size=len(prompts), max_new_tokens=8, temperature=temperature,
                         forward_batch_size=3)
-    rollout = collect_rollout(Sampler(roles, tokenizer, cfg), prompt_rows(tokenizer, prompts), RewardSources(count_letter_e))
+    rollout = collect_rollout(Sampler(roles, tokenizer, cfg), prompt_rows(tokenizer, prompts), RewardSources.of(count_letter_e))
     lengths = torch.tensor(LENGTHS[: len(prompts)])
     mask = torch.arange(rollout.response_ids.shape[1])[None, :] < lengths[:, None]
     ids = torch.where(mask, rollout.response_ids, torch.full_like(rollout.response_ids, tokenizer.pad_token_id))

@@ -135,8 +135,9 @@ def test_out_may_not_hold_the_checkpoint(run_copy):
 @pytest.mark.parametrize("options, expected", [
     ({"dtype": "int4"}, "dtype must be one of bf16, fp16, fp32"),
     ({"base": "quantized"}, "base must be one of original, dequantized"),
-    ({"adapter": "critic"}, "adapter must be one of policy, value"),
-    ({"adapter": "reward"}, "adapter must be one of policy, value"),
+    ({"adapter": "critic"}, "adapter must be one of policy, value, reward"),
+    ({"adapter": "reward"}, "only the policy adapter can be merged"),
+    ({"adapter": "reward", "adapter_only": True}, "has no reward adapter"),
 ])
 def test_bad_options(trained_run, tmp_path, options, expected):
     with pytest.raises(RecipeError, match=expected):
@@ -215,7 +216,8 @@ def test_cli_existing_out_needs_force(trained_run, tmp_path):
 
 @pytest.mark.parametrize("option, expected", [
     (["--dtype", "fp8"], "dtype must be one of"),
-    (["--adapter", "reward", "--adapter-only"], "adapter must be one of policy, value, got 'reward'"),
+    (["--adapter", "critic", "--adapter-only"], "adapter must be one of policy, value, reward, got 'critic'"),
+    (["--adapter", "reward", "--adapter-only"], "has no reward adapter (no reward/ folder)"),
 ])
 def test_cli_bad_option_exits_2(trained_run, tmp_path, option, expected):
     result = runner.invoke(app, ["merge-and-export", str(trained_run), "--out", str(tmp_path / "o"), *option])

@@ -1,0 +1,151 @@
+"""Alarms: the known signs of a failing PPO run, read off the metrics history (pure Python). Each
+says what is wrong, what usually causes it, and which recipe fields to look at.
+
+    alarm                 fires when
+    kl_runaway            the KL grew 4 steps in a row to over 8 nats per response, or is far above ppo.target_kl
+    negative_kl           the mean KL is clearly negative 2 steps in a row
+    entropy_collapse      the policy's entropy fell near 0, or under a tenth of where it started
+    overclipping          the clip fraction is above 0.3, or the mean ratio far from 1
+    empty_responses       responses that used to have tokens shrank to (nearly) nothing
+    pinned_length         responses that used to stop now run to rollout.max_new_tokens
+    reward_gaming         the reward rose over 5 steps while an independent side metric fell
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+ALARMS = ("kl_runaway", "negative_kl", "entropy_collapse", "overclipping", "empty_responses", "pinned_length",
+          "reward_gaming")
+KL_WINDOW = 4  # steps of growth before the KL counts as running away
+KL_HIGH = 8.0  # nats per response: early growth below this is the policy learning, not drifting
+TARGET_KL_FACTOR = 3.0  # "far above ppo.target_kl"
+NEGATIVE_KL = -0.2  # nats per response: k1 is unbiased but noisy; below this twice is a mismatch
+ENTROPY_FLOOR = 0.05  # nats per token
+ENTROPY_FRACTION = 0.1
+MAX_CLIPFRAC = 0.3
+MAX_RATIO_DRIFT = 0.2
+EMPTY_LENGTH = 1.5  # tokens
+PINNED_FRACTION = 0.98  # of rollout.max_new_tokens
+STOPPED_BEFORE = 0.2  # a run "used to stop" when at least this share of its first responses did
+GAMING_WINDOW = 5
+GAMING_DROP = 0.05  # how far the side metric must fall over the window
+
+
+@dataclass(frozen=True)
+class Alarm:
+    name: str
+    message: str
+
+
+@dataclass(frozen=True)
+class AlarmSettings:
+    """What the alarms need from the recipe."""
+
+    max_new_tokens: int
+    target_kl: Optional[float] = None
+    side_metrics: tuple[str, ...] = ()  # objective/<name> of the scores logged beside the reward
+
+
+def check_alarms(history: Sequence[dict], settings: AlarmSettings) -> list[Alarm]:
+    """The alarms the metrics history (oldest first, the newest step last) raises now."""
+    if not history:
+        return []
+    checks = (_kl_runaway, _negative_kl, _entropy_collapse, _overclipping, _empty_responses, _pinned_length,
+              _reward_gaming)
+    return [alarm for check in checks for alarm in check(history, settings)]
+
+
+def _series(history: Sequence[dict], key: str) -> list[float]:
+    return [float(m[key]) for m in history if key in m and not m.get("guard/skipped")]
+
+
+def _kl_runaway(history, settings) -> list[Alarm]:
+    kl = _series(history, "objective/kl")
+    if not kl:
+        return []
+    growing = (len(kl) >= KL_WINDOW and all(a < b for a, b in zip(kl[-KL_WINDOW:], kl[-KL_WINDOW + 1:]))
+               and kl[-1] > KL_HIGH)
+    far = settings.target_kl is not None and kl[-1] > TARGET_KL_FACTOR * settings.target_kl
+    if not (growing or far):
+        return []
+    how = (f"far above ppo.target_kl ({settings.target_kl:g})" if far else f"growing {KL_WINDOW} steps in a row")
+    return [Alarm("kl_runaway", f"KL to the reference is {kl[-1]:.2f} nats per response, {how}: the policy is "
+                  "drifting from the reference faster than the reward justifies. Raise ppo.kl_coef, lower "
+                  "ppo.learning_rate, or set ppo.target_kl to adapt the coefficient.")]
+
+
+def _negative_kl(history, settings) -> list[Alarm]:
+    kl = _series(history, "objective/kl")
+    if len(kl) < 2 or not (kl[-1] < NEGATIVE_KL and kl[-2] < NEGATIVE_KL):
+        return []
+    return [Alarm("negative_kl", f"the mean KL is {kl[-1]:.2f}, negative two steps in a row: the responses were "
+                  "sampled from another distribution than the one scored. Check rollout.temperature, rollout.top_k "
+                  "and rollout.top_p, and whether the reference (adapters.reference) is what the policy started from.")]
+
+
+def _entropy_collapse(history, settings) -> list[Alarm]:
+    entropy = _series(history, "policy/entropy")
+    if not entropy or not (entropy[-1] < ENTROPY_FLOOR or entropy[-1] < ENTROPY_FRACTION * entropy[0]):
+        return []
+    return [Alarm("entropy_collapse", f"the policy's entropy fell to {entropy[-1]:.3f} nats per token (from "
+                  f"{entropy[0]:.3f}): it has become nearly deterministic and stops exploring. Raise "
+                  "ppo.entropy_coef or ppo.kl_coef, or lower ppo.learning_rate.")]
+
+
+def _overclipping(history, settings) -> list[Alarm]:
+    clipfrac, ratio = _series(history, "policy/clipfrac"), _series(history, "policy/ratio")
+    too_clipped = bool(clipfrac) and clipfrac[-1] > MAX_CLIPFRAC
+    drifted = bool(ratio) and abs(ratio[-1] - 1.0) > MAX_RATIO_DRIFT
+    if not (too_clipped or drifted):
+        return []
+    seen = f"clip fraction {clipfrac[-1]:.2f}" if too_clipped else f"mean ratio {ratio[-1]:.2f}"
+    return [Alarm("overclipping", f"{seen}: each update moves the policy too far from the one that sampled. Lower "
+                  "ppo.learning_rate or ppo.num_epochs, or raise ppo.num_minibatches; ppo.ratio_threshold skips "
+                  "such minibatches.")]
+
+
+def _empty_responses(history, settings) -> list[Alarm]:
+    length = _series(history, "response/length")
+    if len(length) < 2 or not (length[-1] < EMPTY_LENGTH <= length[0]):
+        return []
+    return [Alarm("empty_responses", f"responses shrank to {length[-1]:.1f} tokens on average (from "
+                  f"{length[0]:.1f}): the reward may favour saying nothing. Check the reward, ppo.length_penalty "
+                  "and the stop token (rollout.stop_token).")]
+
+
+def _pinned_length(history, settings) -> list[Alarm]:
+    length, stopped = _series(history, "response/length"), _series(history, "response/stopped_frac")
+    if len(length) < 2 or not stopped:
+        return []
+    pinned = length[-1] >= PINNED_FRACTION * settings.max_new_tokens and stopped[-1] < 0.05
+    if not (pinned and stopped[0] >= STOPPED_BEFORE):
+        return []
+    return [Alarm("pinned_length", f"responses now run to rollout.max_new_tokens ({settings.max_new_tokens}) "
+                  f"without stopping ({stopped[-1]:.0%} stop, {stopped[0]:.0%} did at first): the reward may favour "
+                  "length. Set rollout.missing_eos_penalty, or a ppo.length_penalty per token.")]
+
+
+def _slope(values: Sequence[float]) -> float:
+    """Least-squares slope per step."""
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    denominator = sum((x - mean_x) ** 2 for x in range(n))
+    return sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values)) / denominator if denominator else 0.0
+
+
+def _reward_gaming(history, settings) -> list[Alarm]:
+    scores = _series(history, "objective/scores")
+    if len(scores) < GAMING_WINDOW:
+        return []
+    window = scores[-GAMING_WINDOW:]
+    alarms = []
+    for name in settings.side_metrics:
+        side = _series(history, f"objective/{name}")[-GAMING_WINDOW:]
+        if len(side) == GAMING_WINDOW and _slope(window) > 0 and _slope(side) < 0 and max(side) - side[-1] > GAMING_DROP:
+            alarms.append(Alarm("reward_gaming", f"the reward rose ({window[0]:.3f} -> {window[-1]:.3f}) over "
+                                f"{GAMING_WINDOW} steps while {name}, which the policy never sees, fell "
+                                f"({side[0]:.3f} -> {side[-1]:.3f}): the policy may be gaming the reward. Read "
+                                "samples.jsonl; raise ppo.kl_coef, or fix the reward."))
+    return alarms[:1]

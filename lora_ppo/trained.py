@@ -1,0 +1,92 @@
+"""Use what a run trained: load a run folder (its final/) or a checkpoint folder into the parts its
+recipe builds, with the trained policy adapter in place; evaluate it (`lora-ppo eval`) or sample
+from it beside the reference (`lora-ppo generate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from lora_ppo import checkpoint
+from lora_ppo.config import Recipe, load_recipe
+from lora_ppo.data import PromptFormat, PromptRow, load_rows, prepare_rows
+from lora_ppo.errors import RecipeError
+from lora_ppo.evaluation import Evaluation
+from lora_ppo.export import find_checkpoint
+from lora_ppo.model import dequantized_once
+from lora_ppo.parts import Parts, build, evaluate_policy
+from lora_ppo.roles import POLICY, REFERENCE
+
+# Prompts of a --prompts file may be longer than the training limit, but not without bound.
+MAX_PROMPT_TOKENS = 4096
+
+
+@dataclass
+class Trained:
+    recipe: Recipe
+    folder: Path  # the checkpoint the policy adapter came from
+    step: Optional[int]
+    parts: Parts
+
+
+def load_trained(source: str | Path) -> Trained:
+    """The run's recipe and parts, with the policy adapter of `source` (a run folder: its final/;
+    or a checkpoint folder) loaded. Raises RecipeError for a missing or unusable checkpoint."""
+    found = find_checkpoint(source)
+    recipe = load_recipe(found.run.recipe, schema=None)
+    if not isinstance(recipe, Recipe):
+        raise RecipeError(f"{source}: a reward-model run; eval and generate take a PPO run")
+    parts = build(recipe)
+    checkpoint.load_adapters(found.folder, parts.roles, (POLICY,))
+    return Trained(recipe, found.folder, found.step, parts)
+
+
+def prompts_from_file(trained: Trained, path: str) -> list[PromptRow]:
+    """The prompts of a file (any form data.source takes: text or conversations in the `prompt`
+    column, or one per line in a .txt), formatted as the run formatted its prompts."""
+    cfg = trained.recipe.data
+    rows, _ = load_rows(path, "train", field_name="--prompts")
+    fmt = PromptFormat(trained.parts.tokenizer, cfg.chat_template, cfg.system_prompt)
+    prompts = prepare_rows(rows, cfg.prompt_column, fmt, MAX_PROMPT_TOKENS, path)
+    if not prompts.rows:
+        raise RecipeError(f"--prompts: no usable prompt in {path!r}")
+    return prompts.rows
+
+
+def evaluate_trained(trained: Trained, prompts: Optional[Sequence[PromptRow]] = None, samples: Optional[int] = None,
+                     progress: Optional[object] = None) -> Evaluation:
+    """The policy on `prompts` (default: the run's held-out prompts): reward, sources and side metrics,
+    KL to the reference (when the run has one), response length and distinct-1/2."""
+    if prompts is None and not trained.parts.eval_prompts.rows:
+        raise RecipeError("eval: the run has no held-out prompts; give some with --prompts")
+    return evaluate_policy(trained.parts, trained.recipe, prompts, samples, detailed=True, progress=progress)
+
+
+def generate(trained: Trained, prompts: Sequence[str], compare_reference: bool = False,
+             max_new_tokens: Optional[int] = None, seed: Optional[int] = None) -> list[dict]:
+    """One completion per prompt from the trained policy (and from the reference beside it),
+    sampled as the run samples (its temperature, top-k, top-p, stop token)."""
+    import torch
+
+    recipe, parts = trained.recipe, trained.parts
+    fmt = PromptFormat(parts.tokenizer, recipe.data.chat_template, recipe.data.system_prompt)
+    rows = prepare_rows([{"prompt": p} for p in prompts], "prompt", fmt, MAX_PROMPT_TOKENS, "the command line").rows
+    if len(rows) != len(prompts):
+        raise RecipeError("generate: a prompt is empty")
+    sampler = parts.sampler(recipe)
+    if max_new_tokens is not None:
+        sampler = sampler.with_settings(max_new_tokens=max_new_tokens)
+    roles = [POLICY, REFERENCE] if compare_reference else [POLICY]
+    if compare_reference and not recipe.adapters.reference_enabled:
+        raise RecipeError("--compare-reference: this run has no reference (adapters.reference: none)")
+    out = [{"prompt": p} for p in prompts]
+    with dequantized_once(parts.roles.peft, recipe.model):
+        for role in roles:
+            torch.manual_seed(recipe.train.seed if seed is None else seed)
+            samples = sampler.sample(rows, role=role)
+            for record, completion, length in zip(out, samples.completions, samples.response_mask.sum(dim=1).tolist()):
+                record[role] = completion
+                record[f"{role}_tokens"] = length  # the stop token included
+    return out

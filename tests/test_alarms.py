@@ -1,0 +1,76 @@
+"""Each alarm fires on a synthetic metrics stream showing its failure, says which recipe fields to
+look at, and a healthy run raises none."""
+
+from __future__ import annotations
+
+import pytest
+
+from lora_ppo.alarms import ALARMS, AlarmSettings, check_alarms
+
+SETTINGS = AlarmSettings(max_new_tokens=20, target_kl=None, side_metrics=("textblob",))
+
+
+def healthy(steps: int = 8) -> list[dict]:
+    """A run like the quickstart's: score and side metric rise together, KL moderate, clipping low."""
+    return [{"step": i + 1, "objective/scores": 0.2 + 0.05 * i, "objective/textblob": 0.1 + 0.04 * i,
+             "objective/kl": [0.0, 0.9, 1.0, 1.0, 2.3, 3.0, 4.8, 4.9][i % 8], "policy/entropy": 1.2 - 0.05 * i,
+             "policy/clipfrac": 0.05, "policy/ratio": 1.01, "response/length": 15.0, "response/stopped_frac": 0.4}
+            for i in range(steps)]
+
+
+def with_values(key: str, values: list[float], base=None) -> list[dict]:
+    rows = base or healthy(len(values))
+    return [{**row, key: value} for row, value in zip(rows, values)]
+
+
+def names(history, settings=SETTINGS) -> list[str]:
+    return [alarm.name for alarm in check_alarms(history, settings)]
+
+
+def test_a_healthy_run_raises_nothing():
+    assert names(healthy()) == [] and names([]) == []
+
+
+@pytest.mark.parametrize("history, settings, expected, field", [
+    (with_values("objective/kl", [3.0, 5.0, 7.0, 9.0, 12.0]), SETTINGS, "kl_runaway", "ppo.kl_coef"),
+    (with_values("objective/kl", [1.0, 2.0, 9.0]), AlarmSettings(20, target_kl=2.0), "kl_runaway", "ppo.target_kl"),
+    (with_values("objective/kl", [0.0, -0.5, -0.6]), SETTINGS, "negative_kl", "rollout.temperature"),
+    (with_values("policy/entropy", [1.2, 0.8, 0.04]), SETTINGS, "entropy_collapse", "ppo.entropy_coef"),
+    (with_values("policy/clipfrac", [0.05, 0.1, 0.45]), SETTINGS, "overclipping", "ppo.learning_rate"),
+    (with_values("policy/ratio", [1.0, 1.05, 1.6]), SETTINGS, "overclipping", "ppo.num_epochs"),
+    (with_values("response/length", [12.0, 6.0, 1.0]), SETTINGS, "empty_responses", "rollout.stop_token"),
+    (with_values("response/stopped_frac", [0.5, 0.2, 0.0], with_values("response/length", [14, 18, 20])), SETTINGS,
+     "pinned_length", "rollout.missing_eos_penalty"),
+    (with_values("objective/textblob", [0.40, 0.38, 0.33, 0.30, 0.25]), SETTINGS, "reward_gaming", "ppo.kl_coef"),
+])
+def test_each_alarm_fires_on_its_failure_and_names_what_to_change(history, settings, expected, field):
+    alarms = check_alarms(history, settings)
+    assert [a.name for a in alarms] == [expected]
+    assert field in alarms[0].message and "\n" not in alarms[0].message
+
+
+def test_alarms_need_a_trend_not_a_single_value():
+    # Pinned from the first step (the quickstart's openers run to the limit by design): no collapse.
+    assert "pinned_length" not in names(with_values("response/stopped_frac", [0.0, 0.0, 0.0],
+                                                    with_values("response/length", [20, 20, 20])))
+    # Short from the first step: not a collapse either.
+    assert "empty_responses" not in names(with_values("response/length", [1.0, 1.0, 1.0]))
+    # KL growing as the policy learns, but not high.
+    assert "kl_runaway" not in names(with_values("objective/kl", [1.0, 2.3, 3.0, 4.8, 4.9]))
+    # One negative step is noise.
+    assert "negative_kl" not in names(with_values("objective/kl", [0.5, 0.4, -0.5]))
+    # The side metric falls while the reward falls too: not gaming.
+    falling = with_values("objective/scores", [0.5, 0.4, 0.3, 0.2, 0.1],
+                          with_values("objective/textblob", [0.40, 0.38, 0.33, 0.30, 0.25]))
+    assert "reward_gaming" not in names(falling)
+
+
+def test_skipped_steps_are_not_read():
+    history = with_values("objective/kl", [6.0, 5.0, 7.0, 9.0, 12.0])
+    assert "kl_runaway" in names(history)
+    history[-1]["guard/skipped"] = 1.0
+    assert "kl_runaway" not in names(history)
+
+
+def test_every_alarm_is_listed():
+    assert len(set(ALARMS)) == 7

@@ -1,0 +1,97 @@
+"""`lora-ppo report`: the plots have content, the page references every plot and holds the
+held-out table and the completions before and after, and a folder without a run is refused."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from lora_ppo.cli import app
+from lora_ppo.report import plots_for, write_report
+from lora_ppo.run_dir import read_jsonl
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, finished_run) -> Path:
+    run = tmp_path_factory.mktemp("report") / "run"
+    shutil.copytree(finished_run, run)
+    result = runner.invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    page = Path(result.stdout.strip())
+    assert page == run / "report" / "index.html"
+    return page
+
+
+def _pixels(png: Path):
+    from matplotlib import image
+
+    return image.imread(str(png))
+
+
+def test_every_plot_has_content(report):
+    metrics = read_jsonl(report.parents[1] / "metrics.jsonl")
+    names = {p.name for p in plots_for(metrics)}
+    # A PPO run with a critic and a side metric fills every figure.
+    assert names == {"score", "kl", "entropy", "clipping", "value", "length", "time", "memory"}
+    for name in names:
+        pixels = _pixels(report.parent / "plots" / f"{name}.png")
+        assert pixels.shape[0] > 200 and pixels.shape[1] > 300
+        # Not a blank canvas: many distinct colours (lines, text), not one background.
+        assert len({tuple(px) for px in pixels.reshape(-1, pixels.shape[-1])[::7].tolist()}) > 20, name
+
+
+def test_page_references_each_plot_and_holds_the_tables(report, finished_run):
+    page = report.read_text(encoding="utf-8")
+    # Self-contained: the images are inlined, so the page can be mailed on its own.
+    inlined = re.findall(r"<img[^>]+src='data:image/png;base64,", page)
+    assert len(inlined) == len(list((report.parent / "plots").glob("*.png")))
+    for name in ("score", "kl", "entropy", "clipping", "value", "length", "time", "memory"):
+        assert f"data-file='plots/{name}.png'" in page
+    summary = json.loads((finished_run / "summary.json").read_text())
+    assert "held-out" in page and f"{summary['heldout_score_after']:.3f}" in page
+    assert "textblob" in page
+    before = read_jsonl(finished_run / "eval_before.jsonl")
+    after = read_jsonl(finished_run / "eval_after.jsonl")
+    assert [r["prompt"] for r in before] == [r["prompt"] for r in after]
+    import html
+
+    for record in (before[0], after[0]):
+        assert html.escape(record["completion"]) in page
+    assert "steps:" in page and "clip_eps" in page  # the recipe
+
+
+def test_report_of_a_folder_without_a_run_is_refused(tmp_path):
+    result = runner.invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: report:") and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "report").exists()
+
+
+def test_report_of_an_unfinished_run(tmp_path, finished_run):
+    # A run interrupted before its final evaluation: plots and the steps so far, no after table.
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "summary.json").unlink()
+    (run / "eval_after.jsonl").unlink()
+    page = write_report(run).read_text(encoding="utf-8")
+    assert "data-file='plots/score.png'" in page and "not finished" in page
+    assert "(not evaluated yet)" in page
+
+
+@pytest.mark.skipif(not (shutil.which("chromium") or shutil.which("chromium-browser")), reason="no Chromium")
+def test_page_renders_in_a_browser(report, tmp_path):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    shot = tmp_path / "page.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--screenshot={shot}", "--window-size=1280,2400", report.as_uri()],
+                   check=True, capture_output=True, timeout=120)
+    pixels = _pixels(shot)
+    assert len({tuple(px) for px in pixels.reshape(-1, pixels.shape[-1])[::11].tolist()}) > 50

@@ -1,0 +1,276 @@
+"""`lora-ppo train-reward` on the tiny 4-bit model: a reward adapter trained on a separable
+preference set ranks held-out pairs well; bad pairs are counted; the run folder, checkpoints and
+resume behave like PPO's; the result plugs into PPO as `reward.kind: adapter` on the one backbone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from lora_ppo.cli import app
+from lora_ppo.config import PreferenceDataConfig, RewardRecipe, recipe_from_dict
+from lora_ppo.data import PromptFormat, load_preference_sets, prepare_pairs
+from lora_ppo.reward_training import RewardTrainer, pair_batch, pairwise_loss
+from tests.conftest import adapter_tensors, tiny_recipe_dict
+
+GOOD = ["great", "wonderful", "lovely", "masterpiece"]
+BAD = ["terrible", "boring", "dull", "awful"]
+
+
+def preference_rows(n: int, start: int = 0) -> list[dict]:
+    """Pairs a reward model can separate: the chosen response praises, the rejected one pans."""
+    rows = []
+    for i in range(start, start + n):
+        prompt = f"Review {i}: the film was"
+        rows.append({"prompt": prompt, "chosen": f" {GOOD[i % 4]} and {GOOD[(i + 1) % 4]}",
+                     "rejected": f" {BAD[i % 4]} and {BAD[(i + 1) % 4]}"})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def reward_recipe_dict(model_dir: Path, data: Path, held_out: Path, out: Path, **train) -> dict:
+    return {
+        "model": {"name": str(model_dir), "quantization": "4bit", "gradient_checkpointing": False},
+        "adapter": {"r": 4, "alpha": 8},
+        "data": {"source": str(data), "eval_source": str(held_out), "eval_split": "train", "eval_size": 16,
+                 "max_length": 64},
+        "train": {"epochs": 2, "batch_size": 8, "learning_rate": 3e-2, "eval_every": 5, "output_dir": str(out),
+                  "lr_schedule": "constant", **train},
+    }
+
+
+@pytest.fixture(scope="session")
+def reward_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """A trained tiny reward adapter: 48 training pairs, 2 epochs, 16 held-out pairs."""
+    root = tmp_path_factory.mktemp("reward-run")
+    data = write_jsonl(root / "train.jsonl", preference_rows(48))
+    held_out = write_jsonl(root / "held_out.jsonl", preference_rows(16, start=1000))
+    recipe = recipe_from_dict(reward_recipe_dict(tiny_model_dir, data, held_out, root / "run"), schema=RewardRecipe)
+    RewardTrainer(recipe, progress=False).train()
+    return root / "run"
+
+
+def test_a_reward_adapter_learns_a_separable_preference(reward_run):
+    summary = json.loads((reward_run / "summary.json").read_text())
+    assert summary["heldout_pairs"] == 16 and summary["steps"] == 12
+    assert summary["heldout_accuracy_after"] >= 0.9 > 0.75 >= summary["heldout_accuracy_before"] - 0.25
+    assert summary["heldout_margin_after"] > summary["heldout_margin_before"] + 0.5
+    metrics = [json.loads(line) for line in (reward_run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    assert "eval/accuracy" in metrics[4] and "eval/margin" in metrics[9]
+    final = reward_run / "final" / "reward"
+    assert {p.name for p in final.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors",
+                                                   "reward_head.safetensors"}
+
+
+def test_pairs_are_scored_at_their_last_real_token_whatever_the_padding():
+    from lora_ppo.data import PreferencePair
+    from lora_ppo.roles import last_real_index
+
+    pairs = [PreferencePair("p", (5, 6, 7), (5, 6)), PreferencePair("q", (8,), (9, 10, 11, 12))]
+    ids, mask = pair_batch(pairs, pad_id=0, device="cpu")
+    assert ids.tolist() == [[5, 6, 7, 0], [8, 0, 0, 0], [5, 6, 0, 0], [9, 10, 11, 12]]
+    assert last_real_index(mask).tolist() == [2, 0, 1, 3]
+    left = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    assert last_real_index(left).tolist() == [3, 3]
+
+
+def test_pairwise_loss_with_and_without_margin():
+    chosen, rejected = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])
+    expected = -torch.nn.functional.logsigmoid(torch.tensor([2.0, 0.0]))
+    torch.testing.assert_close(pairwise_loss(chosen, rejected, torch.zeros(2)), expected)
+    with_margin = pairwise_loss(chosen, rejected, torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(with_margin, -torch.nn.functional.logsigmoid(torch.tensor([1.0, 0.0])))
+
+
+def test_preference_formats_and_bad_pairs_are_counted(tiny_tokenizer):
+    rows = [
+        {"prompt": "The film", "chosen": " good", "rejected": " bad"},  # explicit prompt, text
+        {"prompt": [{"role": "user", "content": "Rate it"}], "chosen": [{"role": "assistant", "content": "Great"}],
+         "rejected": [{"role": "assistant", "content": "Bad"}]},  # explicit conversational prompt
+        {"prompt": None, "chosen": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+         "rejected": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Go away"}]},  # implicit
+        {"prompt": None, "chosen": [{"role": "user", "content": "A"}, {"role": "assistant", "content": "x"}],
+         "rejected": [{"role": "user", "content": "B"}, {"role": "assistant", "content": "y"}]},  # prompts differ
+        {"prompt": "The film", "chosen": " same", "rejected": " same"},
+        {"prompt": "The film", "chosen": None, "rejected": " bad"},
+        {"prompt": "The film", "chosen": "", "rejected": " bad"},
+        {"prompt": "The film", "chosen": " good " * 100, "rejected": " bad"},
+        {"prompt": None, "chosen": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}],
+         "rejected": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "z"}]},  # no answer last
+    ]
+    cfg = PreferenceDataConfig(max_length=48)
+    pairs = prepare_pairs(rows, cfg, PromptFormat(tiny_tokenizer, False), tiny_tokenizer.eos_token_id, "d")
+    assert len(pairs.pairs) == 3
+    assert pairs.dropped == {"prompt_mismatch": 1, "chosen_equals_rejected": 1, "not_text": 1, "empty": 1,
+                             "too_long": 1, "last_turn_not_assistant": 1}
+    text_pair = pairs.pairs[0]
+    prompt_ids = tiny_tokenizer("The film")["input_ids"]
+    assert text_pair.chosen_ids[: len(prompt_ids)] == tuple(prompt_ids)
+    assert text_pair.chosen_ids[-1] == tiny_tokenizer.eos_token_id  # the response ends as the policy's do
+    implicit = pairs.pairs[2]
+    assert implicit.prompt == [{"role": "user", "content": "Hi"}]
+
+
+def test_no_usable_pair_refuses_in_one_line(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "chosen": " a", "rejected": " a"}])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(reward_recipe_dict(tiny_model_dir, data, data, tmp_path / "run")))
+    result = CliRunner().invoke(app, ["train-reward", str(recipe)])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: data.source: no usable preference pairs in {str(data)!r} (1 chosen_equals_rejected)"
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.batch_size=6", "train.batch_size (6) must be divisible by grad_accum_steps"),
+    ("data.chosen=c", "data.chosen: unknown field (did you mean data.chosen_column?)"),
+    ("train.learning_rate=-1", "train.learning_rate"),
+])
+def test_bad_reward_recipe_is_one_line_exit_2(tmp_path, tiny_model_dir, override, message):
+    data = write_jsonl(tmp_path / "p.jsonl", preference_rows(4))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(reward_recipe_dict(tiny_model_dir, data, data, tmp_path / "run",
+                                                        grad_accum_steps=4)))
+    result = CliRunner().invoke(app, ["train-reward", str(recipe), override])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert message in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_resume_continues_exactly(tmp_path, tiny_model_dir, monkeypatch):
+    """A run killed after a checkpoint and resumed ends with the adapter and metrics an
+    uninterrupted run has."""
+    data = write_jsonl(tmp_path / "train.jsonl", preference_rows(24))
+    held_out = write_jsonl(tmp_path / "held.jsonl", preference_rows(8, start=500))
+
+    def recipe(out, **train):
+        return recipe_from_dict(reward_recipe_dict(tiny_model_dir, data, held_out, out, epochs=1, batch_size=4,
+                                                   save_every=2, eval_every=0, lr_schedule="linear", **train),
+                                schema=RewardRecipe)
+
+    RewardTrainer(recipe(tmp_path / "whole"), progress=False).train()
+    real_step = RewardTrainer.train_step
+
+    def killed_in_step_5(self):
+        metrics = real_step(self)
+        if self.state.step == 5:  # step 5 done, its checkpoint not yet written: lost
+            raise KeyboardInterrupt
+        return metrics
+
+    monkeypatch.setattr(RewardTrainer, "train_step", killed_in_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        RewardTrainer(recipe(tmp_path / "parts"), progress=False).train()
+    monkeypatch.undo()
+    RewardTrainer(recipe(tmp_path / "parts"), progress=False, resume="auto").train()
+    whole, parts = (adapter_tensors(tmp_path / run / "final" / "reward") for run in ("whole", "parts"))
+    assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
+
+    def steps(run):
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "memory/"))}
+                for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    assert steps("parts") == steps("whole") and len(steps("whole")) == 6
+
+
+def test_ppo_with_the_reward_adapter_holds_one_base_model(tmp_path, tiny_model_dir, reward_run, monkeypatch):
+    """reward.kind: adapter scores on the policy's backbone: one base model is loaded, the reward
+    adapter never gets a gradient nor changes, and the run folder keeps a copy of it."""
+    import lora_ppo
+    import lora_ppo.parts as parts_module
+    from lora_ppo.roles import REWARD
+
+    loads = []
+    real_load = parts_module.load_base_model
+
+    def counted(cfg):
+        loads.append(cfg.name)
+        return real_load(cfg)
+
+    monkeypatch.setattr(parts_module, "load_base_model", counted)
+    adapter = reward_run / "final" / "reward"
+    recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(
+        tiny_model_dir, tmp_path / "run", reward={"kind": "adapter", "adapter": str(adapter), "function": None},
+        train={"steps": 2, "eval": False}, ppo={"learning_rate": 5e-2},
+    ))
+    trainer = lora_ppo.PPOTrainer(recipe, progress=False)
+    roles = trainer.roles
+    frozen_before = {n: p.detach().clone() for n, p in roles.peft.named_parameters() if f".{REWARD}." in n}
+    head_before = roles.heads[REWARD].weight.detach().clone()
+    trainer.train()
+    assert loads == [str(tiny_model_dir)]
+    assert REWARD in roles.peft.peft_config and frozen_before
+    for name, param in roles.peft.named_parameters():
+        if f".{REWARD}." in name:
+            assert not param.requires_grad and param.grad is None
+            assert torch.equal(param.detach(), frozen_before[name]), name
+    assert torch.equal(roles.heads[REWARD].weight.detach(), head_before)
+    assert not roles.heads[REWARD].weight.requires_grad
+    saved = adapter_tensors(tmp_path / "run" / "final" / "reward")
+    assert all(torch.equal(saved[k], t) for k, t in adapter_tensors(adapter).items())
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(isinstance(m["objective/scores"], float) for m in metrics)
+
+
+def test_reward_adapter_scores_equal_a_direct_forward(tiny_model_dir, reward_run, tiny_tokenizer):
+    """The score PPO uses is the trained head on the reward adapter's last hidden state of the
+    prompt + response, whatever the left padding of the prompt."""
+    from lora_ppo.config import AdaptersConfig, ModelConfig
+    from lora_ppo.model import load_base_model
+    from lora_ppo.roles import RoleModel
+
+    adapter = str(reward_run / "final" / "reward")
+    roles = RoleModel(load_base_model(ModelConfig(name=str(tiny_model_dir))),
+                      AdaptersConfig(policy={"r": 4}, value={"r": 4}), reward_adapter=adapter)
+    good = tiny_tokenizer("Review 5: the film was great and wonderful")["input_ids"] + [tiny_tokenizer.eos_token_id]
+    bad = tiny_tokenizer("Review 5: the film was terrible and dull")["input_ids"] + [tiny_tokenizer.eos_token_id]
+    width = max(len(good), len(bad)) + 2
+    ids = torch.tensor([[0] * (width - len(s)) + s for s in (good, bad)])
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in (good, bad)])
+    scores = roles.reward_scores(ids, mask)
+    alone = roles.reward_scores(torch.tensor([good]), torch.ones(1, len(good), dtype=torch.long))
+    torch.testing.assert_close(scores[0], alone[0], atol=1e-5, rtol=1e-5)
+    assert scores[0] > scores[1]
+
+
+def test_value_init_from_reward_copies_the_reward_adapter_and_head(tiny_model_dir, reward_run):
+    from lora_ppo.config import AdaptersConfig, ModelConfig
+    from lora_ppo.model import load_base_model
+    from lora_ppo.roles import REWARD, VALUE, RoleModel
+
+    roles = RoleModel(load_base_model(ModelConfig(name=str(tiny_model_dir))),
+                      AdaptersConfig(policy={"r": 4}, value={"init_from": "reward"}),
+                      reward_adapter=str(reward_run / "final" / "reward"))
+    value = {n.replace(f".{VALUE}.", "."): p for n, p in roles.peft.named_parameters() if f".{VALUE}." in n}
+    reward = {n.replace(f".{REWARD}.", "."): p for n, p in roles.peft.named_parameters() if f".{REWARD}." in n}
+    assert value.keys() == reward.keys() and value
+    assert all(torch.equal(value[k], reward[k]) for k in value)
+    torch.testing.assert_close(roles.value_head.weight, roles.heads[REWARD].weight)
+    assert all(p.requires_grad for p in roles.value_parameters())
+    assert not any(p.requires_grad for p in reward.values())
+
+
+def test_the_reward_adapter_exports_with_its_head(reward_run, tmp_path):
+    from lora_ppo.export import merge_and_export
+
+    report = merge_and_export(reward_run, tmp_path / "exported", adapter="reward", adapter_only=True)
+    assert {"adapter_model.safetensors", "reward_head.safetensors", "README.md"} <= set(report.files)
+    card = (tmp_path / "exported" / "README.md").read_text()
+    assert "reward_head.safetensors" in card
+
+
+def test_held_out_split_off_the_training_pairs(tiny_tokenizer, tmp_path):
+    data = write_jsonl(tmp_path / "p.jsonl", preference_rows(20))
+    train, held = load_preference_sets(PreferenceDataConfig(source=str(data), eval_size=5), tiny_tokenizer, seed=3)
+    assert len(train.pairs) == 15 and len(held.pairs) == 5
+    assert not {p.chosen_ids for p in train.pairs} & {p.chosen_ids for p in held.pairs}

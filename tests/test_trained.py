@@ -1,0 +1,105 @@
+"""Using what a run trained: `lora-ppo eval` scores the final policy as the run's own after
+evaluation did; `lora-ppo generate` samples it (and the reference) on the command line's prompts;
+bad sources and options fail in one line."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+from typer.testing import CliRunner
+
+from lora_ppo.cli import app
+
+runner = CliRunner()
+
+
+def test_eval_of_the_final_policy_matches_the_runs_after_evaluation(finished_run):
+    result = runner.invoke(app, ["eval", str(finished_run), "--json", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    scores = json.loads(result.stdout)
+    summary = json.loads((finished_run / "summary.json").read_text())
+    # Same prompts, same seed, same adapter: the same completions and scores as the run's own
+    # evaluation after training, so eval is a faithful reading of the saved policy.
+    assert scores["score"] == summary["heldout_score_after"]
+    assert scores["textblob"] == summary["heldout_textblob_after"]
+    assert scores["step"] == 3 and scores["checkpoint"].endswith("final")
+    assert scores["kl"] > 0  # the policy moved off the reference in 3 steps at lr 1e-2
+    assert 0 < scores["length"] <= 6  # rollout.max_new_tokens
+    assert 0 < scores["distinct_1"] <= 1 and 0 < scores["distinct_2"] <= 1
+    for name in ("score", "kl", "length"):
+        assert scores[f"{name}_se"] >= 0
+
+
+def test_eval_on_a_prompts_file_and_several_samples(finished_run, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The film opens with\nI walked out of the cinema\n\n", encoding="utf-8")
+    records = tmp_path / "records.jsonl"
+    result = runner.invoke(app, ["eval", str(finished_run), "--prompts", str(prompts), "--samples", "3",
+                                 "--out", str(records), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    assert [(r["prompt"], r["sample"]) for r in lines] == [
+        ("The film opens with", 0), ("The film opens with", 1), ("The film opens with", 2),
+        ("I walked out of the cinema", 0), ("I walked out of the cinema", 1), ("I walked out of the cinema", 2),
+    ]
+    assert "6 completions of 2 prompts" in result.stdout
+    assert "distinct_2" in result.stdout and "±" in result.stdout
+
+
+def test_eval_of_a_checkpoint_folder(finished_run):
+    result = runner.invoke(app, ["eval", str(finished_run / "checkpoints" / "step-2"), "--json", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["step"] == 2
+
+
+def test_generate_policy_and_reference_side_by_side(finished_run):
+    args = ["generate", str(finished_run), "The film opens with", "My favourite scene", "--compare-reference",
+            "--max-new-tokens", "3", "--json"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    records = [json.loads(line) for line in first.stdout.splitlines()]
+    assert [r["prompt"] for r in records] == ["The film opens with", "My favourite scene"]
+    assert all({"policy", "reference"} <= r.keys() for r in records)
+    # Sampling is seeded: the same command gives the same completions.
+    assert runner.invoke(app, args).stdout == first.stdout
+    other_seed = runner.invoke(app, [*args, "--seed", "123"])
+    assert other_seed.exit_code == 0 and other_seed.stdout != first.stdout
+
+    assert all(1 <= r["policy_tokens"] <= 3 and 1 <= r["reference_tokens"] <= 3 for r in records)
+
+    plain = runner.invoke(app, ["generate", str(finished_run), "The film opens with"])
+    assert plain.exit_code == 0 and plain.stdout.startswith("prompt: The film opens with\n  policy: ")
+    assert "reference:" not in plain.stdout
+
+
+def test_bad_sources_and_options_fail_in_one_line(finished_run, tmp_path):
+    cases = [
+        (["eval", str(tmp_path)], "no complete checkpoint"),
+        (["eval", str(tmp_path / "missing")], "checkpoint not found"),
+        (["eval", str(finished_run), "--samples", "0"], "--samples must be >= 1"),
+        (["eval", str(finished_run), "--prompts", str(tmp_path / "none.txt")], "--prompts"),
+        (["generate", str(finished_run), "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["generate", str(finished_run), ""], "generate: a prompt is empty"),
+    ]
+    for args, expected in cases:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
+
+
+def test_saved_adapters_name_their_base_model_portably(finished_run):
+    # The path the recipe gave (a hub id when it gave one), never a cache folder of this machine.
+    model = yaml.safe_load((finished_run / "recipe.yaml").read_text())["model"]["name"]
+    for role in ("policy", "value"):
+        config = json.loads((finished_run / "final" / role / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == model
+
+
+def test_the_builtin_model_is_named_by_its_hub_id():
+    from lora_ppo.builtin_model import BUILTIN_MODELS, BUILTIN_PREFIX, portable_name
+
+    for key, builtin in BUILTIN_MODELS.items():
+        assert portable_name(BUILTIN_PREFIX + key) == builtin.hub_id
+        assert "/" in builtin.hub_id and not builtin.hub_id.startswith(("/", "."))
+    assert portable_name("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
