@@ -285,7 +285,9 @@ def generate(
         typer.echo(f"prompt: {record['prompt']}")
         for role in ("policy", "reference"):
             if role in record:
-                typer.echo(f"  {role}: {record[role]}")
+                # A completion's own line breaks stay, indented, so each role's text reads as one block.
+                text = record[role].replace("\n", "\n" + " " * (len(role) + 4))
+                typer.echo(f"  {role}: {text}")
 
 
 @app.command("merge-and-export")

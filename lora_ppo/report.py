@@ -91,10 +91,12 @@ def render_plot(plot: Plot, metrics: list[dict]) -> bytes:
         twin.set_ylim(bottom=min(0.0, twin.get_ylim()[0]))  # a constant series otherwise gets a misleading offset axis
     ax.set_title(plot.title, fontsize=11)
     if lines:
-        ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="best")
+        # Below the axes: inside, with two y axes, it covers one of them whatever "best" says.
+        ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="upper center",
+                  bbox_to_anchor=(0.5, -0.2), ncol=min(len(lines), 4), frameon=False)
     fig.tight_layout()
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
+    fig.savefig(buffer, format="png", bbox_inches="tight")
     plt.close(fig)
     return buffer.getvalue()
 
