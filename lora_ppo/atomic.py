@@ -1,7 +1,9 @@
-"""Publish a folder all at once: write it in a hidden sibling, fsync, rename over the target.
+"""Publish a folder (or a file) all at once: write it in a hidden sibling, fsync, rename over
+the target.
 
 A reader, or a process killed at any moment, sees the previous folder or the complete new
-one, never half of one. Used for the builtin model conversion, checkpoints and exports.
+one, never half of one. Used for the builtin model conversion, checkpoints, exports, and the
+run folder's summary and evaluation files.
 """
 
 from __future__ import annotations
@@ -39,6 +41,26 @@ def atomic_folder(target: str | Path) -> Iterator[Path]:
         _replace(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def write_file_atomically(target: str | Path, text: str) -> None:
+    """Replace the file `target` with `text` in one rename: a reader, or a process killed
+    meanwhile, sees the previous file or the whole new one."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, staging = tempfile.mkstemp(prefix=staging_prefix(target.name), dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o666 & ~umask)  # mkstemp's file is private; a saved file is not
+        os.replace(staging, target)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
         raise
 
 

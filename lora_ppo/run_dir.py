@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from lora_ppo.atomic import write_file_atomically
 from lora_ppo.errors import RecipeError
 
 RECIPE_FILE = "recipe.yaml"
@@ -134,7 +135,7 @@ class RunDir:
         self.recipe.write_text(recipe_yaml, encoding="utf-8")
 
     def write_summary(self, summary: dict) -> None:
-        self.summary.write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        write_file_atomically(self.summary, json.dumps(summary, indent=2))
 
 
 def append_jsonl(path: Path, record: dict) -> None:
@@ -143,8 +144,8 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
-    """Replace a JSONL file with `records`, one per line."""
-    Path(path).write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+    """Replace a JSONL file with `records`, one per line, all at once."""
+    write_file_atomically(path, "".join(json.dumps(record) + "\n" for record in records))
 
 
 def read_jsonl(path: Path) -> list[dict]:

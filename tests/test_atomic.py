@@ -1,4 +1,5 @@
-"""atomic_folder: the target is the old folder or the complete new one, never half of one."""
+"""atomic_folder and write_file_atomically: the target is the old folder (file) or the complete
+new one, never half of one."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import stat
 
 import pytest
 
-from lora_ppo.atomic import atomic_folder
+from lora_ppo import atomic
+from lora_ppo.atomic import atomic_folder, write_file_atomically
 
 
 def test_publishes_the_staged_folder_and_replaces_an_old_one(tmp_path):
@@ -56,3 +58,23 @@ def test_a_link_at_the_target_is_replaced_not_followed(tmp_path):
         (staging / "a.txt").write_text("a")
     assert not (tmp_path / "out").is_symlink() and (tmp_path / "out" / "a.txt").is_file()
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_file_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    target = tmp_path / "summary.json"
+    target.write_text("old")
+    old = os.umask(0o022)
+    try:
+        write_file_atomically(target, "new")
+    finally:
+        os.umask(old)
+    assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644  # like any saved file, not mkstemp's 0600
+
+    def fail(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic.os, "replace", fail)  # killed between the write and the rename
+    with pytest.raises(KeyboardInterrupt):
+        write_file_atomically(target, "newer")
+    assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
