@@ -115,7 +115,7 @@ def main() -> None:
         }
         if seed == args.seeds[0]:  # the same PPO run with a function reward: one backbone, nothing else
             function, _ = run(["train", "recipes/quickstart.yaml", f"train.seed={seed}", "reward.kind=textblob",
-                               f"train.output_dir={base / 'ppo-function-reward'}"])
+                               "reward.also_log=[]", f"train.output_dir={base / 'ppo-function-reward'}"])
             row["function_reward_peak_memory_gb"] = round(function["peak_memory_gb"], 2)
         rows.append(row)
         print(json.dumps(row), flush=True)

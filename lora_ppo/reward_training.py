@@ -50,6 +50,12 @@ def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Te
     return -F.logsigmoid(chosen - rejected - margin)
 
 
+def pair_wins(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """1 per pair whose chosen response scores higher, 0.5 per tie, [B]: the untrained head (zero)
+    ties every pair, so accuracy starts at chance, 0.5."""
+    return (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
+
+
 class RewardTrainer:
     """Build a reward-model run from a `RewardRecipe`, then `train()`.
 
@@ -162,7 +168,7 @@ class RewardTrainer:
                 loss = pairwise_loss(chosen, rejected, margin).sum() / len(pairs)
                 loss.backward()
                 totals["loss"] += float(loss)
-                totals["accuracy"] += float((chosen > rejected).float().sum()) / len(pairs)
+                totals["accuracy"] += float(pair_wins(chosen, rejected).sum()) / len(pairs)
                 totals["margin"] += float((chosen - rejected).sum()) / len(pairs)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), r.train.max_grad_norm)
         self.optimizer.step()
@@ -180,7 +186,7 @@ class RewardTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out pairwise accuracy (chosen scored above rejected), mean margin and loss."""
+        """Held-out pairwise accuracy (chosen scored above rejected, ties half), mean margin and loss."""
         pairs = self.eval_pairs.pairs
         if not pairs:
             return {}
@@ -192,7 +198,7 @@ class RewardTrainer:
                 rejected.append(r)
         c, r = torch.cat(chosen), torch.cat(rejected)
         margin = torch.tensor([p.margin for p in pairs], device=c.device)
-        return {"accuracy": float((c > r).float().mean()), "margin": float((c - r).mean()),
+        return {"accuracy": float(pair_wins(c, r).mean()), "margin": float((c - r).mean()),
                 "loss": float(pairwise_loss(c, r, margin).mean())}
 
     # ---- checkpoints ------------------------------------------------------------------------
