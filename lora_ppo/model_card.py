@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -15,9 +15,7 @@ from lora_ppo.builtin_model import BUILTIN_MODELS
 from lora_ppo.config import BUILTIN_PREFIX
 from lora_ppo.parity import ParityReport
 from lora_ppo.roles import HEAD_FILES
-
-if TYPE_CHECKING:
-    from lora_ppo.export import Checkpoint
+from lora_ppo.run_dir import Checkpoint
 
 MODEL_CARD_FILE = "README.md"
 TAGS = ("lora_ppo", "ppo", "rlhf")

@@ -19,10 +19,11 @@ import os
 import re
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from lora_ppo.atomic import write_file_atomically
-from lora_ppo.errors import RecipeError
+from lora_ppo.errors import RecipeError, first_line
 
 RECIPE_FILE = "recipe.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -163,3 +164,81 @@ def truncate_lines(path: Path, keep: int) -> None:
         lines = f.readlines()[:keep]
     with open(path, "wb") as f:
         f.writelines(lines)
+
+
+# ---- a checkpoint named on the command line (export, eval, generate) --------------------------
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint folder (holding policy/ and, with a critic, value/) and its run."""
+
+    folder: Path
+    run: RunDir
+    step: Optional[int]
+
+    @property
+    def label(self) -> str:
+        """The checkpoint relative to its run folder (`final`, `checkpoints/step-10`)."""
+        try:
+            return self.folder.relative_to(self.run.root).as_posix() or "."
+        except ValueError:
+            return self.folder.name
+
+    def summary(self) -> Optional[dict]:
+        """The run's summary.json, or None when the run has not written one (yet)."""
+        if not self.run.summary.is_file():
+            return None
+        try:
+            summary = json.loads(self.run.summary.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise RecipeError(f"corrupt checkpoint: {self.run.summary} cannot be read ({first_line(err)})") from None
+        if not isinstance(summary, dict):
+            raise RecipeError(f"corrupt run: {self.run.summary} is not a JSON object")
+        return summary
+
+    def adapter_dir(self, name: str) -> Path:
+        return self.folder / name
+
+
+def find_checkpoint(source: str | Path) -> Checkpoint:
+    """The complete checkpoint `source` names, and the run it belongs to: `source` itself when it
+    is a checkpoint (it holds manifest.json, which the checkpoint writer adds last), else the
+    final/ checkpoint of the run folder `source`.
+
+    Raises RecipeError when there is no complete checkpoint, no recipe.yaml beside it, or an
+    unreadable manifest.
+    """
+    source = Path(source).expanduser()
+    if not source.exists():
+        raise RecipeError(f"checkpoint not found: {source}")
+    if not source.is_dir():
+        raise RecipeError(f"checkpoint {source} is not a folder")
+    folder = next((f for f in (source, source / FINAL_DIR) if is_checkpoint(f)), None)
+    if folder is None:
+        raise RecipeError(_no_checkpoint(source))
+    folder = folder.resolve()
+    root = find_run_root(folder)
+    if root is None:
+        raise RecipeError(
+            f"checkpoint {folder}: no {RECIPE_FILE} in it, its parent or grandparent "
+            "(the recipe records which base model the adapters belong to)"
+        )
+    try:
+        step = read_manifest(folder).get("step")
+    except (OSError, ValueError) as err:
+        path = folder / MANIFEST_FILE
+        raise RecipeError(f"corrupt checkpoint: {path} cannot be read ({first_line(err)})") from None
+    return Checkpoint(folder=folder, run=RunDir(root), step=step if isinstance(step, int) else None)
+
+
+def _no_checkpoint(source: Path) -> str:
+    """Why `source` is not a checkpoint; for a run folder, the complete checkpoints it does have."""
+    run = RunDir(source)
+    if not run.recipe.is_file():
+        return (f"no complete checkpoint in {source}: neither it nor its {FINAL_DIR}/ folder holds "
+                f"{MANIFEST_FILE} (the checkpoint writer adds it last)")
+    others = [p.relative_to(source).as_posix() for p in run.complete_checkpoints()]
+    hint = f"pass one of: {', '.join(others)}" if others else f"nor has it a complete {CHECKPOINTS_DIR}/step-N"
+    return (f"no complete checkpoint in run {source}: its {FINAL_DIR}/ is missing or has no {MANIFEST_FILE}; "
+            f"{hint}")

@@ -14,10 +14,10 @@ from lora_ppo.config import Recipe, load_recipe
 from lora_ppo.data import PromptFormat, PromptRow, load_rows, prepare_rows
 from lora_ppo.errors import RecipeError
 from lora_ppo.evaluation import Evaluation
-from lora_ppo.export import find_checkpoint
 from lora_ppo.model import dequantized_once
 from lora_ppo.parts import Parts, build, evaluate_policy
 from lora_ppo.roles import POLICY, REFERENCE
+from lora_ppo.run_dir import find_checkpoint
 
 # Prompts of a --prompts file may be longer than the training limit, but not without bound.
 MAX_PROMPT_TOKENS = 4096
