@@ -808,7 +808,24 @@ def load_recipe(path: str | Path, overrides: list[str] = (), schema: Optional[ty
         data = {}
     if schema is None:
         schema = recipe_schema(data) if isinstance(data, dict) else Recipe
-    return recipe_from_dict(data, overrides, schema)
+    try:
+        return recipe_from_dict(data, overrides, schema)
+    except RecipeError:
+        # A valid recipe of the other kind: say which command takes it, not which fields are unknown.
+        other = RewardRecipe if schema is Recipe else Recipe if schema is RewardRecipe else None
+        if other is not None and isinstance(data, dict) and _validates(data, overrides, other):
+            command = "lora-ppo train-reward" if other is RewardRecipe else "lora-ppo train"
+            kind = "a reward-model recipe" if other is RewardRecipe else "a PPO recipe"
+            raise RecipeError(f"recipe {path}: {kind}; run it with {command}") from None
+        raise
+
+
+def _validates(data: dict[str, Any], overrides: list[str], schema: type[Section]) -> bool:
+    try:
+        recipe_from_dict(data, overrides, schema)
+    except RecipeError:
+        return False
+    return True
 
 
 def recipe_to_yaml(recipe: Section) -> str:

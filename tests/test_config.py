@@ -124,3 +124,19 @@ def test_every_field_and_section_is_described():
 def test_recipe_reference_is_current(path):
     current = path.read_text(encoding="utf-8") if path.exists() else ""
     assert current == reference_markdown(REFERENCES[path]), f"{path.name} is stale: regenerate it with {REGENERATE}"
+
+
+def test_a_recipe_of_the_other_kind_names_the_command_that_takes_it():
+    from pathlib import Path
+
+    from lora_ppo.config import load_recipe
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    with pytest.raises(RecipeError) as ppo_as_reward:
+        load_recipe(recipes / "quickstart.yaml", schema=RewardRecipe)
+    assert str(ppo_as_reward.value) == f"recipe {recipes / 'quickstart.yaml'}: a PPO recipe; run it with lora-ppo train"
+    with pytest.raises(RecipeError) as reward_as_ppo:
+        load_recipe(recipes / "movie_reward.yaml")
+    assert str(reward_as_ppo.value).endswith(": a reward-model recipe; run it with lora-ppo train-reward")
+    with pytest.raises(RecipeError, match=r"^train.stpes: unknown field"):  # a typo is still a typo
+        load_recipe(recipes / "quickstart.yaml", ["train.stpes=3"])
