@@ -25,8 +25,8 @@ from lora_ppo.run_dir import write_jsonl
 from lora_ppo.signals import StopRequest, stop_on_signals
 from lora_ppo.state import TrainState
 from lora_ppo.step_log import StepLog
-from lora_ppo.tracking import check_installed
 from lora_ppo.summary import build_summary
+from lora_ppo.tracking import check_installed
 from lora_ppo.update import UpdateSettings, UpdateStats, compute_advantages, first_nonfinite, ppo_update
 
 log = logging.getLogger(__name__)
