@@ -8,6 +8,7 @@ fitted slope of peak memory against base parameters. Run alone: it is CPU-heavy.
 
     python bench/memory_scaling.py [--sizes 30m 70m 135m 360m 500m] [--quant 4bit 8bit none]
                                    [--no-checkpointing] [--allocator default|strict]
+                                   [--dequantize-per-step false|true|auto]
 
 On CPU the peaks are the process's peak resident memory per phase (VmHWM, reset between phases).
 glibc's malloc keeps memory a phase has freed (transient dequantized weights, activations) in
@@ -76,6 +77,7 @@ def build_model(size: str, folder: Path, tokenizer_dir: Optional[str] = None, co
 
 GRADIENT_CHECKPOINTING = "true"  # --no-checkpointing measures the update without it
 COMPUTE_DTYPE = "auto"  # --compute-dtype bfloat16: unquantized parts as on a GPU (fp32 on CPU otherwise)
+DEQUANTIZE_PER_STEP = "false"  # --dequantize-per-step: the 4-bit rows hold the layers dequantized per step
 # glibc: a fixed mmap threshold (this also switches off its dynamic growth up to 32 MiB).
 STRICT_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
@@ -84,6 +86,9 @@ def recipe_overrides(model_dir: Path, quant: str, prompts: Path, out: Path) -> l
     return [
         f"model.name={model_dir}", f"model.quantization={quant}",
         f"model.gradient_checkpointing={GRADIENT_CHECKPOINTING}", f"model.compute_dtype={COMPUTE_DTYPE}",
+        # Stated, not inherited from the quickstart (which holds the layers dequantized per step);
+        # it only exists for 4-bit.
+        f"model.dequantize_per_step={DEQUANTIZE_PER_STEP if quant == '4bit' else 'false'}",
         "data.eval_size=0", "reward.also_log=[]", f"data.max_prompt_tokens={PROMPT_WORDS + 8}",
         f"rollout.batch_size={BATCH}", f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.stop_token=null",
         f"rollout.forward_batch_size={BATCH}", "ppo.num_epochs=1", "ppo.num_minibatches=2",
@@ -213,13 +218,16 @@ def main() -> None:
     parser.add_argument("--no-checkpointing", action="store_true", help="update without gradient checkpointing")
     parser.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="dtype of compute and of the unquantized parts (auto: float32 on CPU)")
+    parser.add_argument("--dequantize-per-step", choices=["false", "true", "auto"], default="false",
+                        help="4-bit rows: model.dequantize_per_step (false: dequantize in every pass, the lean plan)")
     parser.add_argument("--allocator", choices=["default", "strict"], default="default",
                         help="strict: glibc returns every allocation over 64 KiB at once (peak = live memory)")
     parser.add_argument("--one", nargs=2, metavar=("SIZE", "QUANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global GRADIENT_CHECKPOINTING, COMPUTE_DTYPE
+    global GRADIENT_CHECKPOINTING, COMPUTE_DTYPE, DEQUANTIZE_PER_STEP
     GRADIENT_CHECKPOINTING = "false" if args.no_checkpointing else "true"
     COMPUTE_DTYPE = args.compute_dtype
+    DEQUANTIZE_PER_STEP = args.dequantize_per_step
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     prompts = work / "prompts.txt"
@@ -237,7 +245,7 @@ def main() -> None:
         for quant in args.quant:
             # A fresh process per point: peak RSS of one configuration must not include another's.
             flags = ["--no-checkpointing"] if args.no_checkpointing else []
-            flags += ["--compute-dtype", args.compute_dtype]
+            flags += ["--compute-dtype", args.compute_dtype, "--dequantize-per-step", args.dequantize_per_step]
             env = {**os.environ, "HF_HUB_OFFLINE": "1", **(STRICT_ALLOCATOR_ENV if args.allocator == "strict" else {})}
             proc = subprocess.run([sys.executable, __file__, "--work", str(work), *flags, "--one", size, quant],
                                   capture_output=True, text=True, env=env)
@@ -250,6 +258,7 @@ def main() -> None:
             rows.append(row)
     slopes = {q: fit_slope(rows, q) for q in args.quant}
     print(json.dumps({"batch": BATCH, "new_tokens": NEW_TOKENS, "gradient_checkpointing": not args.no_checkpointing,
+                      "dequantize_per_step": args.dequantize_per_step,
                       "allocator": args.allocator, "compute_dtype": args.compute_dtype,
                       "rows": rows, "slopes": slopes}, indent=2))
 

@@ -29,6 +29,20 @@ def keep_4bit_weights_differentiable(model: nn.Module) -> None:
 
 
 
+def dequantized_4bit_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """The bytes `dequantized_4bit_layers` would hold for `model`'s 4-bit layers."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    total = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            layer_dtype = module.compute_dtype or dtype
+            total += module.weight.quant_state.shape.numel() * layer_dtype.itemsize
+    return total
+
+
 @contextlib.contextmanager
 def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype) -> Iterator[float]:
     """Compute every 4-bit layer from one dequantized copy of its weight, for the duration.

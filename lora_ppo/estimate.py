@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from lora_ppo.config import BUILTIN_PREFIX, LoraSettings, ModelConfig, Recipe
+from lora_ppo.config import AUTO_DEQUANTIZE_SHARE, BUILTIN_PREFIX, LoraSettings, ModelConfig, Recipe
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.logprobs import DEFAULT_CHUNK_TOKENS
 
@@ -153,6 +153,7 @@ class Estimate:
     # Recipe overrides that fit the budget together and validate: the largest rollout.batch_size,
     # the fewest ppo.grad_accum_steps for it, the largest rollout.forward_batch_size ({}: nothing fits).
     fitting: dict[str, int]
+    dequantize_per_step: bool = False  # as decided for this budget (`auto` included)
 
     @property
     def peak(self) -> float:
@@ -219,7 +220,7 @@ def _dequantized_weight_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int)
     `model.dequantize_per_step` every linear layer is held dequantized through the step."""
     if recipe.model.quantization == "none":
         return 0.0
-    if recipe.model.dequantize_per_step:
+    if recipe.model.dequantize_per_step is True:  # `auto` is decided by `estimate` before this
         return shape.linear_params * act_bytes
     return max(a * b for a, b in shape.linear_shapes().values()) * act_bytes
 
@@ -242,6 +243,10 @@ def generate_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int
 
 
 def score_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int) -> float:
+    """One scoring forward of `rows` sequences (each repeated per role with
+    rollout.score_roles_together) and one logits chunk."""
+    if recipe.rollout.score_roles_together:
+        rows *= max(1, recipe.scored_roles)
     tokens = rows * _seq_len(recipe)
     layer = tokens * (FWD_HIDDEN_TERMS * shape.hidden + FWD_INTERMEDIATE_TERMS * shape.intermediate) * act_bytes
     chunk = min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.max_new_tokens)
@@ -265,7 +270,7 @@ def update_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int, d
     dequant = _dequantized_weight_bytes(shape, recipe, act_bytes)
     # The CPU allocator keeps the weights dequantized per pass during backward; with one
     # dequantized copy per step there are none.
-    per_pass = not recipe.model.dequantize_per_step
+    per_pass = recipe.model.dequantize_per_step is not True
     slack = CPU_BACKWARD_SLACK[recipe.model.quantization] * shape.linear_params * 4 if device == "cpu" and per_pass else 0.0
     return acts + logits + dequant + slack
 
@@ -281,6 +286,7 @@ def estimate(
     of the recipe's classifier reward models, in the order of its sources)."""
     act = _dtype_bytes(recipe, device)
     trainable, frozen = _adapter_params(shape, recipe)
+    recipe = _dequantize_resolved(shape, recipe, act, budget_gb)
     components = {
         "weights": _weight_bytes(shape, recipe.model, act),
         "adapters": (trainable + frozen) * ADAPTER_WEIGHT_BYTES,
@@ -299,7 +305,19 @@ def estimate(
     fitting: dict[str, int] = {}
     if budget_gb is not None:
         fitting = largest_fitting_sizes(shape, recipe, act, device, budget_gb * GB - static, grads)
-    return Estimate(shape, components, phases, budget_gb, fitting)
+    return Estimate(shape, components, phases, budget_gb, fitting, bool(recipe.model.dequantize_per_step))
+
+
+def _dequantize_resolved(shape: ModelShape, recipe: Recipe, act_bytes: int, budget_gb: Optional[float]) -> Recipe:
+    """The recipe with `model.dequantize_per_step: auto` decided as a run decides it: on when the
+    dequantized copy takes at most AUTO_DEQUANTIZE_SHARE of the budget beyond the weights; off
+    without a budget (the lean plan)."""
+    setting = recipe.model.dequantize_per_step
+    if setting == "auto":
+        room = None if budget_gb is None else budget_gb * GB - _weight_bytes(shape, recipe.model, act_bytes)
+        copy_bytes = shape.linear_params * act_bytes
+        setting = recipe.model.quantization == "4bit" and room is not None and copy_bytes <= AUTO_DEQUANTIZE_SHARE * room
+    return recipe.model_copy(update={"model": recipe.model.model_copy(update={"dequantize_per_step": setting})})
 
 
 MAX_BATCH = 4096  # the search for sizes that fit stops here
@@ -382,7 +400,8 @@ def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
         f"recipe: batch {recipe.rollout.batch_size}, prompt <= {recipe.data.max_prompt_tokens} + "
         f"{recipe.rollout.max_new_tokens} new tokens, scoring rows {min(recipe.rollout.forward_batch_size, recipe.rollout.batch_size)}, "
         f"update micro-batch {recipe.micro_batch_size}, gradient checkpointing "
-        f"{'on' if recipe.model.gradient_checkpointing else 'off'}",
+        f"{'on' if recipe.model.gradient_checkpointing else 'off'}, dequantize per step "
+        f"{'on' if est.dequantize_per_step else 'off'}",
         "",
         "always resident:",
     ]
@@ -414,6 +433,7 @@ def as_json(est: Estimate) -> dict:
         "budget_gb": est.budget_gb,
         "fits": est.fits,
         "fitting": est.fitting,
+        "dequantize_per_step": est.dequantize_per_step,
     }
 
 

@@ -4,16 +4,21 @@ folder, a hub id, or the embedded default model."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import weakref
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
 
-from lora_ppo.bnb_workarounds import dequantized_4bit_layers, keep_4bit_weights_differentiable
+from lora_ppo.bnb_workarounds import dequantized_4bit_bytes, dequantized_4bit_layers, keep_4bit_weights_differentiable
 from lora_ppo.builtin_model import resolve_builtin
-from lora_ppo.config import BUILTIN_PREFIX, ModelConfig
+from lora_ppo.config import AUTO_DEQUANTIZE_SHARE, BUILTIN_PREFIX, ModelConfig
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.quantization import compute_dtype, device, quantization_config
+
+log = logging.getLogger(__name__)
 
 
 def resolve_model_path(name: str) -> str:
@@ -112,8 +117,44 @@ def _has_safetensors(path: str) -> bool | None:
 
 def dequantized_once(model: nn.Module, cfg: ModelConfig) -> contextlib.AbstractContextManager:
     """The 4-bit layers computed from one dequantized copy for the duration, when the recipe's
-    `model.dequantize_per_step` asks for it (each training step and each evaluation runs
-    inside one); otherwise a context that does nothing."""
-    if not cfg.dequantize_per_step:
+    `model.dequantize_per_step` asks for it (or, with `auto`, when the copy fits: decided once per
+    model); otherwise a context that does nothing. Each training step and each evaluation runs
+    inside one."""
+    setting = cfg.dequantize_per_step
+    if setting == "auto":
+        if model not in _AUTO_DEQUANTIZE:
+            _AUTO_DEQUANTIZE[model] = _dequantized_copy_fits(model, compute_dtype(cfg))
+        setting = _AUTO_DEQUANTIZE[model]
+    if not setting:
         return contextlib.nullcontext()
     return dequantized_4bit_layers(model, compute_dtype(cfg))
+
+
+_AUTO_DEQUANTIZE: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _dequantized_copy_fits(model: nn.Module, dtype: torch.dtype) -> bool:
+    copy_bytes = dequantized_4bit_bytes(model, dtype)
+    if copy_bytes == 0:
+        return False  # no 4-bit layers: nothing to dequantize
+    free = free_memory_bytes(device())
+    fits = free is not None and copy_bytes <= AUTO_DEQUANTIZE_SHARE * free
+    free_text = "unknown" if free is None else f"{free / 1e9:.2f} GB"
+    log.info("model.dequantize_per_step auto: %s (the copy takes %.2f GB, %s free)",
+             "on" if fits else "off", copy_bytes / 1e9, free_text)
+    return fits
+
+
+def free_memory_bytes(dev: torch.device) -> Optional[int]:
+    """Memory a step could still use: on a GPU what the driver reports free plus what torch's
+    allocator holds unused; on CPU Linux's MemAvailable. None when it cannot be read."""
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

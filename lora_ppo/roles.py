@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Iterator, Literal, Optional
+from typing import Iterator, Literal, Optional, Sequence
 
 import torch
 from torch import nn
@@ -292,7 +292,34 @@ class RoleModel(Backbone):
         self._activate(role)
         yield
 
+    def adapter_name(self, role: Role) -> str:
+        """The PEFT adapter `role` computes with; "__base__" (PEFT's name for none) for a reference
+        by disabled adapters."""
+        if role == REFERENCE and self.reference_adapter is None:
+            return "__base__"
+        if role not in self._params or (role == VALUE and not self.has_value) or (role == REWARD and not self.reward_adapter):
+            raise ValueError(f"role {role!r} has no adapter on this backbone")
+        return role
+
     # ---- forwards ---------------------------------------------------------------------------
+
+    def hidden_states_as_roles(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, roles: Sequence[Role]
+    ) -> list[torch.Tensor]:
+        """Hidden states of the same batch under several roles, from one forward pass: the batch
+        repeated once per role, each copy computed with its role's adapter (PEFT's per-row adapter
+        selection), so every base weight is read (and, in 4-bit, dequantized) once for all roles
+        instead of once per role. Rows never mix, so each copy equals that role's own forward.
+        Returns one [B, T, H] per role, in order."""
+        batch = input_ids.shape[0]
+        names = [self.adapter_name(role) for role in roles for _ in range(batch)]
+        repeats = (len(roles), 1)
+        # PeftModel.forward and generate wrap their call in this context to honour `adapter_names`;
+        # the decoder is called directly here (no LM head over every position), so it is entered as they do.
+        with self.peft._enable_peft_forward_hooks(adapter_names=names):
+            hidden = self.hidden_states(input_ids.repeat(*repeats), attention_mask.repeat(*repeats))
+        return list(hidden.split(batch))
+
 
     def response_logprobs(
         self,
@@ -309,13 +336,21 @@ class RoleModel(Backbone):
         Returns:
             (logprobs, entropy), each [B, T_resp] float32.
         """
-        hidden = self.hidden_states(input_ids, attention_mask)
+        return self.logprobs_from_hidden(self.hidden_states(input_ids, attention_mask), input_ids, response_start,
+                                         temperature)
+
+    def logprobs_from_hidden(self, hidden: torch.Tensor, input_ids: torch.Tensor, response_start: int,
+                             temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`response_logprobs` from a role's hidden states [B, T, H] of `input_ids`."""
         predicting = hidden[:, response_start - 1 : -1]  # [B, T_resp, H]
         return token_logprobs(self.lm_head, predicting, input_ids[:, response_start:], temperature)
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int) -> torch.Tensor:
         """Value of the state before each response token, [B, T_resp] float32 (value role)."""
-        hidden = self.hidden_states(input_ids, attention_mask)
+        return self.values_from_hidden(self.hidden_states(input_ids, attention_mask), response_start)
+
+    def values_from_hidden(self, hidden: torch.Tensor, response_start: int) -> torch.Tensor:
+        """`values` from the value role's hidden states [B, T, H]."""
         # The same positions that predict each response token: V_t sees prompt + response[:t].
         predicting = hidden[:, response_start - 1 : -1]  # [B, T_resp, H]
         return self.value_head(predicting.to(self.value_head.weight.dtype)).squeeze(-1).float()

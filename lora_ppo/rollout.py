@@ -255,30 +255,38 @@ def score_passes(
     with_values: bool = True,
     with_reference: bool = True,
     old_logprobs: Optional[torch.Tensor] = None,
+    together: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Old logprobs (policy), reference logprobs and values, in micro-batches.
+    """Old logprobs (policy), reference logprobs and values, in micro-batches of
+    `forward_batch_size` sequences.
 
     Old logprobs already recorded during sampling are used as given (no policy pass). Without a
-    reference the reference logprobs are the old ones, so every KL estimate is 0.
+    reference the reference logprobs are the old ones, so every KL estimate is 0. `together`: the
+    roles still needed share one forward per micro-batch (`RoleModel.hidden_states_as_roles`);
+    otherwise each role has its own.
     """
-    old, ref, vals = [], [], []
+    needed = [role for role, wanted in ((POLICY, old_logprobs is None), (REFERENCE, with_reference),
+                                        (VALUE, with_values)) if wanted]
+    out: dict[Role, list[torch.Tensor]] = {role: [] for role in needed}
     for start in range(0, input_ids.shape[0], forward_batch_size):
         ids = input_ids[start : start + forward_batch_size]
         mask = attention_mask[start : start + forward_batch_size]
-        if old_logprobs is not None:
-            old.append(old_logprobs[start : start + forward_batch_size])
+        if together and len(needed) > 1:
+            hidden = dict(zip(needed, roles.hidden_states_as_roles(ids, mask, needed)))
         else:
-            with roles.as_role(POLICY):
-                old.append(roles.response_logprobs(ids, mask, response_start, temperature)[0])
-        if with_reference:
-            with roles.as_role(REFERENCE):
-                ref.append(roles.response_logprobs(ids, mask, response_start, temperature)[0])
-        else:
-            ref.append(old[-1].clone())
-        if with_values:
-            with roles.as_role(VALUE):
-                vals.append(roles.values(ids, mask, response_start))
-    return torch.cat(old), torch.cat(ref), (torch.cat(vals) if with_values else None)
+            hidden = {}
+            for role in needed:
+                with roles.as_role(role):
+                    hidden[role] = roles.hidden_states(ids, mask)
+        for role in needed:
+            if role == VALUE:
+                out[role].append(roles.values_from_hidden(hidden[role], response_start))
+            else:
+                out[role].append(roles.logprobs_from_hidden(hidden[role], ids, response_start, temperature)[0])
+        del hidden
+    old = old_logprobs if old_logprobs is not None else torch.cat(out[POLICY])
+    ref = torch.cat(out[REFERENCE]) if with_reference else old.clone()
+    return old, ref, (torch.cat(out[VALUE]) if with_values else None)
 
 
 def collect_rollout(
@@ -312,6 +320,7 @@ def collect_rollout(
         old_logprobs, ref_logprobs, values = score_passes(
             roles, input_ids, attention_mask, samples.query_ids.shape[1], cfg.temperature, cfg.forward_batch_size,
             with_values=with_values, with_reference=with_reference, old_logprobs=samples.logprobs,
+            together=cfg.score_roles_together,
         )
     timings["score_forward"] = time.perf_counter() - t0
 

@@ -1,12 +1,16 @@
 """bitsandbytes workarounds on the real 4-bit tiny model: one dequantized copy per step gives the
-same numbers as dequantizing in every pass, and is undone on exit, errors included."""
+same numbers as dequantizing in every pass, is undone on exit, errors included, and `auto` holds
+it only where it fits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lora_ppo.bnb_workarounds import dequantized_4bit_layers
+import lora_ppo.model as model_module
+from lora_ppo.bnb_workarounds import dequantized_4bit_bytes, dequantized_4bit_layers
+from lora_ppo.config import ModelConfig
+from lora_ppo.model import dequantized_once
 from lora_ppo.roles import POLICY, VALUE
 from tests.conftest import bnb_4bit_layers, prompt_and_random_response
 
@@ -58,3 +62,19 @@ def test_dequantized_once_is_undone_after_an_error(roles):
         with dequantized_4bit_layers(roles.peft, torch.float32):
             raise KeyboardInterrupt
     assert not any("forward" in vars(m) for m in bnb_4bit_layers(roles))
+
+
+@pytest.mark.parametrize("free_bytes, held", [(10**12, True), (1, False), (None, False)])
+def test_dequantize_auto_holds_the_copy_only_when_it_takes_half_the_free_memory_or_less(
+        make_roles, monkeypatch, free_bytes, held):
+    # model.dequantize_per_step: auto decides once per model, from the memory free at its first step.
+    roles = make_roles(seed=1, scale=0.5)
+    monkeypatch.setattr(model_module, "free_memory_bytes", lambda device: free_bytes)
+    cfg = ModelConfig(name="tiny", dequantize_per_step="auto")
+    assert dequantized_4bit_bytes(roles.peft, torch.float32) == sum(m.weight.quant_state.shape.numel() * 4
+                                                                      for m in bnb_4bit_layers(roles))
+    with dequantized_once(roles.peft, cfg):
+        assert all("forward" in vars(m) for m in bnb_4bit_layers(roles)) is held
+    monkeypatch.setattr(model_module, "free_memory_bytes", lambda device: 10**12 if not held else 1)
+    with dequantized_once(roles.peft, cfg):  # the first decision stands for the run
+        assert all("forward" in vars(m) for m in bnb_4bit_layers(roles)) is held

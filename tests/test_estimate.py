@@ -98,9 +98,10 @@ def test_dequantize_per_step_holds_every_linear_layer_unquantized():
 def test_fitting_sizes_are_a_recipe_that_validates_and_fits(sections, budget_gb):
     """What `estimate --gpu-gb` suggests, applied as overrides, validates and fits the budget, and
     the next larger valid batch would not fit."""
-    r = _recipe(**sections)
-    e = est.estimate(TINY, r, device="cuda", budget_gb=budget_gb)
+    e = est.estimate(TINY, _recipe(**sections), device="cuda", budget_gb=budget_gb)
     assert e.fitting, "something fits these budgets"
+    # The phases below, counted as the estimate decided model.dequantize_per_step: auto.
+    r = _recipe(**sections, model={"dequantize_per_step": e.dequantize_per_step})
     fitted = recipe_from_dict(r.model_dump(mode="json"), [f"{k}={v}" for k, v in e.fitting.items()])
     assert est.estimate(TINY, fitted, device="cuda", budget_gb=budget_gb).fits
     step = fitted.rollout.samples_per_prompt * fitted.ppo.num_minibatches * r.ppo.grad_accum_steps
@@ -112,6 +113,21 @@ def test_fitting_sizes_are_a_recipe_that_validates_and_fits(sections, budget_gb)
             for micro in range(1, bigger // fitted.ppo.num_minibatches + 1)
             if (bigger // fitted.ppo.num_minibatches) % micro == 0
         )
+
+
+def test_dequantize_auto_holds_the_copy_only_where_it_takes_half_the_room_or_less():
+    """`auto` as the estimate decides it: TINY's 73728 linear weights in fp16 (147456 bytes, in
+    place of the one 64x128 weight a pass dequantizes without it: 16384) fit half of any budget
+    beyond its weights; without a budget the plan stays lean; a model whose copy is 14 GB next to
+    24 GB does not get one (the 8B case)."""
+    tiny = est.estimate(TINY, _recipe(), device="cuda", budget_gb=1.0)
+    assert tiny.dequantize_per_step
+    assert tiny.phases["update"] - est.estimate(TINY, _recipe(model={"dequantize_per_step": False}), device="cuda",
+                                                budget_gb=1.0).phases["update"] == pytest.approx(147456 - 16384)
+    assert not est.estimate(TINY, _recipe(), device="cuda").dequantize_per_step
+    big = est.ModelShape(4096, 14336, 32, 32, 8, 128, 128256, False)  # Llama-3.1-8B
+    assert not est.estimate(big, _recipe(), device="cuda", budget_gb=24).dequantize_per_step
+    assert not est.estimate(TINY, _recipe(model={"quantization": "8bit"}), device="cuda", budget_gb=1.0).dequantize_per_step
 
 
 def test_nothing_fits_a_budget_below_the_resident_memory():
