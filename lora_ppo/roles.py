@@ -320,7 +320,6 @@ class RoleModel(Backbone):
             hidden = self.hidden_states(input_ids.repeat(*repeats), attention_mask.repeat(*repeats))
         return list(hidden.split(batch))
 
-
     def response_logprobs(
         self,
         input_ids: torch.Tensor,

@@ -268,22 +268,23 @@ def score_passes(
     needed = [role for role, wanted in ((POLICY, old_logprobs is None), (REFERENCE, with_reference),
                                         (VALUE, with_values)) if wanted]
     out: dict[Role, list[torch.Tensor]] = {role: [] for role in needed}
+
+    def read(role: Role, hidden: torch.Tensor, ids: torch.Tensor) -> None:
+        if role == VALUE:
+            out[role].append(roles.values_from_hidden(hidden, response_start))
+        else:
+            out[role].append(roles.logprobs_from_hidden(hidden, ids, response_start, temperature)[0])
+
     for start in range(0, input_ids.shape[0], forward_batch_size):
         ids = input_ids[start : start + forward_batch_size]
         mask = attention_mask[start : start + forward_batch_size]
         if together and len(needed) > 1:
-            hidden = dict(zip(needed, roles.hidden_states_as_roles(ids, mask, needed)))
+            for role, hidden in zip(needed, roles.hidden_states_as_roles(ids, mask, needed)):
+                read(role, hidden, ids)
         else:
-            hidden = {}
             for role in needed:
                 with roles.as_role(role):
-                    hidden[role] = roles.hidden_states(ids, mask)
-        for role in needed:
-            if role == VALUE:
-                out[role].append(roles.values_from_hidden(hidden[role], response_start))
-            else:
-                out[role].append(roles.logprobs_from_hidden(hidden[role], ids, response_start, temperature)[0])
-        del hidden
+                    read(role, roles.hidden_states(ids, mask), ids)
     old = old_logprobs if old_logprobs is not None else torch.cat(out[POLICY])
     ref = torch.cat(out[REFERENCE]) if with_reference else old.clone()
     return old, ref, (torch.cat(out[VALUE]) if with_values else None)
