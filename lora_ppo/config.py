@@ -744,11 +744,29 @@ def _unknown_field(loc: tuple[Any, ...], schema: type[Section]) -> str:
     return f"{path}: unknown field (did you mean {'.'.join(str(p) for p in [*loc[:-1], close[0]])}?)"
 
 
+def _union_members(errors: list[dict]) -> list[dict]:
+    """The errors pydantic reports for one value that fits none of a Union field's types (e.g.
+    `bool or 'auto'`): the same input at the same field, each loc ending in a member's tag. A tag
+    like `literal['auto']` or `list[str]` is no field name, which tells these from two sibling
+    fields that got the same bad value."""
+    first = errors[0]
+    members = [e for e in errors if len(e["loc"]) > 1 and e["loc"][:-1] == first["loc"][:-1]
+               and e.get("input") == first.get("input")]
+    tags = [str(e["loc"][-1]) for e in members]
+    return members if len(set(tags)) > 1 and not all(tag.isidentifier() for tag in tags) else []
+
+
 def _format_validation_error(err: ValidationError, schema: type[Section]) -> str:
-    first = err.errors()[0]
+    errors = err.errors()
+    first = errors[0]
     path = ".".join(_path_part(p) for p in first["loc"])
     msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
+    members = _union_members(errors)
+    if members:  # one line naming the field and every type it takes, not one line per member
+        path = ".".join(_path_part(p) for p in first["loc"][:-1])
+        kinds = [e["msg"].removeprefix("Input should be ").split(",")[0] for e in members]
+        line = f"{path}: should be {' or '.join(kinds)} (got {first.get('input')!r})"
+    elif first["type"] == "extra_forbidden":
         line = _unknown_field(tuple(first["loc"]), schema)
     elif first["type"] == "missing":
         line = f"{path}: required field is missing"
@@ -758,7 +776,7 @@ def _format_validation_error(err: ValidationError, schema: type[Section]) -> str
         line = f"{path}: {msg} (got {first.get('input')!r})"
     else:
         line = msg
-    more = len(err.errors()) - 1
+    more = len(errors) - max(1, len(members))
     return line + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
 
 

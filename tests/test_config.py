@@ -57,6 +57,18 @@ def test_errors_name_the_field(data, field):
     assert field in _error(data)
 
 
+@pytest.mark.parametrize("overrides, expected", [
+    (["model.dequantize_per_step=maybe"], "model.dequantize_per_step: should be a valid boolean or 'auto' (got 'maybe')"),
+    (["adapters.policy.target_modules=5"], "adapters.policy.target_modules: should be 'all-linear' or a valid list (got 5)"),
+    (["model.dequantize_per_step=maybe", "train.steps=-1"],
+     "model.dequantize_per_step: should be a valid boolean or 'auto' (got 'maybe') (and 1 more problem)"),
+    # Two sibling fields with the same bad value are two problems, not the types of one field.
+    (["train.steps=-1", "train.log_every=-1"], "train.steps: Input should be greater than 0 (got -1) (and 1 more problem)"),
+])
+def test_a_value_that_fits_no_type_of_a_union_field_gets_one_line_naming_them(overrides, expected):
+    assert _error({}, overrides) == expected
+
+
 @pytest.mark.parametrize("data, overrides, expected", [
     ({"ppoo": {}}, [], "ppoo: unknown field (did you mean ppo?)"),
     ({"ppo": {"clip_epz": 0.2}}, [], "ppo.clip_epz: unknown field (did you mean ppo.clip_eps?)"),
