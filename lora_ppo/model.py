@@ -115,6 +115,10 @@ def _has_safetensors(path: str) -> bool | None:
     return None
 
 
+# model.dequantize_per_step auto: the decision for each loaded model, made at its first step.
+_AUTO_DEQUANTIZE: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
 def dequantized_once(model: nn.Module, cfg: ModelConfig) -> contextlib.AbstractContextManager:
     """The 4-bit layers computed from one dequantized copy for the duration, when the recipe's
     `model.dequantize_per_step` asks for it (or, with `auto`, when the copy fits: decided once per
@@ -128,9 +132,6 @@ def dequantized_once(model: nn.Module, cfg: ModelConfig) -> contextlib.AbstractC
     if not setting:
         return contextlib.nullcontext()
     return dequantized_4bit_layers(model, compute_dtype(cfg))
-
-
-_AUTO_DEQUANTIZE: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
 def _dequantized_copy_fits(model: nn.Module, dtype: torch.dtype) -> bool:

@@ -30,6 +30,8 @@ REWARD_HEAD_FILE = "reward_head.safetensors"
 # The scalar head saved beside each adapter that has one (nn.Linear(hidden, 1) on the last
 # hidden state): the value's, and a reward adapter's.
 HEAD_FILES = {VALUE: VALUE_HEAD_FILE, REWARD: REWARD_HEAD_FILE}
+# PEFT's adapter name for "no adapter" in a batch that mixes adapters per row.
+BASE = "__base__"
 # Adapter settings.init_from may name this instead of a folder: start from the recipe's reward adapter.
 FROM_REWARD = "reward"
 
@@ -278,28 +280,25 @@ class RoleModel(Backbone):
     @contextlib.contextmanager
     def as_role(self, role: Role) -> Iterator[None]:
         """Run the enclosed forwards as `role` (policy, value, reference or reward)."""
-        if role == REFERENCE and self.reference_adapter is None:
+        name = self.adapter_name(role)
+        if name == BASE:
             with self.peft.disable_adapter():
                 yield
             self._fix_requires_grad()
             return
+        self._activate(name)
+        yield
+
+    def adapter_name(self, role: Role) -> str:
+        """The PEFT adapter `role` computes with; BASE (PEFT's name for none) for a reference by
+        disabled adapters."""
         if role not in (POLICY, VALUE, REFERENCE, REWARD):
             raise ValueError(f"role {role!r} does not live on the policy backbone")
         if role == VALUE and not self.has_value:
             raise ValueError("this RoleModel was built without a value adapter (critic-free mode)")
         if role == REWARD and self.reward_adapter is None:
             raise ValueError("this RoleModel was built without a reward adapter")
-        self._activate(role)
-        yield
-
-    def adapter_name(self, role: Role) -> str:
-        """The PEFT adapter `role` computes with; "__base__" (PEFT's name for none) for a reference
-        by disabled adapters."""
-        if role == REFERENCE and self.reference_adapter is None:
-            return "__base__"
-        if role not in self._params or (role == VALUE and not self.has_value) or (role == REWARD and not self.reward_adapter):
-            raise ValueError(f"role {role!r} has no adapter on this backbone")
-        return role
+        return BASE if role == REFERENCE and self.reference_adapter is None else role
 
     # ---- forwards ---------------------------------------------------------------------------
 
