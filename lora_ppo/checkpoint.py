@@ -3,7 +3,8 @@ lr schedule, TrainState and every random number generator, in one checkpoint fol
 
     step-N/  policy/  value/  optimizer.pt  scheduler.pt  rng.pt  trainer_state.json  manifest.json
 
-(a reward-model run saves reward/ instead of policy/ and value/).
+(a reward-model run saves reward/ instead of policy/ and value/; a run of N processes adds
+rng-process-1.pt ... for the random streams of the processes after the first).
 
 manifest.json is written last: a folder holding it is complete (`run_dir.is_checkpoint`).
 """
@@ -24,6 +25,7 @@ import torch
 
 from lora_ppo.atomic import STAGING_MARK, atomic_folder
 from lora_ppo.config import Recipe, RewardRecipe, resume_differences
+from lora_ppo.distributed import World
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.roles import HEAD_FILES, Backbone
 from lora_ppo.run_dir import MANIFEST_FILE, STATE_FILE, RunDir, is_checkpoint, read_manifest
@@ -31,6 +33,7 @@ from lora_ppo.run_dir import MANIFEST_FILE, STATE_FILE, RunDir, is_checkpoint, r
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
+PROCESS_RNG_FILE = "rng-process-{}.pt"  # the random streams of process 1, 2, ... of a data-parallel run
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 FORMAT_VERSION = 3  # 2: trainer_state.json holds the run's state record; 3: with per-source reward moments
 
@@ -64,14 +67,21 @@ def recipe_hash(recipe_yaml: str) -> str:
     return hashlib.sha256(recipe_yaml.encode("utf-8")).hexdigest()
 
 
+def process_rng_state(generator: torch.Generator) -> dict[str, Any]:
+    """This process's random streams (torch, CUDA, the minibatch generator, Python, numpy)."""
+    return {"tensors": _torch_rng_states(generator), "python": _python_rng_state(), "numpy": _numpy_rng_state()}
+
+
 def save(folder: Path, parts: Trainables, state: RunState, recipe_yaml: str,
-         keep_last: Optional[int] = None) -> Path:
+         keep_last: Optional[int] = None, process_rngs: Optional[list[dict[str, Any]]] = None) -> Path:
     """Write the whole state to `folder` (staged beside it, fsynced, renamed), and with
     `keep_last` delete all but the newest `keep_last` complete checkpoints beside it.
+    `process_rngs`: every process's `process_rng_state`, in rank order (default: this one's).
 
     Raises CheckpointError (disk full, permissions); earlier checkpoints are left intact.
     """
     folder = Path(folder)
+    process_rngs = process_rngs or [process_rng_state(parts.generator)]
     try:
         with atomic_folder(folder) as staging:
             for name in parts.trained + parts.frozen:
@@ -79,12 +89,16 @@ def save(folder: Path, parts: Trainables, state: RunState, recipe_yaml: str,
             torch.save(parts.optimizer.state_dict(), staging / OPTIMIZER_FILE)
             if parts.scheduler is not None:
                 torch.save(parts.scheduler.state_dict(), staging / SCHEDULER_FILE)
-            torch.save(_torch_rng_states(parts.generator), staging / RNG_FILE)
-            record = {**state.to_json(), "rng": {"python": _python_rng_state(), "numpy": _numpy_rng_state()}}
+            first = process_rngs[0]
+            torch.save(first["tensors"], staging / RNG_FILE)
+            for rank, rng in enumerate(process_rngs[1:], start=1):
+                torch.save(rng, staging / PROCESS_RNG_FILE.format(rank))
+            record = {**state.to_json(), "rng": {"python": first["python"], "numpy": first["numpy"]}}
             (staging / STATE_FILE).write_text(json.dumps(record), encoding="utf-8")
             manifest = {
                 "format": FORMAT_VERSION,
                 "step": state.step,
+                "processes": len(process_rngs),
                 "recipe_sha256": recipe_hash(recipe_yaml),
                 "versions": _versions(),
                 "files": sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file()),
@@ -99,9 +113,11 @@ def save(folder: Path, parts: Trainables, state: RunState, recipe_yaml: str,
     return folder
 
 
-def load(folder: Path, parts: Trainables, state_type: type) -> Any:
+def load(folder: Path, parts: Trainables, state_type: type, world: World = World()) -> Any:
     """Put the adapters, optimizer, schedule and RNG streams saved in `folder` back into freshly
-    built parts, and return the saved run state (a `state_type`)."""
+    built parts, and return the saved run state (a `state_type`). Each process of a data-parallel
+    run takes its own random streams; a checkpoint resumes only with the number of processes that
+    wrote it (RecipeError otherwise)."""
     folder = Path(folder)
     try:
         manifest = read_manifest(folder)
@@ -110,18 +126,28 @@ def load(folder: Path, parts: Trainables, state_type: type) -> Any:
                 f"checkpoint {folder}: format {manifest.get('format')} is not {FORMAT_VERSION} "
                 "(written by another version of lora_ppo)"
             )
+        processes = int(manifest.get("processes", 1))
+        if processes != world.size:
+            raise RecipeError(
+                f"--resume: checkpoint {folder} was written by {processes} process(es) and resumes exactly only "
+                f"with as many (--num-processes {processes}); this run has {world.size}"
+            )
         record = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
         state = state_type.from_json({k: v for k, v in record.items() if k != "rng"})
         load_adapters(folder, parts.model, parts.trained)
         parts.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, weights_only=True))
         if parts.scheduler is not None and (folder / SCHEDULER_FILE).exists():
             parts.scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=True))
-        rng_tensors = torch.load(folder / RNG_FILE, weights_only=True)
-    except CheckpointError:
+        rng_tensors, rng = torch.load(folder / RNG_FILE, weights_only=True), record["rng"]
+        if world.rank > 0:
+            own = folder / PROCESS_RNG_FILE.format(world.rank)
+            saved = torch.load(own, weights_only=True)
+            rng_tensors, rng = saved["tensors"], saved
+    except (CheckpointError, RecipeError):
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise CheckpointError(f"checkpoint {folder} cannot be loaded: {first_line(err)}") from None
-    _restore_rng(record["rng"], rng_tensors, parts.generator)
+    _restore_rng(rng, rng_tensors, parts.generator)
     return state
 
 
@@ -150,13 +176,16 @@ def load_adapters(folder: Path, model: Backbone, names: tuple[str, ...]) -> None
 log = logging.getLogger(__name__)
 
 
-def open_run(recipe: Recipe | RewardRecipe, resume: Optional[str | Path]) -> tuple[RunDir, Optional[Path]]:
+def open_run(recipe: Recipe | RewardRecipe, resume: Optional[str | Path],
+             check_taken: bool = True) -> tuple[RunDir, Optional[Path]]:
     """The run folder of a new or resumed run, and the checkpoint to resume from: a new run
-    refuses a folder another run wrote to (unless train.overwrite), a resumed one checks its recipe."""
+    refuses a folder another run wrote to (unless train.overwrite; `check_taken` False: the
+    process that does not write leaves it to the one that does), a resumed one checks its recipe."""
     run = RunDir(recipe.train.output_dir)
     if resume is not None:
         return run, resolve_resume(run, resume, recipe)
-    run.refuse_if_taken(recipe.train.overwrite)
+    if check_taken:
+        run.refuse_if_taken(recipe.train.overwrite)
     return run, None
 
 

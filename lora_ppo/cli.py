@@ -80,22 +80,85 @@ def train(
     resume: Optional[str] = typer.Option(
         None, "--resume", help="Continue a run: 'auto' (its newest checkpoint) or a checkpoint folder."
     ),
+    num_processes: int = typer.Option(
+        1, "--num-processes", help="Data-parallel processes, one per GPU, started with accelerate launch."
+    ),
 ) -> None:
     """Run PPO as the recipe says."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from lora_ppo.distributed import join_world, launched_processes, leave_world
+
     cfg = _load_recipe(recipe, overrides)
+    if num_processes < 1:
+        _fail(f"--num-processes must be >= 1, got {num_processes}")
+    if num_processes > 1 and launched_processes() == 1:
+        _launch(cfg, num_processes, resume)
+    world = join_world()
+    logging.basicConfig(level=logging.INFO if world.is_main else logging.ERROR, format="%(message)s")
     _quiet_libraries()
     from lora_ppo.summary import format_summary
     from lora_ppo.trainer import PPOTrainer
 
     def start(progress: bool):
-        trainer = PPOTrainer(cfg, progress=progress, resume=resume)
-        typer.echo(f"training {cfg.model.name} ({cfg.model.quantization}) for {cfg.train.steps} steps"
-                   f"{_resumed(trainer)} on {len(trainer.parts.train_prompts.rows)} prompts -> {cfg.train.output_dir}",
-                   err=True)
+        trainer = PPOTrainer(cfg, progress=progress, resume=resume, world=world)
+        if world.is_main:
+            on = f" on {world.size} processes" if world.size > 1 else ""
+            typer.echo(f"training {cfg.model.name} ({cfg.model.quantization}) for {cfg.train.steps} steps"
+                       f"{_resumed(trainer)} on {len(trainer.parts.train_prompts.rows)} prompts{on} -> "
+                       f"{cfg.train.output_dir}", err=True)
         return trainer
 
-    _run("train", recipe, overrides, start, format_summary, progress=not no_progress)
+    try:
+        _run("train", recipe, overrides, start, format_summary if world.is_main else None,
+             progress=not no_progress, extra_args=("--num-processes", str(world.size)) if world.size > 1 else ())
+    finally:
+        leave_world(world)
+
+
+def _launch(cfg, num_processes: int, resume: Optional[str]) -> None:
+    """Check what can be checked here, then run this same command in `num_processes` processes
+    with accelerate's launcher (torchrun underneath), in this process, and exit as they did: 0,
+    the first failed process's exit code (a signal: 1), or 130 after Ctrl-C."""
+    import socket
+
+    from lora_ppo.checkpoint import open_run
+    from lora_ppo.trainer import check_splits
+
+    try:
+        check_splits(cfg, num_processes)
+        open_run(cfg, resume)
+    except RecipeError as err:
+        _fail(str(err))
+    with socket.socket() as probe:  # a free port, so runs side by side do not collide
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = sys.argv[1:]
+    for i, arg in enumerate(args):  # this command again, less --num-processes N / --num-processes=N
+        if arg == "--num-processes":
+            args = args[:i] + args[i + 2:]
+            break
+        if arg.startswith("--num-processes="):
+            args = args[:i] + args[i + 1:]
+            break
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its log repeats ours
+    launch_args = launch_command_parser().parse_args(
+        ["--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1", "--mixed_precision", "no",
+         "--dynamo_backend", "no", "--main_process_port", str(port), "-m", "lora_ppo", *args])
+    try:
+        launch_command(launch_args)
+    except SignalException:
+        raise typer.Exit(EXIT_INTERRUPTED)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 1
+        if code not in (EXIT_BAD_INPUT, EXIT_INTERRUPTED):  # those printed their own line
+            typer.echo(f"error: process {rank} of {num_processes} failed (exit code {failure.exitcode}); "
+                       "the others were stopped", err=True)
+        raise typer.Exit(code)
+    raise typer.Exit(0)
 
 
 @app.command("train-reward")
@@ -129,9 +192,11 @@ def _resumed(trainer) -> str:
     return f" from step {trainer.state.step} ({trainer.resume_from})" if trainer.resume_from else ""
 
 
-def _run(command: str, recipe: Path, overrides: Optional[List[str]], start, summarise, progress: bool) -> None:
+def _run(command: str, recipe: Path, overrides: Optional[List[str]], start, summarise, progress: bool,
+         extra_args: tuple[str, ...] = ()) -> None:
     """Build a trainer and train, mapping failures to one line: bad input exits 2, a failure at
-    run time (reward, NaN halt, checkpoint) 1, Ctrl-C 130 with the command that resumes."""
+    run time (reward, NaN halt, checkpoint) 1, Ctrl-C 130 with the command that resumes (with
+    `extra_args`). `summarise` None: print no summary or hint (a process other than the main one)."""
     from lora_ppo.checkpoint import CheckpointError
     from lora_ppo.rewards import RewardError
     from lora_ppo.trainer import TrainingHalted
@@ -143,10 +208,12 @@ def _run(command: str, recipe: Path, overrides: Optional[List[str]], start, summ
     except (RewardError, TrainingHalted, CheckpointError) as err:
         _fail(str(err), code=1)
     except KeyboardInterrupt:
-        again = " ".join([str(recipe), *(overrides or [])])
-        typer.echo(f"resume with: lora-ppo {command} {again} --resume auto", err=True)
+        if summarise is not None:
+            again = " ".join([str(recipe), *(overrides or []), *extra_args])
+            typer.echo(f"resume with: lora-ppo {command} {again} --resume auto", err=True)
         raise typer.Exit(EXIT_INTERRUPTED)
-    typer.echo(summarise(summary))
+    if summarise is not None:  # None: a data-parallel process other than the main one, which prints
+        typer.echo(summarise(summary))
 
 
 @app.command()
@@ -165,6 +232,7 @@ def estimate(
     gpu_gb: Optional[float] = typer.Option(None, "--gpu-gb", help="Memory budget in GB: say whether it fits."),
     device: str = typer.Option("cuda", "--device", help="cuda (bf16 compute by default) or cpu (fp32)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    num_processes: int = typer.Option(1, "--num-processes", help="Data-parallel processes: memory per process."),
 ) -> None:
     """Predict peak memory per phase from the model config and the recipe (no weights loaded)."""
     import json
@@ -173,12 +241,16 @@ def estimate(
         _fail(f"--device must be cuda or cpu, got {device!r}")
     if gpu_gb is not None and gpu_gb <= 0:
         _fail(f"--gpu-gb must be > 0, got {gpu_gb:g}")
+    if num_processes < 1:
+        _fail(f"--num-processes must be >= 1, got {num_processes}")
     cfg = _load_recipe(recipe, overrides)
     _quiet_libraries()
     from lora_ppo import estimate as est_mod
+    from lora_ppo.trainer import check_splits
 
     try:
-        est = est_mod.estimate_recipe(cfg, device=device, budget_gb=gpu_gb)
+        check_splits(cfg, num_processes)
+        est = est_mod.estimate_recipe(cfg, device=device, budget_gb=gpu_gb, processes=num_processes)
     except RecipeError as err:
         _fail(str(err))
     if as_json:

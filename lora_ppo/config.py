@@ -376,6 +376,12 @@ class RolloutConfig(Section):
     """Responses sampled per prompt (consecutive rows); `batch_size` counts responses. RLOO and GRPO need at
     least 2.
     """
+    seed_per_row: bool = False
+    """Sample each response from a random stream of its own, seeded by the run's seed, the step and the
+    response's row in the step's batch, instead of one stream for the batch: a step then samples the same
+    responses whatever the number of processes (`--num-processes`) or the batch layout. Off: one stream
+    (the run's seed), as most trainers do.
+    """
 
 
 class PPOConfig(Section):

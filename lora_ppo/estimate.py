@@ -154,6 +154,7 @@ class Estimate:
     # the fewest ppo.grad_accum_steps for it, the largest rollout.forward_batch_size ({}: nothing fits).
     fitting: dict[str, int]
     dequantize_per_step: bool = False  # as decided for this budget (`auto` included)
+    processes: int = 1  # data-parallel processes: the phases are each one's
 
     @property
     def peak(self) -> float:
@@ -281,9 +282,11 @@ def estimate(
     device: str = "cuda",
     budget_gb: Optional[float] = None,
     classifier_shapes: Optional[list[ModelShape]] = None,
+    processes: int = 1,
 ) -> Estimate:
     """Peak bytes per phase for `recipe` on a model of `shape`, on "cuda" or "cpu" (with the shapes
-    of the recipe's classifier reward models, in the order of its sources)."""
+    of the recipe's classifier reward models, in the order of its sources), per process of a
+    data-parallel run of `processes`: each holds the whole model and a share of the rows."""
     act = _dtype_bytes(recipe, device)
     trainable, frozen = _adapter_params(shape, recipe)
     recipe = _dequantize_resolved(shape, recipe, act, budget_gb)
@@ -297,15 +300,23 @@ def estimate(
     static = sum(components.values())
     grads = trainable * ADAPTER_GRAD_BYTES
     ro = recipe.rollout
+    rows = ro.batch_size // processes  # a process generates and scores its share of the batch
     phases = {
-        "generate": static + generate_bytes(shape, recipe, act, ro.batch_size),
-        "score": static + score_bytes(shape, recipe, act, min(ro.forward_batch_size, ro.batch_size)),
-        "update": static + grads + update_bytes(shape, recipe, act, recipe.micro_batch_size, device),
+        "generate": static + generate_bytes(shape, recipe, act, rows),
+        "score": static + score_bytes(shape, recipe, act, min(ro.forward_batch_size, rows)),
+        "update": static + grads + update_bytes(
+            shape, recipe, act, update_rows(recipe.minibatch_size, recipe.micro_batch_size, processes), device),
     }
     fitting: dict[str, int] = {}
     if budget_gb is not None:
-        fitting = largest_fitting_sizes(shape, recipe, act, device, budget_gb * GB - static, grads)
-    return Estimate(shape, components, phases, budget_gb, fitting, bool(recipe.model.dequantize_per_step))
+        fitting = largest_fitting_sizes(shape, recipe, act, device, budget_gb * GB - static, grads, processes)
+    return Estimate(shape, components, phases, budget_gb, fitting, bool(recipe.model.dequantize_per_step), processes)
+
+
+def update_rows(minibatch: int, micro_batch: int, processes: int) -> int:
+    """Rows a process puts through one forward and backward of the update: its share of the
+    minibatch, in micro-batches of at most the recipe's micro-batch size."""
+    return min(micro_batch, minibatch // processes)
 
 
 def _dequantize_resolved(shape: ModelShape, recipe: Recipe, act_bytes: int, budget_gb: Optional[float]) -> Recipe:
@@ -324,7 +335,7 @@ MAX_BATCH = 4096  # the search for sizes that fit stops here
 
 
 def largest_fitting_sizes(
-    shape: ModelShape, recipe: Recipe, act: int, device: str, room: float, grads: float
+    shape: ModelShape, recipe: Recipe, act: int, device: str, room: float, grads: float, processes: int = 1
 ) -> dict[str, int]:
     """The largest rollout.batch_size whose generation fits `room` (bytes beyond the resident
     ones) and whose update fits with some valid ppo.grad_accum_steps, the fewest such steps, and
@@ -338,16 +349,19 @@ def largest_fitting_sizes(
     if max_micro == 0 or max_rows == 0:
         return {}
     minibatches = recipe.ppo.num_minibatches
-    # Batches in steps that keep the recipe's own accumulation valid: micro-batches stay whole.
-    step = math.lcm(recipe.rollout.samples_per_prompt, minibatches * recipe.ppo.grad_accum_steps)
+    # Batches in steps that keep the recipe's own accumulation valid (micro-batches stay whole) and
+    # split over the processes (whole groups of samples, equal shares of each minibatch).
+    step = math.lcm(recipe.rollout.samples_per_prompt * processes, minibatches * recipe.ppo.grad_accum_steps,
+                    minibatches * processes)
     for batch in range(MAX_BATCH - MAX_BATCH % step, 0, -step):
-        if generate_bytes(shape, recipe, act, batch) > room:
+        if generate_bytes(shape, recipe, act, batch // processes) > room:
             continue
         per_minibatch = batch // minibatches
         # The fewest micro-batches per minibatch whose size divides it and fits the update.
-        steps = next(d for d in range(1, per_minibatch + 1) if per_minibatch % d == 0 and per_minibatch // d <= max_micro)
+        steps = next(d for d in range(1, per_minibatch + 1)
+                     if per_minibatch % d == 0 and update_rows(per_minibatch, per_minibatch // d, processes) <= max_micro)
         return {"rollout.batch_size": batch, "ppo.grad_accum_steps": steps,
-                "rollout.forward_batch_size": min(max_rows, batch)}
+                "rollout.forward_batch_size": min(max_rows, batch // processes)}
     return {}
 
 def load_shape(name: str, trust_remote_code: bool = False) -> ModelShape:
@@ -371,11 +385,12 @@ def load_shape(name: str, trust_remote_code: bool = False) -> ModelShape:
     return ModelShape.from_config(config)
 
 
-def estimate_recipe(recipe: Recipe, device: str = "cuda", budget_gb: Optional[float] = None) -> Estimate:
+def estimate_recipe(recipe: Recipe, device: str = "cuda", budget_gb: Optional[float] = None,
+                    processes: int = 1) -> Estimate:
     shape = load_shape(recipe.model.name, recipe.model.trust_remote_code)
     classifiers = [_classifier_shape(s.model, recipe.model.trust_remote_code)
                    for s in recipe.reward.source_list() if s.kind == "classifier"]
-    return estimate(shape, recipe, device, budget_gb, classifiers)
+    return estimate(shape, recipe, device, budget_gb, classifiers, processes)
 
 
 def _classifier_shape(name: str, trust_remote_code: bool) -> Optional[ModelShape]:
@@ -393,13 +408,15 @@ def _classifier_shape(name: str, trust_remote_code: bool) -> Optional[ModelShape
 
 
 def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
-    s = est.shape
+    s, n = est.shape, est.processes
+    rows = recipe.rollout.batch_size // n
     lines = [
         f"model: {recipe.model.name}  ({s.total_params / 1e9:.2f}B parameters: {s.layers} layers, hidden {s.hidden}, "
         f"vocab {s.vocab}), quantization {recipe.model.quantization}, on {device}",
-        f"recipe: batch {recipe.rollout.batch_size}, prompt <= {recipe.data.max_prompt_tokens} + "
-        f"{recipe.rollout.max_new_tokens} new tokens, scoring rows {min(recipe.rollout.forward_batch_size, recipe.rollout.batch_size)}, "
-        f"update micro-batch {recipe.micro_batch_size}, gradient checkpointing "
+        *([f"per process of {n} (each holds the model; the rows are its share of the batch)"] if n > 1 else []),
+        f"recipe: batch {rows}, prompt <= {recipe.data.max_prompt_tokens} + "
+        f"{recipe.rollout.max_new_tokens} new tokens, scoring rows {min(recipe.rollout.forward_batch_size, rows)}, "
+        f"update micro-batch {update_rows(recipe.minibatch_size, recipe.micro_batch_size, n)}, gradient checkpointing "
         f"{'on' if recipe.model.gradient_checkpointing else 'off'}, dequantize per step "
         f"{'on' if est.dequantize_per_step else 'off'}",
         "",
@@ -434,6 +451,7 @@ def as_json(est: Estimate) -> dict:
         "fits": est.fits,
         "fitting": est.fitting,
         "dequantize_per_step": est.dequantize_per_step,
+        "processes": est.processes,
     }
 
 

@@ -11,8 +11,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from lora_ppo.config import RolloutConfig
-from lora_ppo.memory import PhasePeaks
 from lora_ppo.data import PromptRow
+from lora_ppo.distributed import World
+from lora_ppo.memory import PhasePeaks
 from lora_ppo.rewards import RewardBatch, RewardSources
 from lora_ppo.roles import POLICY, REFERENCE, VALUE, Role, RoleModel
 
@@ -108,21 +109,56 @@ def truncate_at_stop(
     return response_ids[:, :keep], response_mask[:, :keep], stopped
 
 
-def generation_config(cfg: RolloutConfig, tokenizer, stop_id: Optional[int]):
+def generation_config(cfg: RolloutConfig, tokenizer, stop_id: Optional[int], sample_in_processor: bool = False):
     """Sampling settings built from the recipe alone: a model's own generation_config
-    (repetition penalty, top_k=50, ...) would silently change the sampling distribution."""
+    (repetition penalty, top_k=50, ...) would silently change the sampling distribution.
+    `sample_in_processor`: a `RowSeededSampling` processor picks each token and generate() only
+    takes its one-hot choice (greedy)."""
     from transformers import GenerationConfig
 
+    sampling = {} if sample_in_processor else {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p}
     return GenerationConfig(
-        do_sample=True,
+        do_sample=not sample_in_processor,
         max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=stop_id,
         use_cache=True,
+        **sampling,
     )
+
+
+def row_seeds(run_seed: int, step_key: Sequence[int], rows: range) -> list[int]:
+    """A seed for each response row of a step, from the run's seed, a key naming the step (where
+    the prompt order stood) and the row's place in the step's whole batch."""
+    import hashlib
+
+    def seed(row: int) -> int:
+        text = "/".join(str(x) for x in (run_seed, *step_key, row))
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+    return [seed(row) for row in rows]
+
+
+class RowSeededSampling:
+    """A logits processor that samples every row's next token from the row's own seeded generator
+    (the recipe's temperature, top-k and top-p applied as generate() would) and returns a one-hot
+    choice that greedy decoding takes: a row's response then depends on its seed and logits, not on
+    the batch around it (`rollout.seed_per_row`)."""
+
+    def __init__(self, seeds: Sequence[int], cfg: RolloutConfig, device: torch.device) -> None:
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.warpers = LogitsProcessorList(
+            ([TemperatureLogitsWarper(cfg.temperature)] if cfg.temperature != 1.0 else [])
+            + ([TopKLogitsWarper(cfg.top_k)] if cfg.top_k > 0 else [])
+            + ([TopPLogitsWarper(cfg.top_p)] if cfg.top_p < 1.0 else [])
+        )
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.warpers(input_ids, scores.float()), dim=-1)
+        chosen = torch.stack([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, self.generators)])
+        return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
 
 
 def left_pad(rows: Sequence[PromptRow], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,12 +214,13 @@ def generate(
     gen_config,
     recorder: Optional[SampledTokenLogprobs] = None,
     role: Role = POLICY,
+    row_sampling: Optional[RowSeededSampling] = None,
 ) -> torch.Tensor:
     """Sample responses as `role` (the policy; the reference, to compare); returns the new tokens
-    only, [B, T_gen]."""
+    only, [B, T_gen]. The recorder reads the raw logits before `row_sampling` replaces them."""
     from transformers import LogitsProcessorList
 
-    processors = LogitsProcessorList([recorder] if recorder is not None else [])
+    processors = LogitsProcessorList([p for p in (recorder, row_sampling) if p is not None])
     with roles.as_role(role):
         out = roles.peft.generate(
             input_ids=query_ids, attention_mask=query_mask, generation_config=gen_config, logits_processor=processors
@@ -222,14 +259,19 @@ class Sampler:
     cfg: RolloutConfig
 
     @torch.no_grad()
-    def sample(self, rows: Sequence[PromptRow], record_logprobs: bool = False, role: Role = POLICY) -> Samples:
+    def sample(self, rows: Sequence[PromptRow], record_logprobs: bool = False, role: Role = POLICY,
+               seeds: Optional[Sequence[int]] = None) -> Samples:
         """Generate with the policy (or `role`; left-padded prompts, KV cache) and cut each response
-        after its stop token; with `record_logprobs`, the sampled tokens' logprobs come along."""
+        after its stop token; with `record_logprobs`, the sampled tokens' logprobs come along; with
+        `seeds` (one per row), each row samples from its own seeded stream."""
         cfg, tokenizer = self.cfg, self.tokenizer
         stop_id = stop_token_id(tokenizer, cfg.stop_token)
-        query_ids, query_mask = left_pad(rows, tokenizer.pad_token_id, self.roles.lm_head.weight.device)
+        device = self.roles.lm_head.weight.device
+        query_ids, query_mask = left_pad(rows, tokenizer.pad_token_id, device)
         recorder = SampledTokenLogprobs(cfg.temperature) if record_logprobs else None
-        raw_response = generate(self.roles, query_ids, query_mask, generation_config(cfg, tokenizer, stop_id), recorder, role)
+        row_sampling = RowSeededSampling(seeds, cfg, device) if seeds is not None else None
+        gen_config = generation_config(cfg, tokenizer, stop_id, sample_in_processor=row_sampling is not None)
+        raw_response = generate(self.roles, query_ids, query_mask, gen_config, recorder, role, row_sampling)
         response_ids, response_mask, stopped = truncate_at_stop(raw_response, stop_id, tokenizer.pad_token_id)
         logprobs = None
         if recorder is not None:
@@ -297,10 +339,12 @@ def collect_rollout(
     with_values: bool = True,
     with_reference: bool = True,
     peaks: Optional[PhasePeaks] = None,
+    seeds: Optional[Sequence[int]] = None,
 ) -> Rollout:
     """Generate responses to the prompts of `rows` and score them; everything under no_grad.
 
     For k samples per prompt, pass each prompt k times in a row (group methods rely on it).
+    `seeds`: one per row, to sample each from its own stream (`rollout.seed_per_row`).
     """
     roles, cfg = sampler.roles, sampler.cfg
     device = roles.lm_head.weight.device
@@ -310,7 +354,7 @@ def collect_rollout(
     # 1-2. Generate with the policy, truncate after the stop token (what follows is padding).
     t0 = time.perf_counter()
     with peaks.phase("generate"):
-        samples = sampler.sample(rows, record_logprobs=cfg.logprobs_from_generation)
+        samples = sampler.sample(rows, record_logprobs=cfg.logprobs_from_generation, seeds=seeds)
     timings["generate"] = time.perf_counter() - t0
 
     # 3. Old logprobs (unless sampling recorded them), reference logprobs and values on the
@@ -341,4 +385,51 @@ def collect_rollout(
         query_mask=samples.query_mask, response_ids=samples.response_ids, response_mask=samples.response_mask,
         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values, raw_scores=raw_scores,
         scores=scores, stopped=samples.stopped, side_scores=said.side, source_scores=said.by_source, timings=timings,
+    )
+
+
+def gather_rollout(world: World, rollout: Rollout, pad_id: int) -> Rollout:
+    """The whole batch from every process's share, in rank order, on every process: prompts
+    left-padded and responses right-padded to the widest share, as one process would have padded
+    them. Timings are the slowest process's (the step waits for it)."""
+    if world.size == 1:
+        return rollout
+    device = rollout.response_ids.device
+    tensors = ("query_ids", "query_mask", "response_ids", "response_mask", "old_logprobs", "ref_logprobs",
+               "values", "raw_scores", "scores", "stopped")
+    shares = world.gather({
+        **{name: None if getattr(rollout, name) is None else getattr(rollout, name).cpu() for name in tensors},
+        "rows": rollout.rows, "completions": rollout.completions, "side_scores": rollout.side_scores,
+        "source_scores": rollout.source_scores, "timings": rollout.timings,
+    })
+    prompt_width = max(s["query_ids"].shape[1] for s in shares)
+    response_width = max(s["response_ids"].shape[1] for s in shares)
+
+    def joined(name: str, width: int = 0, left: bool = False, fill: float = 0) -> Optional[torch.Tensor]:
+        if shares[0][name] is None:
+            return None
+        parts = []
+        for share in shares:
+            t = share[name]
+            if t.dim() == 2 and t.shape[1] < width:
+                pad = torch.full((t.shape[0], width - t.shape[1]), fill, dtype=t.dtype)
+                t = torch.cat([pad, t] if left else [t, pad], dim=1)
+            parts.append(t)
+        return torch.cat(parts).to(device)
+
+    def concatenated(name: str) -> Any:
+        if isinstance(shares[0][name], list):
+            return [item for share in shares for item in share[name]]
+        return {key: [v for share in shares for v in share[name][key]] for key in shares[0][name]}
+
+    return Rollout(
+        rows=concatenated("rows"), completions=concatenated("completions"),
+        query_ids=joined("query_ids", prompt_width, left=True, fill=pad_id),
+        query_mask=joined("query_mask", prompt_width, left=True),
+        response_ids=joined("response_ids", response_width, fill=pad_id),
+        response_mask=joined("response_mask", response_width),
+        old_logprobs=joined("old_logprobs", response_width), ref_logprobs=joined("ref_logprobs", response_width),
+        values=joined("values", response_width), raw_scores=joined("raw_scores"), scores=joined("scores"),
+        stopped=joined("stopped"), side_scores=concatenated("side_scores"), source_scores=concatenated("source_scores"),
+        timings={key: max(share["timings"][key] for share in shares) for key in rollout.timings},
     )

@@ -16,15 +16,17 @@ class StopRequest:
 
 
 @contextmanager
-def stop_on_signals() -> Iterator[StopRequest]:
-    """Catch SIGINT and SIGTERM for the duration; the previous handlers come back afterwards."""
+def stop_on_signals(announce: bool = True) -> Iterator[StopRequest]:
+    """Catch SIGINT and SIGTERM for the duration; the previous handlers come back afterwards.
+    `announce`: say so on stderr (one process of several keeps quiet)."""
     request = StopRequest()
 
     def handler(signum, frame):
         if request.requested:
             raise KeyboardInterrupt
         request.requested = True
-        print("\nstopping after this step to save a checkpoint (again to abandon the step)", file=sys.stderr)
+        if announce:
+            print("\nstopping after this step to save a checkpoint (again to abandon the step)", file=sys.stderr)
 
     previous = {}
     try:

@@ -15,12 +15,14 @@ import torch
 from lora_ppo import checkpoint, ppo_math
 from lora_ppo.config import Recipe, recipe_to_yaml
 from lora_ppo.data import PromptStream, count_summary
+from lora_ppo.distributed import World, join_world
+from lora_ppo.errors import RecipeError
 from lora_ppo.memory import PhasePeaks, run_peak_gb
 from lora_ppo.metrics import step_metrics
 from lora_ppo.model import dequantized_once
 from lora_ppo.parts import build, evaluate_policy
 from lora_ppo.roles import POLICY, REWARD, VALUE, RoleModel
-from lora_ppo.rollout import Rollout, collect_rollout
+from lora_ppo.rollout import Rollout, collect_rollout, gather_rollout, row_seeds
 from lora_ppo.run_dir import write_jsonl
 from lora_ppo.signals import StopRequest, stop_on_signals
 from lora_ppo.state import TrainState
@@ -45,18 +47,23 @@ class PPOTrainer:
         progress: show a progress bar.
         resume: "auto" (the newest complete checkpoint of output_dir, final/ included) or a
             checkpoint folder, to continue a run exactly where that checkpoint left it.
+        world: this process among the data-parallel ones (default: as launched; alone, one).
     """
 
     def __init__(
         self, recipe: Recipe, reward_fn: Optional[Callable] = None, progress: bool = True,
-        resume: Optional[str | Path] = None,
+        resume: Optional[str | Path] = None, world: Optional[World] = None,
     ):
         self.recipe = recipe
         self.recipe_yaml = recipe_to_yaml(recipe)
-        self.progress = progress
-        self.run, self.resume_from = checkpoint.open_run(recipe, resume)
+        self.world = world if world is not None else join_world()
+        check_splits(recipe, self.world.size)
+        self.progress = progress and self.world.is_main
+        self.run, self.resume_from = checkpoint.open_run(recipe, resume, check_taken=self.world.is_main)
         check_installed(recipe.train.report_to)  # before minutes of loading
         self.parts = build(recipe, reward_fn)
+        if self.world.rank > 0:  # the same adapters everywhere (built above), a sampling stream per process
+            torch.manual_seed(row_seeds(recipe.train.seed, ("process",), range(self.world.rank, self.world.rank + 1))[0])
         self.stream = PromptStream(self.parts.train_prompts.rows, recipe.train.seed)
         self.sampler = self.parts.sampler(recipe)
         self.generator = torch.Generator().manual_seed(recipe.train.seed)  # minibatch order
@@ -65,9 +72,9 @@ class PPOTrainer:
             recipe.model.gradient_checkpointing,
         )
         self.state = TrainState(kl_coef=recipe.ppo.kl_coef)
-        self.step_log = StepLog(recipe, self.run, progress, tuple(self.parts.rewards.side))
+        self.step_log = StepLog(recipe, self.run, self.progress, tuple(self.parts.rewards.side))
         if self.resume_from is not None:
-            self.state = checkpoint.load(self.resume_from, self._trainables(), TrainState)
+            self.state = checkpoint.load(self.resume_from, self._trainables(), TrainState, self.world)
             log.info("resuming from %s (step %d)", self.resume_from, self.state.step)
 
     @property
@@ -83,22 +90,26 @@ class PPOTrainer:
 
     def train(self) -> dict:
         """Run the whole recipe; returns the summary (also written to summary.json)."""
-        r, state = self.recipe, self.state
-        self._open_run_dir()
+        r, state, main = self.recipe, self.state, self.world.is_main
+        if main:
+            self._open_run_dir()
+        self.world.barrier()  # the folder is ready (an old run moved away) before anyone goes on
         t0 = time.perf_counter()
         dropped = count_summary(self.parts.train_prompts)
-        if dropped:
+        if dropped and main:
             log.warning("dropped prompts from %s: %s", r.data.source, dropped)
         if state.eval_before is None:
             # A resumed run reuses the evaluation its first part made, so its summary matches.
             state.eval_before = self.evaluate(self.run.eval_before)
-        self.step_log.open(state)
+        if main:
+            self.step_log.open(state)
         try:
-            with stop_on_signals() as stop:
+            with stop_on_signals(announce=main) as stop:
                 while state.step < r.train.steps:
                     self._one_step(stop)
         finally:
-            self.step_log.close()
+            if main:
+                self.step_log.close()
         self.save_checkpoint(self.run.final)
         after = self.evaluate(self.run.eval_after)
         summary = build_summary(
@@ -106,7 +117,8 @@ class PPOTrainer:
             time.perf_counter() - t0, run_peak_gb(), str(self.run.root),
             [POLICY, VALUE] if self.roles.has_value else [POLICY],
         )
-        self.run.write_summary(summary)
+        if main:
+            self.run.write_summary(summary)
         return summary
 
     def train_step(self) -> tuple[dict[str, float], Rollout]:
@@ -119,13 +131,19 @@ class PPOTrainer:
         t_start = time.perf_counter()
         peaks = PhasePeaks()
         # 1. Rollout: sample with the policy; old and reference logprobs, values, rewards. Each
-        #    prompt k times in a row: group baselines (RLOO / GRPO) rely on the grouping.
-        k = r.rollout.samples_per_prompt
-        prompts, state.prompt_position = self.stream.take(r.rollout.batch_size // k, state.prompt_position)
+        #    prompt k times in a row: group baselines (RLOO / GRPO) rely on the grouping. With
+        #    several processes each takes its share of the prompts, then all hold the whole batch.
+        k, world, position = r.rollout.samples_per_prompt, self.world, state.prompt_position
+        prompts, state.prompt_position = self.stream.take(r.rollout.batch_size // k, position)
+        rows = [p for p in world.share(prompts) for _ in range(k)]
+        seeds = None
+        if r.rollout.seed_per_row:
+            seeds = row_seeds(r.train.seed, position, range(world.rank * len(rows), (world.rank + 1) * len(rows)))
         rollout = collect_rollout(
-            self.sampler, [p for p in prompts for _ in range(k)], parts.rewards, with_values=r.uses_critic,
-            with_reference=r.adapters.reference_enabled, peaks=peaks,
+            self.sampler, rows, parts.rewards, with_values=r.uses_critic,
+            with_reference=r.adapters.reference_enabled, peaks=peaks, seeds=seeds,
         )
+        rollout = gather_rollout(world, rollout, parts.tokenizer.pad_token_id)
         # 2. Scores as the optimiser sees them: running normalisation, clipping, length penalty.
         moments_before = (state.score_moments, dict(state.source_moments))
         scores = self._shape_scores(rollout)
@@ -139,7 +157,7 @@ class PPOTrainer:
         if bad is None:
             with peaks.phase("update"):
                 update = ppo_update(parts.roles, parts.optimizer, parts.scheduler, rollout, adv, r.ppo,
-                                    self.update_settings, kl_coef, self.generator)
+                                    self.update_settings, kl_coef, self.generator, world)
             bad = update.nonfinite
         else:
             state.score_moments, state.source_moments = moments_before  # no trace but its metrics
@@ -158,7 +176,20 @@ class PPOTrainer:
             consecutive_skips=state.consecutive_skips, lr=parts.optimizer.param_groups[0]["lr"],
             update_s=t_end - t_update, step_s=t_end - t_start, phase_peaks_gb=peaks.peaks_gb,
         )
+        if world.size > 1:
+            metrics["dist/adapter_spread"] = self._adapter_spread()
         return metrics, rollout
+
+    def _adapter_spread(self) -> float:
+        """How far apart the processes' trained weights are (max - min of a float64 checksum):
+        0 unless the data-parallel update went wrong, which stops the run."""
+        params = self.roles.policy_parameters() + self.roles.value_parameters()
+        checksum = float(sum(p.detach().double().sum() for p in params))
+        checksums = self.world.gather(checksum)
+        spread = max(checksums) - min(checksums)
+        if spread != 0:
+            raise TrainingHalted(f"step {self.state.step}: the processes' adapters differ (checksums {checksums})")
+        return spread
 
     def _kl_coef(self) -> float:
         """The KL coefficient the step uses: none without a reference (adapters.reference: none),
@@ -216,7 +247,10 @@ class PPOTrainer:
         """One step with its log, guard and checkpoint."""
         r, state = self.recipe, self.state
         metrics, rollout = self.train_step()
-        self.step_log.record(state, metrics, rollout)
+        if self.world.is_main:
+            self.step_log.record(state, metrics, rollout)
+        else:
+            state.last_metrics = metrics
         if state.consecutive_skips >= r.train.max_consecutive_skips:
             # Skipped updates left the adapters and optimizer moments at the last good update.
             folder = self.save_checkpoint()
@@ -226,9 +260,10 @@ class PPOTrainer:
             )
         if r.train.save_every and state.step % r.train.save_every == 0 and state.step < r.train.steps:
             self.save_checkpoint()
-        if stop.requested:
+        if self.world.any(stop.requested):  # every process stops after the same step
             folder = self.save_checkpoint()
-            print(f"interrupted at step {state.step}: checkpoint saved to {folder}", file=sys.stderr)
+            if self.world.is_main:
+                print(f"interrupted at step {state.step}: checkpoint saved to {folder}", file=sys.stderr)
             raise KeyboardInterrupt
 
     # ---- evaluation, run folder and checkpoints ---------------------------------------------
@@ -243,7 +278,7 @@ class PPOTrainer:
         with tqdm(total=len(self.parts.eval_prompts.rows), desc="held-out", disable=not self.progress,
                   dynamic_ncols=True, file=sys.stderr) as bar:
             evaluation = evaluate_policy(self.parts, self.recipe, progress=bar)
-        if records_file is not None:
+        if records_file is not None and self.world.is_main:
             write_jsonl(records_file, evaluation.records)
         return evaluation.scores
 
@@ -261,8 +296,27 @@ class PPOTrainer:
         return checkpoint.Trainables(roles, trained, p.optimizer, p.scheduler, self.generator, frozen)
 
     def save_checkpoint(self, folder: Optional[Path] = None) -> Path:
-        """A full-state checkpoint, by default checkpoints/step-N/ (keeping the newest train.keep_last)."""
-        if folder is not None:
-            return checkpoint.save(folder, self._trainables(), self.state, self.recipe_yaml)
-        return checkpoint.save(self.run.step_checkpoint(self.state.step), self._trainables(), self.state,
-                               self.recipe_yaml, keep_last=self.recipe.train.keep_last)
+        """A full-state checkpoint, by default checkpoints/step-N/ (keeping the newest train.keep_last).
+        Every process takes part (each one's random streams go in); the main one writes."""
+        keep_last = None if folder is not None else self.recipe.train.keep_last
+        folder = folder if folder is not None else self.run.step_checkpoint(self.state.step)
+        process_rngs = self.world.gather(checkpoint.process_rng_state(self.generator))
+        if self.world.is_main:
+            checkpoint.save(folder, self._trainables(), self.state, self.recipe_yaml, keep_last, process_rngs)
+        self.world.barrier()
+        return folder
+
+
+def check_splits(recipe: Recipe, processes: int) -> None:
+    """With several processes, each takes an equal share of a step's prompts (whole groups of
+    samples) and of every minibatch."""
+    if processes == 1:
+        return
+    prompts = recipe.rollout.batch_size // recipe.rollout.samples_per_prompt
+    if prompts % processes:
+        raise RecipeError(f"rollout.batch_size: {recipe.rollout.batch_size} responses are {prompts} prompts per step "
+                          f"(samples_per_prompt {recipe.rollout.samples_per_prompt}), which do not split over "
+                          f"{processes} processes")
+    if recipe.minibatch_size % processes:
+        raise RecipeError(f"ppo.num_minibatches: minibatches of {recipe.minibatch_size} responses do not split over "
+                          f"{processes} processes")

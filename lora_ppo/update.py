@@ -11,6 +11,7 @@ import torch
 
 from lora_ppo import ppo_math
 from lora_ppo.config import PPOConfig
+from lora_ppo.distributed import World
 from lora_ppo.roles import POLICY, VALUE, RoleModel
 from lora_ppo.rollout import Rollout
 
@@ -127,6 +128,15 @@ class _TokenWeightedMeans:
     def mean(self, key: str) -> Optional[float]:
         return self.sums[key] / max(self.weight, 1e-12) if key in self.sums else None
 
+    def summed_over(self, world: World) -> "_TokenWeightedMeans":
+        """The sums of every process's micro-batches (they all log the same keys)."""
+        if world.size == 1:
+            return self
+        keys = sorted(self.sums)
+        totals = world.sum(torch.tensor([self.sums[k] for k in keys] + [self.weight], dtype=torch.float64,
+                                        device=world.device)).tolist()
+        return _TokenWeightedMeans(dict(zip(keys, totals[:-1])), totals[-1])
+
 
 @dataclass(frozen=True)
 class UpdateSettings:
@@ -148,11 +158,13 @@ def ppo_update(
     settings: UpdateSettings,
     kl_coef: float,
     generator: torch.Generator,
+    world: World = World(),
 ) -> UpdateStats:
     """num_epochs x minibatches (in a seeded random order) of clipped policy and value losses.
 
     Losses are normalised by the whole minibatch's token (or sequence) count, so splitting a
-    minibatch into micro-batches (gradient accumulation) does not change the update.
+    minibatch into micro-batches (gradient accumulation), or over processes (each takes its share
+    of the rows; the gradients are summed before the step), does not change the update.
     """
     batch = rollout.response_ids.shape[0]
     means = _TokenWeightedMeans()
@@ -164,7 +176,8 @@ def ppo_update(
             order = torch.randperm(batch, generator=generator).to(rollout.response_ids.device)
             for rows in order.split(settings.minibatch_size):
                 optimizer.zero_grad(set_to_none=True)
-                mean_ratio, bad = minibatch_backward(roles, rollout, adv, rows, cfg, settings, kl_coef, means)
+                mean_ratio, bad = minibatch_backward(roles, rollout, adv, rows, cfg, settings, kl_coef, means, world)
+                world.sum_gradients(roles.policy_parameters() + roles.value_parameters())
                 minibatches += 1
                 action = ratio_threshold_action(cfg, mean_ratio)
                 skipped += action == "skip"
@@ -172,6 +185,7 @@ def ppo_update(
                 norms, bad = optimizer_step(roles, optimizer, scheduler, cfg, action, mean_ratio, bad)
                 if bad is not None:
                     nonfinite.append(bad)
+    means = means.summed_over(world)
     with_critic = adv.returns is not None
     with_ratio_threshold = cfg.ratio_threshold is not None
     return UpdateStats(
@@ -196,17 +210,20 @@ def minibatch_backward(
     settings: UpdateSettings,
     kl_coef: float,
     means: _TokenWeightedMeans,
+    world: World = World(),
 ) -> tuple[float, Optional[str]]:
-    """Accumulate one minibatch's policy and value gradients, a micro-batch at a time.
+    """Accumulate one minibatch's policy and value gradients, a micro-batch at a time; with
+    several processes, this one's share of the minibatch's rows.
 
-    Returns the minibatch's token-weighted mean ratio and the first non-finite loss (or None).
+    Returns the minibatch's token-weighted mean ratio and the first non-finite loss (or None),
+    both over every process.
     """
     input_ids, attention_mask, mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
     token_count = mask[rows].sum().clamp(min=1)
     normalizer = token_count if cfg.loss_aggregation == "token" else len(rows)
     ratio_sum = torch.zeros(())
     bad: Optional[str] = None
-    for idx in rows.split(settings.micro_batch_size):
+    for idx in rows.tensor_split(world.size)[world.rank].split(settings.micro_batch_size):
         ids, am, m = input_ids[idx], attention_mask[idx], mask[idx]
         n_tokens = float(m.sum())
         # Loss parts are shares of the minibatch loss; logged per token they are scaled back up.
@@ -250,6 +267,10 @@ def minibatch_backward(
             stats["loss/value"] = float(vf_loss.detach() / share)
             stats["value_clipfrac"] = float(vf_stats["clipfrac"])
         means.add(stats, n_tokens)
+    if world.size > 1:
+        ratio_sum = world.sum(ratio_sum.to(world.device)).cpu()
+        bads = [b for b in world.gather(bad) if b is not None]
+        bad = bads[0] if bads else None
     return float(ratio_sum / token_count), bad
 
 

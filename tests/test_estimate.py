@@ -174,3 +174,30 @@ def test_estimate_bad_input_is_one_line_exit_2(tiny_model_dir, tmp_path, args, e
     result = runner.invoke(app, ["estimate", str(recipe), *args])
     assert result.exit_code == 2
     assert expected in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_each_process_holds_the_model_and_its_share_of_the_rows():
+    """With 4 processes a process generates and scores a quarter of the batch and updates at most
+    its quarter of a minibatch per micro-batch; what stays resident is the same."""
+    r = _recipe(rollout={"batch_size": 32, "forward_batch_size": 16}, ppo={"num_minibatches": 2, "grad_accum_steps": 2})
+    one, four = est.estimate(TINY, r, device="cuda"), est.estimate(TINY, r, device="cuda", processes=4)
+    assert four.components == one.components
+    static = sum(one.components.values())
+    assert four.phases["generate"] == static + est.generate_bytes(TINY, r, 2, 8)
+    assert four.phases["score"] == static + est.score_bytes(TINY, r, 2, 8)
+    # minibatch 16, micro-batch 8: a process's share of a minibatch is 4 rows, in one micro-batch.
+    assert four.phases["update"] - one.phases["update"] == est.update_bytes(TINY, r, 2, 4, "cuda") - est.update_bytes(
+        TINY, r, 2, 8, "cuda")
+    fitted = est.estimate(TINY, r, device="cuda", budget_gb=2.0, processes=4).fitting
+    assert fitted["rollout.batch_size"] % (4 * 2) == 0  # splits over the processes and minibatches
+    assert four.processes == 4 and est.as_json(four)["processes"] == 4
+
+
+def test_estimate_refuses_a_batch_that_does_not_split(tiny_model_dir, tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tiny_recipe_dict(tiny_model_dir, tmp_path / "out")))
+    result = runner.invoke(app, ["estimate", str(path), "--num-processes", "3"])
+    assert result.exit_code == 2
+    assert "do not split over 3 processes" in result.output
+    shared = runner.invoke(app, ["estimate", str(path), "--num-processes", "2"])
+    assert shared.exit_code == 0 and "per process of 2" in shared.output and "batch 2," in shared.output

@@ -1,0 +1,107 @@
+"""Data-parallel runs: which process this is and the few collectives PPO needs.
+
+One process per GPU (started by `accelerate launch`, or `lora-ppo train --num-processes N`),
+each with its own 4-bit backbone. A process generates and scores its share of the prompts; the
+rollout is then gathered so every process holds the whole batch and computes the same
+statistics (whitening, group baselines, KL controller, guard, metrics) as a single process
+would; in the update each takes its share of every minibatch and the adapter gradients are
+summed across processes before the optimizer step. `World()` is the single-process run, where
+every collective returns its input.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """The process that writes (metrics, checkpoints, final adapters) and prints."""
+        return self.rank == 0
+
+    def share(self, items: Sequence[T]) -> list[T]:
+        """This process's contiguous share of `items` (their count divides by the world size)."""
+        if len(items) % self.size:
+            raise ValueError(f"{len(items)} items do not split over {self.size} processes")
+        n = len(items) // self.size
+        return list(items[self.rank * n : (self.rank + 1) * n])
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every process's `obj` (picklable), in rank order, on every process."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum of `values` over processes (a new tensor)."""
+        if self.size == 1:
+            return values.clone()
+        total = values.detach().clone()
+        torch.distributed.all_reduce(total)
+        return total
+
+    def any(self, flag: bool) -> bool:
+        """True on every process when it is True on any (e.g. a stop request)."""
+        return bool(self.sum(torch.tensor([float(flag)], device=self.device))[0] > 0) if self.size > 1 else flag
+
+    def sum_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Replace each parameter's gradient by its sum over processes, in one collective.
+
+        Every process holds gradients for the same parameters (they run the same code)."""
+        if self.size == 1:
+            return
+        with_grad = [p for p in parameters if p.grad is not None]
+        if not with_grad:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in with_grad])
+        torch.distributed.all_reduce(flat)
+        offset = 0
+        for p in with_grad:
+            p.grad.copy_(flat[offset : offset + p.grad.numel()].view_as(p.grad))
+            offset += p.grad.numel()
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            torch.distributed.barrier()
+
+    @property
+    def device(self) -> torch.device:
+        """Where collectives put their tensors: the process's GPU under NCCL, else the CPU."""
+        if self.size > 1 and torch.distributed.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def launched_processes() -> int:
+    """The number of processes a launcher (accelerate, torchrun) started this one among; 1 alone."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def join_world() -> World:
+    """This process's place among the launched ones: the process group is set up by accelerate
+    (NCCL with one GPU per process, gloo on CPU) the first time; alone, `World()`."""
+    if launched_processes() == 1:
+        return World()
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    return World(rank=state.process_index, size=state.num_processes)
+
+
+def leave_world(world: World) -> None:
+    """Tear the process group down (a gloo group left up aborts the interpreter at exit)."""
+    if world.size > 1 and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,187 @@
+"""Data-parallel PPO: rollout gathering (no processes), then real 2-process runs on CPU (gloo,
+started by `lora-ppo train --num-processes 2` through accelerate launch) against 1-process runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora_ppo.distributed import World
+from lora_ppo.rollout import Rollout, gather_rollout
+from tests.conftest import adapter_tensors, tiny_recipe_dict
+
+REPO = Path(__file__).resolve().parents[1]
+PAD = 0
+
+
+@dataclass(frozen=True)
+class PresetWorld(World):
+    """A world whose gather returns preset shares: gather_rollout's merging without processes."""
+
+    shares: tuple = ()
+
+    def gather(self, obj):
+        return list(self.shares)
+
+
+def rollout_rows(prompt_lengths, response_lengths, seed):
+    """A rollout with left-padded prompts and right-padded responses of the given lengths."""
+    g = torch.Generator().manual_seed(seed)
+    B, P, T = len(prompt_lengths), max(prompt_lengths), max(response_lengths)
+    positions_p, positions_t = torch.arange(P).expand(B, P), torch.arange(T).expand(B, T)
+    query_mask = (positions_p >= P - torch.tensor(prompt_lengths)[:, None]).long()
+    response_mask = positions_t < torch.tensor(response_lengths)[:, None]
+    ids = lambda mask, shape: torch.where(mask.bool(), torch.randint(1, 50, shape, generator=g), PAD)  # noqa: E731
+    floats = lambda: torch.where(response_mask, torch.randn(B, T, generator=g), 0.0)  # noqa: E731
+    return Rollout(
+        rows=[f"prompt {seed}-{i}" for i in range(B)], completions=[f"completion {seed}-{i}" for i in range(B)],
+        query_ids=ids(query_mask, (B, P)), query_mask=query_mask, response_ids=ids(response_mask, (B, T)),
+        response_mask=response_mask, old_logprobs=floats(), ref_logprobs=floats(), values=floats(),
+        raw_scores=torch.randn(B, generator=g), scores=torch.randn(B, generator=g), stopped=response_mask[:, -1],
+        side_scores={"textblob": [float(i) for i in range(B)]}, source_scores={}, timings={"generate": float(seed)},
+    )
+
+
+def trimmed(rollout: Rollout, prompt_width: int, response_width: int, rows: slice) -> Rollout:
+    """Rows of `rollout` padded as a process holding only them pads them (to their own widest)."""
+    per_token = {name: getattr(rollout, name)[rows, :response_width] for name in
+                 ("response_ids", "response_mask", "old_logprobs", "ref_logprobs", "values")}
+    return Rollout(
+        rows=rollout.rows[rows], completions=rollout.completions[rows],
+        query_ids=rollout.query_ids[rows, -prompt_width:], query_mask=rollout.query_mask[rows, -prompt_width:],
+        **per_token, raw_scores=rollout.raw_scores[rows], scores=rollout.scores[rows], stopped=rollout.stopped[rows],
+        side_scores={k: v[rows] for k, v in rollout.side_scores.items()}, source_scores={},
+        timings={"generate": 1.0 + rows.start},
+    )
+
+
+def test_gathered_rollout_is_the_whole_batch_padded_as_one_process_pads_it():
+    whole = rollout_rows([3, 5, 2, 4], [4, 2, 6, 3], seed=0)
+    first, second = trimmed(whole, 5, 4, slice(0, 2)), trimmed(whole, 4, 6, slice(2, 4))
+    gathered = gather_rollout(PresetWorld(0, 2, shares=(vars(first), vars(second))), first, PAD)
+    for name in ("query_ids", "query_mask", "response_ids", "response_mask", "old_logprobs", "ref_logprobs",
+                 "values", "raw_scores", "scores", "stopped"):
+        assert torch.equal(getattr(gathered, name), getattr(whole, name)), name
+    assert gathered.rows == whole.rows and gathered.completions == whole.completions
+    assert gathered.side_scores == whole.side_scores
+    assert gathered.timings == {"generate": 3.0}  # the slowest process's
+
+
+def test_share_splits_evenly_or_refuses():
+    assert World(1, 2).share([1, 2, 3, 4]) == [3, 4]
+    assert World(0, 1).share([1, 2, 3]) == [1, 2, 3]
+    with pytest.raises(ValueError, match="3 items do not split over 2 processes"):
+        World(0, 2).share([1, 2, 3])
+
+
+# ---- two real processes -----------------------------------------------------------------------
+
+
+def lora_ppo(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lora_ppo", *args, "--no-progress"], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def write(path: Path, recipe: dict) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    return path
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+def test_two_processes_make_the_same_run_as_one(tmp_path, tiny_model_dir):
+    """Per-row seeded sampling: the same responses whoever generates them; advantages whitened
+    over the whole batch, each process half of every minibatch, gradients summed: the same update."""
+    recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "one", rollout={"seed_per_row": True},
+                              ppo={"num_epochs": 2, "num_minibatches": 2}, train={"steps": 3})
+    path = write(tmp_path / "recipe.yaml", recipe)
+    one = lora_ppo("train", str(path))
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = lora_ppo("train", str(path), f"train.output_dir={tmp_path / 'two'}", "--num-processes", "2")
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert "on 2 processes" in two.stderr and two.stdout.count("held-out mean score") == 1  # the main one prints
+
+    for role in ("policy", "value"):
+        a, b = adapter_tensors(tmp_path / "one" / "final" / role), adapter_tensors(tmp_path / "two" / "final" / role)
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+    single, double = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert len(double) == 3  # one writer
+    assert [m["dist/adapter_spread"] for m in double] == [0.0, 0.0, 0.0]  # in sync after every step
+    for a, b in zip(single, double):
+        # Clip fractions count exact ties that float noise breaks either way; everything else matches.
+        for key in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "policy/approxkl",
+                    "response/length", "value/explained_var"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
+    samples = [json.loads(line)["completion"] for line in (tmp_path / "two" / "samples.jsonl").open()]
+    assert samples == [json.loads(line)["completion"] for line in (tmp_path / "one" / "samples.jsonl").open()]
+
+
+def worker(launcher: subprocess.Popen, rank: int):
+    import psutil
+
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "lora_ppo" in " ".join(child.cmdline()):
+                return child
+        except psutil.Error:
+            continue
+    return None
+
+
+def test_a_killed_process_fails_the_run_and_its_last_checkpoint_resumes(tmp_path, tiny_model_dir):
+    from lora_ppo.run_dir import RunDir
+
+    out = tmp_path / "run"
+    path = write(tmp_path / "recipe.yaml", tiny_recipe_dict(
+        tiny_model_dir, out, rollout={"max_new_tokens": 12}, train={"steps": 8, "save_every": 1, "eval": False}))
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "lora_ppo", "train", str(path), "--num-processes", "2", "--no-progress"], cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "checkpoints" / "step-2" / "manifest.json").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, "no checkpoint came"
+            time.sleep(0.2)
+        victim = worker(launcher, 1)
+        assert victim is not None
+        victim.send_signal(signal.SIGKILL)
+        assert launcher.wait(timeout=180) != 0
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+    run = RunDir(out)
+    newest = run.complete_checkpoints()[-1]
+    assert not (out / "final").exists() and int(newest.name.split("-")[1]) < 8
+    # A checkpoint of 2 processes resumes only with 2.
+    refused = lora_ppo("train", str(path), "--resume", "auto")
+    assert refused.returncode == 2
+    assert "written by 2 process(es)" in refused.stderr and "--num-processes 2" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    resumed = lora_ppo("train", str(path), "--resume", "auto", "--num-processes", "2")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [m["step"] for m in metrics(out)] == list(range(1, 9))
+
+
+def test_a_batch_that_does_not_split_is_refused_before_launching(tmp_path, tiny_model_dir):
+    path = write(tmp_path / "recipe.yaml", tiny_recipe_dict(tiny_model_dir, tmp_path / "run", rollout={"batch_size": 6},
+                                                            ppo={"num_minibatches": 1}))
+    done = lora_ppo("train", str(path), "--num-processes", "4")
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("error: rollout.batch_size: 6 responses are 6 prompts per step "
+                                   "(samples_per_prompt 1), which do not split over 4 processes")
+    assert not (tmp_path / "run").exists()
