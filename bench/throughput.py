@@ -61,7 +61,7 @@ def main() -> None:
         "quantization": recipe.model.quantization,
         "batch_size": recipe.rollout.batch_size,
         "max_new_tokens": recipe.rollout.max_new_tokens,
-        "logprobs_from_generation": recipe.rollout.logprobs_from_generation,
+        "logprobs_from_generation": trainer.sampler.cfg.logprobs_from_generation,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
         "load_s": round(load_s, 1),

@@ -172,6 +172,10 @@ def train_reward(
 ) -> None:
     """Train a reward adapter on preference pairs, on the base model PPO will use."""
     from lora_ppo.config import RewardRecipe
+    from lora_ppo.distributed import launched_processes
+
+    if launched_processes() > 1:  # every process would write the same run folder
+        _fail(f"train-reward runs in one process; it was launched in {launched_processes()}")
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = _load_recipe(recipe, overrides, RewardRecipe)

@@ -247,7 +247,7 @@ def score_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int) ->
     """One scoring forward of `rows` sequences (each repeated per role with
     rollout.score_roles_together) and one logits chunk."""
     if recipe.rollout.score_roles_together:
-        rows *= max(1, recipe.scored_roles)
+        rows *= max(1, recipe.scored_roles(float32=act_bytes == 4))
     tokens = rows * _seq_len(recipe)
     layer = tokens * (FWD_HIDDEN_TERMS * shape.hidden + FWD_INTERMEDIATE_TERMS * shape.intermediate) * act_bytes
     chunk = min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.max_new_tokens)

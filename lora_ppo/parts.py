@@ -14,6 +14,7 @@ from lora_ppo.builtin_model import portable_name
 from lora_ppo.config import PPOConfig, Recipe
 from lora_ppo.data import PromptRow, PromptSet, load_prompt_sets
 from lora_ppo.model import dequantized_once, load_base_model, load_tokenizer
+from lora_ppo.quantization import compute_dtype
 from lora_ppo.rewards import RewardSources, build_reward_sources, check_reward_columns
 from lora_ppo.evaluation import Evaluation, evaluate
 from lora_ppo.roles import RoleModel
@@ -37,8 +38,11 @@ class Parts:
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler]
 
     def sampler(self, recipe: Recipe) -> Sampler:
-        """How the policy samples in this run."""
-        return Sampler(self.roles, self.tokenizer, recipe.rollout)
+        """How the policy samples in this run (`logprobs_from_generation: auto` decided by the
+        dtype the model computes in)."""
+        float32 = compute_dtype(recipe.model) == torch.float32
+        settings = {"logprobs_from_generation": recipe.logprobs_from_generation_on(float32)}
+        return Sampler(self.roles, self.tokenizer, recipe.rollout.model_copy(update=settings))
 
 
 def seed_everything(seed: int) -> None:

@@ -354,7 +354,8 @@ def collect_rollout(
     # 1-2. Generate with the policy, truncate after the stop token (what follows is padding).
     t0 = time.perf_counter()
     with peaks.phase("generate"):
-        samples = sampler.sample(rows, record_logprobs=cfg.logprobs_from_generation, seeds=seeds)
+        # `auto` is decided where the sampler is built (Parts.sampler); undecided, no recording.
+        samples = sampler.sample(rows, record_logprobs=cfg.logprobs_from_generation is True, seeds=seeds)
     timings["generate"] = time.perf_counter() - t0
 
     # 3. Old logprobs (unless sampling recorded them), reference logprobs and values on the

@@ -185,3 +185,14 @@ def test_a_batch_that_does_not_split_is_refused_before_launching(tmp_path, tiny_
     assert done.stderr.strip() == ("error: rollout.batch_size: 6 responses are 6 prompts per step "
                                    "(samples_per_prompt 1), which do not split over 4 processes")
     assert not (tmp_path / "run").exists()
+
+
+def test_train_reward_refuses_to_run_in_several_processes(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from lora_ppo.cli import app
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    result = CliRunner().invoke(app, ["train-reward", str(REPO / "recipes" / "movie_reward.yaml")])
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: train-reward runs in one process; it was launched in 2"

@@ -93,3 +93,27 @@ def test_top_k_and_top_p_sampling_still_record_full_vocabulary_logprobs(roles, t
     samples = Sampler(roles, tokenizer, cfg).sample(rows, record_logprobs=True)
     scored = _scored_old_logprobs(roles, samples, 0.8)
     torch.testing.assert_close(samples.logprobs, scored, atol=1e-4, rtol=0)
+
+
+def test_auto_records_logprobs_where_the_model_computes_in_float32():
+    from lora_ppo import estimate as est
+    from lora_ppo.config import recipe_from_dict
+
+    auto = recipe_from_dict({})
+    assert auto.rollout.logprobs_from_generation == "auto"
+    assert auto.logprobs_from_generation_on(float32=True) and not auto.logprobs_from_generation_on(float32=False)
+    off = recipe_from_dict({"rollout": {"logprobs_from_generation": False}})
+    assert not off.logprobs_from_generation_on(float32=True)
+    # The estimate decides it the same way: in fp32 (cpu) the policy is not scored again.
+    assert auto.scored_roles(float32=True) == auto.scored_roles(float32=False) - 1
+    shape = est.ModelShape(64, 128, 2, 4, 2, 16, 320, True)
+    assert est.score_bytes(shape, auto, 4, 8) < est.score_bytes(shape, off, 4, 8)
+
+
+def test_a_run_on_cpu_records_logprobs_by_default(tiny_model_dir, tmp_path):
+    from lora_ppo.config import Recipe
+    from lora_ppo.parts import build
+    from tests.conftest import tiny_recipe_dict
+
+    recipe = Recipe(**tiny_recipe_dict(tiny_model_dir, tmp_path / "run"))
+    assert build(recipe).sampler(recipe).cfg.logprobs_from_generation is True  # fp32 on CPU
