@@ -92,6 +92,17 @@ def test_kill_during_save_leaves_previous_checkpoint_and_resume_skips_partial(
 ):
     from lora_ppo import atomic
 
+    # In this process, with the thread count of the reference's subprocesses (OMP_NUM_THREADS=1):
+    # float reductions, the KV-cached decode's among them, round differently with other counts.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _kill_during_save_then_resume(tmp_path, tiny_model_dir, reference_run, monkeypatch, atomic)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _kill_during_save_then_resume(tmp_path, tiny_model_dir, reference_run, monkeypatch, atomic) -> None:
     recipe_dict = tiny_recipe_dict(tiny_model_dir, tmp_path / "run", train={"save_every": 1, "steps": 4})
     real_fsync_tree = atomic.fsync_tree
 
