@@ -91,7 +91,8 @@ def train(
     if num_processes < 1:
         _fail(f"--num-processes must be >= 1, got {num_processes}")
     if num_processes > 1 and launched_processes() == 1:
-        _launch(cfg, num_processes, resume)
+        _launch(cfg, num_processes, resume, [str(recipe), *(overrides or []), *(["--resume", resume] if resume else []),
+                                            *(["--no-progress"] if no_progress else [])])
     world = join_world()
     logging.basicConfig(level=logging.INFO if world.is_main else logging.ERROR, format="%(message)s")
     _quiet_libraries()
@@ -114,13 +115,12 @@ def train(
         leave_world(world)
 
 
-def _launch(cfg, num_processes: int, resume: Optional[str]) -> None:
-    """Check what can be checked here, then run this same command in `num_processes` processes
-    with accelerate's launcher (torchrun underneath), in this process, and exit as they did: 0,
-    the first failed process's exit code (a signal: 1), or 130 after Ctrl-C."""
-    import socket
-
+def _launch(cfg, num_processes: int, resume: Optional[str], command: list[str]) -> None:
+    """Check what can be checked here, then run `lora-ppo train <command>` in `num_processes`
+    processes with accelerate's launcher (torchrun underneath), in this process, and exit as they
+    did: 0, the first failed process's exit code (a signal: 1), or 130 after Ctrl-C."""
     from lora_ppo.checkpoint import open_run
+    from lora_ppo.distributed import launch
     from lora_ppo.trainer import check_splits
 
     try:
@@ -128,37 +128,10 @@ def _launch(cfg, num_processes: int, resume: Optional[str]) -> None:
         open_run(cfg, resume)
     except RecipeError as err:
         _fail(str(err))
-    with socket.socket() as probe:  # a free port, so runs side by side do not collide
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    args = sys.argv[1:]
-    for i, arg in enumerate(args):  # this command again, less --num-processes N / --num-processes=N
-        if arg == "--num-processes":
-            args = args[:i] + args[i + 2:]
-            break
-        if arg.startswith("--num-processes="):
-            args = args[:i] + args[i + 1:]
-            break
-    from accelerate.commands.launch import launch_command, launch_command_parser
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its log repeats ours
-    launch_args = launch_command_parser().parse_args(
-        ["--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1", "--mixed_precision", "no",
-         "--dynamo_backend", "no", "--main_process_port", str(port), "-m", "lora_ppo", *args])
-    try:
-        launch_command(launch_args)
-    except SignalException:
-        raise typer.Exit(EXIT_INTERRUPTED)
-    except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        code = failure.exitcode if failure.exitcode > 0 else 1
-        if code not in (EXIT_BAD_INPUT, EXIT_INTERRUPTED):  # those printed their own line
-            typer.echo(f"error: process {rank} of {num_processes} failed (exit code {failure.exitcode}); "
-                       "the others were stopped", err=True)
-        raise typer.Exit(code)
-    raise typer.Exit(0)
+    code, message = launch(["-m", "lora_ppo", "train", *command], num_processes)
+    if message:
+        typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
 
 
 @app.command("train-reward")

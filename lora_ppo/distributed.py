@@ -11,9 +11,10 @@ every collective returns its input.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence, TypeVar
+from typing import Any, Iterable, Optional, Sequence, TypeVar
 
 import torch
 
@@ -105,3 +106,36 @@ def leave_world(world: World) -> None:
     """Tear the process group down (a gloo group left up aborts the interpreter at exit)."""
     if world.size > 1 and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130  # as the CLI's: a process that exits so printed its own line
+
+
+def launch(command: list[str], processes: int) -> tuple[int, Optional[str]]:
+    """Run `python <command>` in `processes` processes on this machine with accelerate's launcher
+    (torchrun underneath), in this process, on a free port. Returns (exit code, a one-line
+    message or None): 0; the first failed process's code (1 for a signal); 130 after Ctrl-C."""
+    import socket
+
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    with socket.socket() as probe:  # a free port, so runs side by side do not collide
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its log repeats ours
+    args = launch_command_parser().parse_args(
+        ["--multi_gpu", "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no",
+         "--dynamo_backend", "no", "--main_process_port", str(port), *command])
+    try:
+        launch_command(args)
+    except SignalException:
+        return EXIT_INTERRUPTED, None
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 1
+        if code in (EXIT_BAD_INPUT, EXIT_INTERRUPTED):
+            return code, None
+        return code, f"process {rank} of {processes} failed (exit code {failure.exitcode}); the others were stopped"
+    return 0, None

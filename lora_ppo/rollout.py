@@ -127,7 +127,7 @@ def generation_config(cfg: RolloutConfig, tokenizer, stop_id: Optional[int], sam
     )
 
 
-def row_seeds(run_seed: int, step_key: Sequence[int], rows: range) -> list[int]:
+def row_seeds(run_seed: int, step_key: Sequence[object], rows: range) -> list[int]:
     """A seed for each response row of a step, from the run's seed, a key naming the step (where
     the prompt order stood) and the row's place in the step's whole batch."""
     import hashlib
