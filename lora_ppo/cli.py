@@ -10,12 +10,9 @@ from typing import List, Optional
 
 import typer
 
-from lora_ppo.errors import RecipeError, first_line
+from lora_ppo.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, RecipeError, first_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RLHF with PPO on one 4-bit backbone.")
-
-EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
 
 
 def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:

@@ -18,6 +18,8 @@ from typing import Any, Iterable, Optional, Sequence, TypeVar
 
 import torch
 
+from lora_ppo.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED
+
 T = TypeVar("T")
 
 
@@ -108,9 +110,6 @@ def leave_world(world: World) -> None:
         torch.distributed.destroy_process_group()
 
 
-EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130  # as the CLI's: a process that exits so printed its own line
-
-
 def launch(command: list[str], processes: int) -> tuple[int, Optional[str]]:
     """Run `python <command>` in `processes` processes on this machine with accelerate's launcher
     (torchrun underneath), in this process, on a free port. Returns (exit code, a one-line
@@ -135,7 +134,7 @@ def launch(command: list[str], processes: int) -> tuple[int, Optional[str]]:
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 1
-        if code in (EXIT_BAD_INPUT, EXIT_INTERRUPTED):
+        if code in (EXIT_BAD_INPUT, EXIT_INTERRUPTED):  # the process printed its own line
             return code, None
         return code, f"process {rank} of {processes} failed (exit code {failure.exitcode}); the others were stopped"
     return 0, None

@@ -2,6 +2,11 @@
 the one way an exception is turned into a line of text."""
 
 
+# The CLI's exit codes besides 0 and 1 (a failure at run time): bad input, and Ctrl-C.
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
 class RecipeError(ValueError):
     """A recipe, override, dataset or model path that cannot be used, with the field named."""
 
