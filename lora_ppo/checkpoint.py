@@ -126,12 +126,7 @@ def load(folder: Path, parts: Trainables, state_type: type, world: World = World
                 f"checkpoint {folder}: format {manifest.get('format')} is not {FORMAT_VERSION} "
                 "(written by another version of lora_ppo)"
             )
-        processes = int(manifest.get("processes", 1))
-        if processes != world.size:
-            raise RecipeError(
-                f"--resume: checkpoint {folder} was written by {processes} process(es) and resumes exactly only "
-                f"with as many (--num-processes {processes}); this run has {world.size}"
-            )
+        check_processes(folder, manifest, world.size)
         record = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
         state = state_type.from_json({k: v for k, v in record.items() if k != "rng"})
         load_adapters(folder, parts.model, parts.trained)
@@ -149,6 +144,16 @@ def load(folder: Path, parts: Trainables, state_type: type, world: World = World
         raise CheckpointError(f"checkpoint {folder} cannot be loaded: {first_line(err)}") from None
     _restore_rng(rng, rng_tensors, parts.generator)
     return state
+
+
+def check_processes(folder: Path, manifest: dict, processes: int) -> None:
+    """A checkpoint resumes exactly only with the number of processes that wrote it."""
+    written_by = int(manifest.get("processes", 1))
+    if written_by != processes:
+        raise RecipeError(
+            f"--resume: checkpoint {folder} was written by {written_by} process(es) and resumes exactly only "
+            f"with as many (--num-processes {written_by}); this run has {processes}"
+        )
 
 
 def load_adapters(folder: Path, model: Backbone, names: tuple[str, ...]) -> None:

@@ -199,3 +199,21 @@ def test_train_reward_refuses_to_run_in_several_processes(monkeypatch, tmp_path)
     result = CliRunner().invoke(app, ["train-reward", str(REPO / "recipes" / "movie_reward.yaml")])
     assert result.exit_code == 2
     assert result.output.strip() == "error: train-reward runs in one process; it was launched in 2"
+
+
+def test_a_checkpoint_of_one_process_is_refused_before_launching_two(tmp_path, tiny_model_dir):
+    from typer.testing import CliRunner
+
+    from lora_ppo.cli import app
+    from lora_ppo.config import Recipe, recipe_to_yaml
+
+    recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "run")
+    path = write(tmp_path / "recipe.yaml", recipe)
+    step = tmp_path / "run" / "checkpoints" / "step-1"
+    step.mkdir(parents=True)
+    (tmp_path / "run" / "recipe.yaml").write_text(recipe_to_yaml(Recipe(**recipe)), encoding="utf-8")
+    (step / "manifest.json").write_text(json.dumps({"format": 3, "step": 1}), encoding="utf-8")  # 1 process
+    result = CliRunner().invoke(app, ["train", str(path), "--resume", "auto", "--num-processes", "2"])
+    assert result.exit_code == 2
+    assert result.output.strip() == (f"error: --resume: checkpoint {step} was written by 1 process(es) and resumes "
+                                     "exactly only with as many (--num-processes 1); this run has 2")
