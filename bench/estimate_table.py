@@ -34,11 +34,13 @@ def main() -> None:
         folder = REPO / "bench" / "model_configs" / name
         source = json.loads((folder / "config.json").read_text()).get("_source", name)
         recipe = load_recipe(args.recipe, [f"model.name={folder}", *args.overrides])
-        row = {"model": source, "params_b": None, "phases_gb": None, "budgets": {}}
+        # The phase columns without a budget: `dequantize_per_step: auto` counted off, as for a
+        # card with no room to spare; each budget decides it for itself.
+        est = estimate_recipe(recipe, device="cuda")
+        row = {"model": source, "params_b": round(est.shape.total_params / 1e9, 2),
+               "phases_gb": {k: round(v / GB, 2) for k, v in est.phases.items()}, "budgets": {}}
         for budget in BUDGETS:
             est = estimate_recipe(recipe, device="cuda", budget_gb=budget)
-            row["params_b"] = round(est.shape.total_params / 1e9, 2)
-            row["phases_gb"] = {k: round(v / GB, 2) for k, v in est.phases.items()}
             row["budgets"][budget] = {"fits": est.fits, "largest_batch": est.fitting.get("rollout.batch_size")}
         rows.append(row)
     if args.json:

@@ -400,6 +400,12 @@ class PPOConfig(Section):
     """Micro-batches per minibatch: less memory for the same update. `rollout.batch_size` must divide by
     `num_minibatches * grad_accum_steps`.
     """
+    update_roles_together: bool = True
+    """Train the policy and the value (with a critic) in one forward and backward per micro-batch: the
+    sequences twice, each copy under its own adapter, so every base weight is read and dequantized once
+    for both (same numbers). An update forward then holds twice the micro-batch's rows; off: one forward
+    and backward per role.
+    """
     clip_eps: float = Field(0.2, gt=0.0)
     """Policy ratio clip: the objective ignores ratios beyond 1 ± clip_eps; 0.2 is PPO's standard value."""
     value_clip_eps: float = Field(0.2, gt=0.0)
@@ -422,7 +428,9 @@ class PPOConfig(Section):
     clip(KL/target - 1, -0.2, 0.2) * batch / kl_horizon. null: a fixed `kl_coef`.
     """
     kl_horizon: int = Field(10000, gt=0)
-    """Samples over which the adaptive KL controller acts."""
+    """Samples over which the adaptive KL controller acts: a step moves `kl_coef` by at most 20% x batch /
+    kl_horizon, so in a short run set it near the run's samples (steps x batch) for the controller to act.
+    """
     score_norm: bool = False
     """Normalise scores by a running mean and std over all steps so far. Score shaping runs in this order:
     normalisation, clipping, length penalty.

@@ -257,7 +257,10 @@ def score_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int) ->
 
 
 def update_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int, device: str = "cuda") -> float:
-    tokens = rows * _seq_len(recipe)
+    """One update forward and backward of `rows` sequences (twice over with
+    ppo.update_roles_together and a critic) and one logits chunk of the policy's."""
+    copies = 2 if recipe.ppo.update_roles_together and recipe.uses_critic else 1
+    tokens = rows * copies * _seq_len(recipe)
     per_layer = tokens * (
         ACT_HIDDEN_TERMS * shape.hidden + ACT_INTERMEDIATE_TERMS * shape.intermediate + ACT_KV_TERMS * shape.kv_width
     ) * act_bytes

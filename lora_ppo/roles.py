@@ -310,14 +310,26 @@ class RoleModel(Backbone):
         selection), so every base weight is read (and, in 4-bit, dequantized) once for all roles
         instead of once per role. Rows never mix, so each copy equals that role's own forward.
         Returns one [B, T, H] per role, in order."""
-        batch = input_ids.shape[0]
+        with self.rows_as_roles(roles, input_ids.shape[0]):
+            return self.stacked_hidden_states(input_ids, attention_mask, len(roles))
+
+    @contextlib.contextmanager
+    def rows_as_roles(self, roles: Sequence[Role], batch: int) -> Iterator[None]:
+        """Inside: forwards of `len(roles) * batch` rows compute each block of `batch` rows under
+        its role's adapter. A backward that recomputes checkpointed layers must run inside too
+        (outside, the recomputation would run every row under the active adapter)."""
         names = [self.adapter_name(role) for role in roles for _ in range(batch)]
-        repeats = (len(roles), 1)
         # PeftModel.forward and generate wrap their call in this context to honour `adapter_names`;
         # the decoder is called directly here (no LM head over every position), so it is entered as they do.
         with self.peft._enable_peft_forward_hooks(adapter_names=names):
-            hidden = self.hidden_states(input_ids.repeat(*repeats), attention_mask.repeat(*repeats))
-        return list(hidden.split(batch))
+            yield
+
+    def stacked_hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                              copies: int) -> list[torch.Tensor]:
+        """Hidden states of the batch repeated `copies` times in one forward, split back into one
+        [B, T, H] per copy (inside `rows_as_roles`, one per role)."""
+        hidden = self.hidden_states(input_ids.repeat(copies, 1), attention_mask.repeat(copies, 1))
+        return list(hidden.split(input_ids.shape[0]))
 
     def response_logprobs(
         self,

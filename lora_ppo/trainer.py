@@ -69,7 +69,7 @@ class PPOTrainer:
         self.generator = torch.Generator().manual_seed(recipe.train.seed)  # minibatch order
         self.update_settings = UpdateSettings(
             recipe.minibatch_size, recipe.micro_batch_size, recipe.rollout.temperature,
-            recipe.model.gradient_checkpointing,
+            recipe.model.gradient_checkpointing, recipe.ppo.update_roles_together,
         )
         self.state = TrainState(kl_coef=recipe.ppo.kl_coef)
         self.step_log = StepLog(recipe, self.run, self.progress, tuple(self.parts.rewards.side))

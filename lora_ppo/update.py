@@ -146,6 +146,7 @@ class UpdateSettings:
     micro_batch_size: int
     temperature: float  # the sampling temperature: new logprobs must be on the same scale
     gradient_checkpointing: bool
+    roles_together: bool = True  # ppo.update_roles_together
 
 
 def ppo_update(
@@ -221,6 +222,7 @@ def minibatch_backward(
     input_ids, attention_mask, mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
     token_count = mask[rows].sum().clamp(min=1)
     normalizer = token_count if cfg.loss_aggregation == "token" else len(rows)
+    with_critic = adv.returns is not None
     ratio_sum = torch.zeros(())
     bad: Optional[str] = None
     for idx in rows.tensor_split(world.size)[world.rank].split(settings.micro_batch_size):
@@ -229,49 +231,88 @@ def minibatch_backward(
         # Loss parts are shares of the minibatch loss; logged per token they are scaled back up.
         share = n_tokens / float(token_count) if cfg.loss_aggregation == "token" else len(idx) / len(rows)
         share = max(share, 1e-12)
+        part = _MicroBatch(roles, rollout, adv, idx, cfg, settings, kl_coef, normalizer, share)
 
-        with roles.as_role(POLICY):
-            new_logprobs, entropy = roles.response_logprobs(ids, am, rollout.response_start, settings.temperature)
-        pg_loss, pg_stats = ppo_math.policy_loss(
-            new_logprobs, rollout.old_logprobs[idx], adv.advantages[idx], m, cfg.clip_eps,
-            normalizer, cfg.dual_clip, cfg.loss_aggregation,
-        )
-        loss = pg_loss - cfg.entropy_coef * ppo_math.aggregate_loss(entropy, m, cfg.loss_aggregation, normalizer)
-        stats = {
-            "loss/policy": float(pg_loss.detach() / share),
-            "clipfrac": float(pg_stats["clipfrac"]), "dual_clipfrac": float(pg_stats["dual_clipfrac"]),
-            "approxkl": float(pg_stats["approxkl"]), "ratio": float(pg_stats["ratio"]),
-            "entropy": float(ppo_math.masked_mean(entropy.detach(), m)),
-        }
-        if cfg.kl_penalty == "loss" and kl_coef > 0:
-            kl_loss = ppo_math.kl_loss(
-                new_logprobs, rollout.ref_logprobs[idx], m, kl_coef, cfg.kl_estimator, normalizer, cfg.loss_aggregation,
-            )
-            loss = loss + kl_loss
-            stats["loss/kl"] = float(kl_loss.detach() / share)
-        if bad is None and not torch.isfinite(loss.detach()):
-            bad = "loss/policy"
-        loss.backward()
-        ratio_sum = ratio_sum + pg_stats["ratio"] * n_tokens
-
-        if adv.returns is not None:
-            with roles.as_role(VALUE):
-                new_values = roles.values(ids, am, rollout.response_start)
-            vf_loss, vf_stats = ppo_math.value_loss(
-                new_values, rollout.values[idx], adv.returns[idx], m,
-                cfg.value_clip_eps if cfg.clip_value_loss else None, normalizer, cfg.loss_aggregation,
-            )
-            if bad is None and not torch.isfinite(vf_loss.detach()):
-                bad = "loss/value"
-            (cfg.vf_coef * vf_loss).backward()
-            stats["loss/value"] = float(vf_loss.detach() / share)
-            stats["value_clipfrac"] = float(vf_stats["clipfrac"])
-        means.add(stats, n_tokens)
+        if with_critic and settings.roles_together:
+            # One forward and one backward for both trainable roles: each base weight read once.
+            with roles.rows_as_roles((POLICY, VALUE), len(idx)):
+                policy_hidden, value_hidden = roles.stacked_hidden_states(ids, am, 2)
+                loss, ratio = part.policy_loss(policy_hidden)
+                vf_loss = part.value_loss(value_hidden)
+                bad = bad or part.first_nonfinite(loss, vf_loss)
+                (loss + cfg.vf_coef * vf_loss).backward()
+        else:
+            with roles.as_role(POLICY):
+                loss, ratio = part.policy_loss(roles.hidden_states(ids, am))
+            bad = bad or part.first_nonfinite(loss, None)
+            loss.backward()
+            if with_critic:
+                with roles.as_role(VALUE):
+                    vf_loss = part.value_loss(roles.hidden_states(ids, am))
+                bad = bad or part.first_nonfinite(None, vf_loss)
+                (cfg.vf_coef * vf_loss).backward()
+        ratio_sum = ratio_sum + ratio * n_tokens
+        means.add(part.stats, n_tokens)
     if world.size > 1:
         ratio_sum = world.sum(ratio_sum.to(world.device)).cpu()
         bads = [b for b in world.gather(bad) if b is not None]
         bad = bads[0] if bads else None
     return float(ratio_sum / token_count), bad
+
+
+class _MicroBatch:
+    """One micro-batch's losses from its roles' hidden states, and the stats they log."""
+
+    def __init__(self, roles: RoleModel, rollout: Rollout, adv: Advantages, idx: torch.Tensor, cfg: PPOConfig,
+                 settings: UpdateSettings, kl_coef: float, normalizer, share: float):
+        self.roles, self.rollout, self.adv, self.idx, self.cfg = roles, rollout, adv, idx, cfg
+        self.settings, self.kl_coef, self.normalizer, self.share = settings, kl_coef, normalizer, share
+        self.mask = rollout.response_mask[idx]
+        self.stats: dict[str, float] = {}
+
+    def policy_loss(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(clipped policy loss - entropy bonus [+ KL loss], mean ratio) from the policy's hidden states."""
+        cfg, m, idx = self.cfg, self.mask, self.idx
+        new_logprobs, entropy = self.roles.logprobs_from_hidden(
+            hidden, self.rollout.input_ids[idx], self.rollout.response_start, self.settings.temperature)
+        pg_loss, pg_stats = ppo_math.policy_loss(
+            new_logprobs, self.rollout.old_logprobs[idx], self.adv.advantages[idx], m, cfg.clip_eps,
+            self.normalizer, cfg.dual_clip, cfg.loss_aggregation,
+        )
+        loss = pg_loss - cfg.entropy_coef * ppo_math.aggregate_loss(entropy, m, cfg.loss_aggregation, self.normalizer)
+        self.stats.update({
+            "loss/policy": float(pg_loss.detach() / self.share),
+            "clipfrac": float(pg_stats["clipfrac"]), "dual_clipfrac": float(pg_stats["dual_clipfrac"]),
+            "approxkl": float(pg_stats["approxkl"]), "ratio": float(pg_stats["ratio"]),
+            "entropy": float(ppo_math.masked_mean(entropy.detach(), m)),
+        })
+        if cfg.kl_penalty == "loss" and self.kl_coef > 0:
+            kl_loss = ppo_math.kl_loss(
+                new_logprobs, self.rollout.ref_logprobs[idx], m, self.kl_coef, cfg.kl_estimator, self.normalizer,
+                cfg.loss_aggregation,
+            )
+            loss = loss + kl_loss
+            self.stats["loss/kl"] = float(kl_loss.detach() / self.share)
+        return loss, pg_stats["ratio"]
+
+    def value_loss(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The (clipped) value loss from the value role's hidden states."""
+        cfg, idx = self.cfg, self.idx
+        new_values = self.roles.values_from_hidden(hidden, self.rollout.response_start)
+        vf_loss, vf_stats = ppo_math.value_loss(
+            new_values, self.rollout.values[idx], self.adv.returns[idx], self.mask,
+            cfg.value_clip_eps if cfg.clip_value_loss else None, self.normalizer, cfg.loss_aggregation,
+        )
+        self.stats["loss/value"] = float(vf_loss.detach() / self.share)
+        self.stats["value_clipfrac"] = float(vf_stats["clipfrac"])
+        return vf_loss
+
+    @staticmethod
+    def first_nonfinite(policy: Optional[torch.Tensor], value: Optional[torch.Tensor]) -> Optional[str]:
+        for name, loss in (("loss/policy", policy), ("loss/value", value)):
+            if loss is not None and not torch.isfinite(loss.detach()):
+                return name
+        return None
 
 
 def ratio_threshold_action(cfg: PPOConfig, mean_ratio: float) -> Optional[str]:

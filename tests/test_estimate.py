@@ -67,12 +67,25 @@ def test_gradient_checkpointing_keeps_only_layer_inputs():
     backward doubles what is live. Without checkpointing: 2 x 2 layers x 311296 = 1245184 bytes.
     With it: the layer inputs (2 layers x 64 tokens x 64 hidden x 4 = 32768) plus one layer
     rebuilt at a time (2 x 311296 = 622592): 655360 bytes. The difference: 589824."""
+    one_role = {"update_roles_together": False}
     r_off = _recipe(data={"max_prompt_tokens": 10}, rollout={"max_new_tokens": 6},
-                    model={"gradient_checkpointing": False})
+                    model={"gradient_checkpointing": False}, ppo=one_role)
     r_on = _recipe(data={"max_prompt_tokens": 10}, rollout={"max_new_tokens": 6},
-                   model={"gradient_checkpointing": True})
+                   model={"gradient_checkpointing": True}, ppo=one_role)
     off, on = est.update_bytes(TINY, r_off, 4, rows=4), est.update_bytes(TINY, r_on, 4, rows=4)
     assert off - on == pytest.approx(589824)
+
+
+@pytest.mark.parametrize("estimator, extra", [("gae", 1245184), ("rloo", 0)])
+def test_policy_and_value_updated_together_hold_both_copies(estimator, extra):
+    """With a critic, ppo.update_roles_together runs the 4 rows twice (policy and value copies):
+    without checkpointing 2 x 2 layers x 311296 bytes more, as above. RLOO has no value role."""
+    def update(together):
+        r = _recipe(data={"max_prompt_tokens": 10}, rollout={"max_new_tokens": 6, "samples_per_prompt": 2},
+                    model={"gradient_checkpointing": False},
+                    ppo={"update_roles_together": together, "advantage_estimator": estimator})
+        return est.update_bytes(TINY, r, 4, rows=4)
+    assert update(True) - update(False) == pytest.approx(extra)
 
 
 def test_dequantize_per_step_holds_every_linear_layer_unquantized():

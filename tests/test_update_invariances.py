@@ -1,13 +1,16 @@
-"""Invariances of the whole PPO step on a real 4-bit tiny model: gradient accumulation,
-padding, batch independence, ratio 1 before the first update, and zero KL at step 0."""
+"""Invariances of the whole PPO step on a real 4-bit tiny model: gradient accumulation, the
+policy and value trained in one pass, padding, batch independence, ratio 1 before the first
+update, and zero KL at step 0."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
 import torch
 
+from lora_ppo.bnb_workarounds import dequantized_4bit_layers
 from lora_ppo.config import AdaptersConfig, ModelConfig, PPOConfig, RolloutConfig
 from lora_ppo.model import load_base_model, load_tokenizer
 from lora_ppo.roles import POLICY, RoleModel
@@ -58,10 +61,11 @@ def _restore(roles, snapshot):
             p.copy_(saved)
 
 
-def _update(roles, rollout, cfg, micro, lr=0.5, temperature=1.0):
+def _update(roles, rollout, cfg, micro, lr=0.5, temperature=1.0, gradient_checkpointing=False, together=True):
     adv = compute_advantages(rollout, cfg, cfg.kl_coef, rollout.scores)
     optimizer = torch.optim.SGD(roles.policy_parameters() + roles.value_parameters(), lr=lr)
-    settings = UpdateSettings(rollout.response_ids.shape[0], micro, temperature, gradient_checkpointing=False)
+    settings = UpdateSettings(rollout.response_ids.shape[0] // cfg.num_minibatches, micro, temperature,
+                              gradient_checkpointing, together)
     stats = ppo_update(roles, optimizer, None, rollout, adv, cfg, settings, cfg.kl_coef, torch.Generator().manual_seed(0))
     return stats, adv
 
@@ -81,6 +85,38 @@ def test_gradient_accumulation_gives_the_same_update(roles, tokenizer, aggregati
     assert moved > 1e-3
     for a, b in zip(one_pass, accumulated):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+@pytest.mark.parametrize("dequantized", [False, True], ids=["4bit-per-pass", "dequantized-per-step"])
+@pytest.mark.parametrize("kl_penalty", ["reward", "loss"])
+def test_policy_and_value_trained_together_equal_one_pass_per_role(roles, tokenizer, gradient_checkpointing,
+                                                                   dequantized, kl_penalty):
+    """ppo.update_roles_together: one forward and backward of the micro-batch under both adapters
+    gives the update of a forward and backward per role (checkpointed layers recompute under the
+    right adapter too); 2 epochs x 2 minibatches, so later minibatches start from moved weights."""
+    with torch.no_grad():  # the head starts at zero: no value gradient would reach the value adapter
+        roles.value_head.weight.normal_(generator=torch.Generator().manual_seed(0))
+    rollout = _rollout(roles, tokenizer)
+    cfg = PPOConfig(num_epochs=2, num_minibatches=2, kl_coef=0.1, kl_penalty=kl_penalty, kl_estimator="k3")
+    start = _snapshot(roles)
+    context = dequantized_4bit_layers(roles.peft, torch.float32) if dequantized else contextlib.nullcontext()
+    with context:
+        stats_apart, _ = _update(roles, rollout, cfg, micro=2, gradient_checkpointing=gradient_checkpointing,
+                                 together=False)
+        apart = _snapshot(roles)
+        _restore(roles, start)
+        stats_together, _ = _update(roles, rollout, cfg, micro=2, gradient_checkpointing=gradient_checkpointing)
+        together = _snapshot(roles)
+    n_policy = len(roles.policy_parameters())
+    for trained in (slice(0, n_policy), slice(n_policy, None)):  # both roles really moved
+        assert max((a - s).abs().max().item() for a, s in zip(apart[trained], start[trained])) > 1e-3
+    for a, b in zip(apart, together):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    metrics_apart, metrics_together = stats_apart.as_metrics(), stats_together.as_metrics()
+    assert metrics_apart.keys() == metrics_together.keys()
+    for key in metrics_apart:
+        assert metrics_together[key] == pytest.approx(metrics_apart[key], abs=2e-5, rel=1e-4), key
 
 
 def _pad(rollout: Rollout, left: int, right: int, pad_id: int) -> Rollout:
