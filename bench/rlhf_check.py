@@ -4,7 +4,7 @@ trains a reward adapter on them; PPO then trains the policy with `reward.kind: a
 judge scores the held-out continuations before and after. Each stage runs in a fresh process;
 prints one JSON line per seed, then a Markdown table. Run alone (CPU-heavy).
 
-    python bench/rlhf_check.py [--seeds 0 1 2] [--samples 4]
+    python bench/rlhf_check.py [--seeds 0 1 2] [--samples 4] [PPO overrides, e.g. ppo.kl_coef=0.2]
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4, help="continuations per opener to pair up")
     parser.add_argument("--out", default="runs/bench-rlhf")
     parser.add_argument("--make-pairs", type=int, metavar="SEED", help=argparse.SUPPRESS)
+    parser.add_argument("ppo_overrides", nargs="*", metavar="KEY=VALUE",
+                        help="recipe overrides for the PPO stage, e.g. ppo.kl_coef=0.2")
     args = parser.parse_args()
     out = Path(args.out)
     if args.make_pairs is not None:  # the pair-making stage, in its own process
@@ -97,7 +99,7 @@ def main() -> None:
                                 f"data.source={base / 'pairs' / 'train.jsonl'}",
                                 f"data.eval_source={base / 'pairs' / 'held_out.jsonl'}",
                                 f"train.output_dir={base / 'reward'}"])
-        ppo, ppo_s = run(["train", "recipes/quickstart.yaml", f"train.seed={seed}", *PPO_OVERRIDES,
+        ppo, ppo_s = run(["train", "recipes/quickstart.yaml", f"train.seed={seed}", *PPO_OVERRIDES, *args.ppo_overrides,
                           f"reward.adapter={base / 'reward' / 'final' / 'reward'}", f"train.output_dir={base / 'ppo'}"])
         row = {
             "seed": seed, "pairs": counts,
@@ -114,8 +116,8 @@ def main() -> None:
             "seconds": {"pairs": round(pairs_s), "train_reward": round(reward_s), "ppo": round(ppo_s)},
         }
         if seed == args.seeds[0]:  # the same PPO run with a function reward: one backbone, nothing else
-            function, _ = run(["train", "recipes/quickstart.yaml", f"train.seed={seed}", "reward.kind=textblob",
-                               "reward.also_log=[]", f"train.output_dir={base / 'ppo-function-reward'}"])
+            function, _ = run(["train", "recipes/quickstart.yaml", f"train.seed={seed}", *args.ppo_overrides,
+                               "reward.kind=textblob", "reward.also_log=[]", f"train.output_dir={base / 'ppo-function-reward'}"])
             row["function_reward_peak_memory_gb"] = round(function["peak_memory_gb"], 2)
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -41,8 +41,11 @@ MODEL_CONFIG = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layer
 LORA_PPO_SETUPS = {
     "lora_ppo": [],  # today's defaults
     "lora_ppo-before": ["model.dequantize_per_step=false", "rollout.score_roles_together=false",
-                        "rollout.logprobs_from_generation=false"],  # the 2026-11-23 defaults
+                        "rollout.logprobs_from_generation=false",
+                        "ppo.update_roles_together=false"],  # the 2026-11-23 defaults
+    "lora_ppo-update-together": ["ppo.update_roles_together=true"],  # policy and value in one update pass
     "lora_ppo-lean": ["model.dequantize_per_step=false"],  # the least memory: 4 bits in every pass
+    "lora_ppo-lean-update-together": ["model.dequantize_per_step=false", "ppo.update_roles_together=true"],
     "lora_ppo-fast": ["model.gradient_checkpointing=false"],  # today's defaults without checkpointing
 }
 TRL_SETUPS = ("trl-peft", "trl-qlora")

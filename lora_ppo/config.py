@@ -400,11 +400,11 @@ class PPOConfig(Section):
     """Micro-batches per minibatch: less memory for the same update. `rollout.batch_size` must divide by
     `num_minibatches * grad_accum_steps`.
     """
-    update_roles_together: bool = True
+    update_roles_together: bool = False
     """Train the policy and the value (with a critic) in one forward and backward per micro-batch: the
     sequences twice, each copy under its own adapter, so every base weight is read and dequantized once
-    for both (same numbers). An update forward then holds twice the micro-batch's rows; off: one forward
-    and backward per role.
+    for both (same numbers), but an update forward holds twice the micro-batch's rows. Off by default:
+    on CPU it was no faster and held more memory (bench/README.md); off: one pass per role.
     """
     clip_eps: float = Field(0.2, gt=0.0)
     """Policy ratio clip: the objective ignores ratios beyond 1 ± clip_eps; 0.2 is PPO's standard value."""

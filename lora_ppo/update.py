@@ -146,7 +146,7 @@ class UpdateSettings:
     micro_batch_size: int
     temperature: float  # the sampling temperature: new logprobs must be on the same scale
     gradient_checkpointing: bool
-    roles_together: bool = True  # ppo.update_roles_together
+    roles_together: bool = False  # ppo.update_roles_together
 
 
 def ppo_update(

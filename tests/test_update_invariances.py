@@ -61,7 +61,7 @@ def _restore(roles, snapshot):
             p.copy_(saved)
 
 
-def _update(roles, rollout, cfg, micro, lr=0.5, temperature=1.0, gradient_checkpointing=False, together=True):
+def _update(roles, rollout, cfg, micro, lr=0.5, temperature=1.0, gradient_checkpointing=False, together=False):
     adv = compute_advantages(rollout, cfg, cfg.kl_coef, rollout.scores)
     optimizer = torch.optim.SGD(roles.policy_parameters() + roles.value_parameters(), lr=lr)
     settings = UpdateSettings(rollout.response_ids.shape[0] // cfg.num_minibatches, micro, temperature,
@@ -106,7 +106,8 @@ def test_policy_and_value_trained_together_equal_one_pass_per_role(roles, tokeni
                                  together=False)
         apart = _snapshot(roles)
         _restore(roles, start)
-        stats_together, _ = _update(roles, rollout, cfg, micro=2, gradient_checkpointing=gradient_checkpointing)
+        stats_together, _ = _update(roles, rollout, cfg, micro=2, gradient_checkpointing=gradient_checkpointing,
+                                    together=True)
         together = _snapshot(roles)
     n_policy = len(roles.policy_parameters())
     for trained in (slice(0, n_policy), slice(n_policy, None)):  # both roles really moved
