@@ -4,7 +4,7 @@ trains a reward adapter on them; PPO then trains the policy with `reward.kind: a
 judge scores the held-out continuations before and after. Each stage runs in a fresh process;
 prints one JSON line per seed, then a Markdown table. Run alone (CPU-heavy).
 
-    python bench/rlhf_check.py [--seeds 0 1 2] [--samples 4] [PPO overrides, e.g. ppo.kl_coef=0.2]
+    python bench/rlhf_check.py [PPO overrides, e.g. ppo.kl_coef=0.2] [--seeds 0 1 2] [--samples 4]
 """
 
 from __future__ import annotations

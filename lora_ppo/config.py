@@ -429,7 +429,8 @@ class PPOConfig(Section):
     """
     kl_horizon: int = Field(10000, gt=0)
     """Samples over which the adaptive KL controller acts: a step moves `kl_coef` by at most 20% x batch /
-    kl_horizon, so in a short run set it near the run's samples (steps x batch) for the controller to act.
+    kl_horizon. Ziegler et al.'s 10000 suits thousands of steps; in a run of tens of steps it barely
+    moves, and kl_horizon = batch lets each step move it by up to 20%.
     """
     score_norm: bool = False
     """Normalise scores by a running mean and std over all steps so far. Score shaping runs in this order:
