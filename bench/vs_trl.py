@@ -13,6 +13,12 @@ TRL lives in its own venv (it pins nothing of ours, but keeps our env clean):
     .venv-trl/bin/pip install trl==1.12.0 transformers==5.23.0 peft==0.21.2 bitsandbytes==0.50.2 \\
         accelerate==1.15.0 datasets==5.2.0
     python bench/vs_trl.py [--repeats 2] [--updates 8] [--setups trl-peft trl-qlora lora_ppo ...]
+    python bench/vs_trl.py --profile --repeats 1 --setups trl-qlora lora_ppo   # where the time goes
+
+`--profile` runs torch's profiler over updates 2..N and adds, per phase (lora_ppo) or per update
+(TRL), the seconds spent inside torch ops by kind (matmul, 4-bit dequantize, attention, ...) and
+outside them (Python, framework and profiler overhead). The profiler slows every op a little, so
+compare profiled runs with each other, not with unprofiled s/update.
 """
 
 from __future__ import annotations
@@ -91,9 +97,67 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
+# ---- where the time goes (--profile) -------------------------------------------------------------
+
+# Kinds of torch op, matched in order against the op's lowercased name; the first match wins.
+OP_KINDS = (
+    ("4-bit dequantize", ("dequantize", "bitsandbytes", "bnb")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_weight_int")),
+    ("attention", ("scaled_dot_product", "flash", "_efficient_attention")),
+    ("softmax / log-softmax", ("softmax",)),
+    ("copies and indexing", ("copy", "aten::cat", "aten::clone", "aten::index", "gather", "scatter", "aten::empty",
+                             "aten::zeros", "aten::full", "aten::fill_", "aten::to", "aten::contiguous")),
+)
+PHASE_LABEL = "phase/"
+
+
+def op_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, keys in OP_KINDS if any(k in lowered for k in keys)), "other ops")
+
+
+def time_breakdown(events, updates: int) -> dict:
+    """Seconds per update in each labelled phase (`phase/<name>` record_function ranges; a range
+    that holds others counts only its own rest): its wall time, the self time of the torch ops
+    inside it by kind, and the rest (outside any op: Python, framework and profiler overhead)."""
+    phases = [e for e in events if e.name.startswith(PHASE_LABEL)]
+
+    def within(inner, outer) -> bool:
+        return inner is not outer and outer.time_range.start <= inner.time_range.start < outer.time_range.end
+
+    out: dict[str, dict] = {}
+    for phase in phases:
+        name = phase.name[len(PHASE_LABEL):]
+        row = out.setdefault(name, {"wall_s": 0.0, "ops": 0, "kinds_s": {}})
+        # A range holding other phases (the whole step) counts only its time outside them.
+        nested = sum(p.time_range.elapsed_us() for p in phases if within(p, phase))
+        row["wall_s"] += (phase.time_range.elapsed_us() - nested) / 1e6
+    for event in events:
+        if event.name.startswith(PHASE_LABEL) or event.device_type.name != "CPU":
+            continue
+        start = event.time_range.start
+        inside = [p for p in phases if p.time_range.start <= start < p.time_range.end]
+        if not inside:
+            continue
+        # The innermost phase holds it (a step's phases sit inside the whole step's range).
+        phase = min(inside, key=lambda p: p.time_range.elapsed_us())
+        row = out[phase.name[len(PHASE_LABEL):]]
+        row["ops"] += 1
+        kind = op_kind(event.name)
+        row["kinds_s"][kind] = row["kinds_s"].get(kind, 0.0) + event.self_cpu_time_total / 1e6
+    for row in out.values():
+        inner = sum(row["kinds_s"].values())
+        row["outside_ops_s"] = row["wall_s"] - inner
+        for key in ("wall_s", "outside_ops_s"):
+            row[key] = round(row[key] / updates, 3)
+        row["ops"] = round(row["ops"] / updates)
+        row["kinds_s"] = {k: round(v / updates, 3) for k, v in sorted(row["kinds_s"].items(), key=lambda kv: -kv[1])}
+    return out
+
+
 # ---- one run per process -------------------------------------------------------------------------
 
-def run_trl(setup: str, work: Path, updates: int) -> dict:
+def run_trl(setup: str, work: Path, updates: int, profile: bool = False) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -122,22 +186,46 @@ def run_trl(setup: str, work: Path, updates: int) -> dict:
                       target_modules=LORA["target_modules"], task_type="CAUSAL_LM")
 
     class StepTimes(TrainerCallback):
+        """Each update's wall time; with `profile`, updates 2..N inside the profiler, each in its
+        own `phase/update` range (TRL's step has no phases to tell apart from outside)."""
+
         def __init__(self):
             self.times = [time.perf_counter()]
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+            self.range = None
 
         def on_step_end(self, args, state, control, **kwargs):
             self.times.append(time.perf_counter())
+            if self.profiler is None:
+                return
+            if self.range is not None:
+                self.range.__exit__(None, None, None)
+            if len(self.times) == 2:
+                self.profiler.start()
+            if len(self.times) <= updates:
+                self.range = torch.profiler.record_function(PHASE_LABEL + "update")
+                self.range.__enter__()
+            else:
+                self.profiler.stop()
 
     clock = StepTimes()
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=None, reward_model=reward,
                          value_model=value, train_dataset=dataset, peft_config=lora, callbacks=[clock])
     clock.times = [time.perf_counter()]
     trainer.train()
-    return {"step_s": [b - a for a, b in zip(clock.times, clock.times[1:])]}
+    result = {"step_s": [b - a for a, b in zip(clock.times, clock.times[1:])]}
+    if profile:
+        result["profile"] = time_breakdown(clock.profiler.events(), updates - 1)
+    return result
 
 
-def run_lora_ppo(setup: str, work: Path, updates: int) -> dict:
+def run_lora_ppo(setup: str, work: Path, updates: int, profile: bool = False) -> dict:
+    import contextlib
+
+    import torch
+
     import lora_ppo
+    from lora_ppo.memory import PhasePeaks
 
     recipe = lora_ppo.recipe_from_dict({
         "model": {"name": str(work / "policy"), "quantization": "4bit"},
@@ -152,19 +240,39 @@ def run_lora_ppo(setup: str, work: Path, updates: int) -> dict:
                   "overwrite": True},
     }, LORA_PPO_SETUPS[setup])
     trainer = lora_ppo.PPOTrainer(recipe, progress=False)
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+    if profile:  # each phase of a step in its own range, as the trainer names it; the memory
+        phase = PhasePeaks.phase  # bookkeeping between phases stays in "rest of step"
+
+        @contextlib.contextmanager
+        def labelled(self, name):
+            with phase(self, name), torch.profiler.record_function(PHASE_LABEL + name):
+                yield
+
+        PhasePeaks.phase = labelled
     steps, phases = [], []
-    for _ in range(updates):
-        metrics, _rollout = trainer.train_step()
-        steps.append(metrics["time/step"])
+    for update in range(updates):
+        if profiler is not None and update == 1:
+            profiler.start()
+        # The whole call, as TRL's update is timed: the per-step dequantized copy and the step's
+        # bookkeeping are part of lora_ppo's update too (metrics' time/step starts after them).
+        t0 = time.perf_counter()
+        with torch.profiler.record_function(PHASE_LABEL + "rest of step") if profile else contextlib.nullcontext():
+            metrics, _rollout = trainer.train_step()
+        steps.append(time.perf_counter() - t0)
         phases.append({p: metrics[f"time/{p}"] for p in ("generate", "score_forward", "reward", "update")})
-    return {"step_s": steps, "phases": phases}
+    result = {"step_s": steps, "phases": phases}
+    if profiler is not None:
+        profiler.stop()
+        result["profile"] = time_breakdown(profiler.events(), updates - 1)
+    return result
 
 
-def one_run(setup: str, work: Path, updates: int) -> dict:
+def one_run(setup: str, work: Path, updates: int, profile: bool = False) -> dict:
     import torch
 
     t0 = time.perf_counter()
-    result = (run_trl if setup in TRL_SETUPS else run_lora_ppo)(setup, work, updates)
+    result = (run_trl if setup in TRL_SETUPS else run_lora_ppo)(setup, work, updates, profile)
     times = result["step_s"][1:]  # the first update pays one-time costs on both sides
     out = {"setup": setup, "updates": len(result["step_s"]), "s_per_update": round(statistics.median(times), 3),
            "peak_rss_gb": round(peak_rss_gb(), 3), "threads": torch.get_num_threads(),
@@ -172,6 +280,8 @@ def one_run(setup: str, work: Path, updates: int) -> dict:
     if "phases" in result:
         out["phases_s"] = {p: round(statistics.median(ph[p] for ph in result["phases"][1:]), 3)
                            for p in result["phases"][0]}
+    if "profile" in result:
+        out["profile"] = result["profile"]
     return out
 
 
@@ -185,11 +295,12 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=8)
     parser.add_argument("--work", default="runs/bench-vs-trl")
     parser.add_argument("--trl-python", default=str(REPO / ".venv-trl" / "bin" / "python"))
+    parser.add_argument("--profile", action="store_true", help="where each update's time goes (torch profiler)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a single run, in its own process
     args = parser.parse_args()
     work = (REPO / args.work).resolve()
     if args.one:
-        print(json.dumps(one_run(args.one, work, args.updates)), flush=True)
+        print(json.dumps(one_run(args.one, work, args.updates, args.profile)), flush=True)
         return
 
     build_work(work)
@@ -200,7 +311,8 @@ def main() -> None:
         for setup in args.setups:
             python = args.trl_python if setup in TRL_SETUPS else sys.executable
             done = subprocess.run([python, __file__, "--one", setup, "--updates", str(args.updates),
-                                   "--work", str(work)], cwd=REPO, capture_output=True, text=True)
+                                   "--work", str(work), *(["--profile"] if args.profile else [])],
+                                  cwd=REPO, capture_output=True, text=True)
             if done.returncode != 0:
                 raise SystemExit(f"{setup} failed:\n{done.stderr[-3000:]}")
             row = json.loads(done.stdout.strip().splitlines()[-1])
@@ -212,6 +324,21 @@ def main() -> None:
         rss = [r["peak_rss_gb"] for r in rows]
         spu = [r["s_per_update"] for r in rows]
         print(f"| {setup} | {min(rss):.2f}-{max(rss):.2f} | {min(spu):.2f}-{max(spu):.2f} | {len(rows)} |")
+    if args.profile:
+        print_profiles(results)
+
+
+def print_profiles(results: dict[str, list[dict]]) -> None:
+    """One Markdown table per setup (its first run): seconds per update by phase and kind of work."""
+    for setup, rows in results.items():
+        profile = rows[0]["profile"]
+        kinds = [kind for kind, _ in OP_KINDS] + ["other ops"]
+        print(f"\n{setup} (profiled, s per update)\n\n| phase | wall | " + " | ".join(kinds)
+              + " | outside ops | ops |\n|---|" + "---|" * (len(kinds) + 3))
+        for phase, row in profile.items():
+            cells = [f"{row['kinds_s'].get(kind, 0.0):.3f}" for kind in kinds]
+            print(f"| {phase} | {row['wall_s']:.3f} | " + " | ".join(cells)
+                  + f" | {row['outside_ops_s']:.3f} | {row['ops']} |")
 
 
 if __name__ == "__main__":
