@@ -37,3 +37,17 @@ def test_a_transient_allocation_shows_in_its_own_phase_only(resettable_peak):
     assert peaks.peaks_gb["big"] - peaks.peaks_gb["small"] > 0.25
     # The run-wide peak still remembers the big phase after the reset for "small".
     assert memory.run_peak_gb() >= peaks.peaks_gb["big"] - 1e-6
+
+
+def test_a_phase_cyclic_garbage_is_released_before_the_next_phase(resettable_peak):
+    """Garbage held in a reference cycle (as a library's cache object may be) is collected
+    between phases, so it does not count in the next phase's peak."""
+    peaks = memory.PhasePeaks()
+    with peaks.phase("big"):
+        holder: dict = {"tensor": torch.ones(75_000_000)}  # 300 MB, touched
+        holder["tensor"] += 1
+        holder["self"] = holder  # a cycle: only the garbage collector frees it
+        del holder
+    with peaks.phase("small"):
+        torch.ones(1000).sum()
+    assert peaks.peaks_gb["big"] - peaks.peaks_gb["small"] > 0.25
