@@ -17,8 +17,9 @@ TRL lives in its own venv (it pins nothing of ours, but keeps our env clean):
 
 `--profile` runs torch's profiler over updates 2..N and adds, per phase (lora_ppo) or per update
 (TRL), the seconds spent inside torch ops by kind (matmul, 4-bit dequantize, attention, ...) and
-outside them (Python, framework and profiler overhead). The profiler slows every op a little, so
-compare profiled runs with each other, not with unprofiled s/update.
+outside them (Python, framework and profiler overhead). The profiler slows every op a little and
+its event records add to the peak RSS, so compare profiled runs with each other, not with
+unprofiled ones.
 """
 
 from __future__ import annotations
