@@ -109,12 +109,13 @@ OP_KINDS = (
     ("copies and indexing", ("copy", "aten::cat", "aten::clone", "aten::index", "gather", "scatter", "aten::empty",
                              "aten::zeros", "aten::full", "aten::fill_", "aten::to", "aten::contiguous")),
 )
+OTHER_OPS = "other ops"  # every op no kind above matches
 PHASE_LABEL = "phase/"
 
 
 def op_kind(name: str) -> str:
     lowered = name.lower()
-    return next((kind for kind, keys in OP_KINDS if any(k in lowered for k in keys)), "other ops")
+    return next((kind for kind, keys in OP_KINDS if any(k in lowered for k in keys)), OTHER_OPS)
 
 
 def time_breakdown(events, updates: int) -> dict:
@@ -333,7 +334,7 @@ def print_profiles(results: dict[str, list[dict]]) -> None:
     """One Markdown table per setup (its first run): seconds per update by phase and kind of work."""
     for setup, rows in results.items():
         profile = rows[0]["profile"]
-        kinds = [kind for kind, _ in OP_KINDS] + ["other ops"]
+        kinds = [kind for kind, _ in OP_KINDS] + [OTHER_OPS]
         print(f"\n{setup} (profiled, s per update)\n\n| phase | wall | " + " | ".join(kinds)
               + " | outside ops | ops |\n|---|" + "---|" * (len(kinds) + 3))
         for phase, row in profile.items():
