@@ -4,7 +4,7 @@ trains a reward adapter on them; PPO then trains the policy with `reward.kind: a
 judge scores the held-out continuations before and after. Each stage runs in a fresh process;
 prints one JSON line per seed, then a Markdown table. Run alone (CPU-heavy).
 
-    python bench/rlhf_check.py [PPO overrides, e.g. ppo.kl_coef=0.2] [--seeds 0 1 2] [--samples 4]
+    python bench/rlhf_check.py [PPO overrides, e.g. ppo.kl_coef=0.2] [--seeds 0 1 2] [--samples 4] [--reuse]
 """
 
 from __future__ import annotations
@@ -20,8 +20,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# The PPO run: the quickstart's, scored by the reward adapter, the judge logged beside it.
-PPO_OVERRIDES = ["reward.kind=adapter", "reward.also_log=[textblob]"]
+# The PPO run: the quickstart's, with the reward's scores normalised (a reward adapter's scale
+# differs from seed to seed) and the adaptive KL controller, floored at the quickstart's
+# coefficient, raising it once the KL passes 5 nats.
+PPO_SETTINGS = ["reward.normalize=true", "ppo.target_kl=5", "ppo.kl_horizon=8", "ppo.kl_coef_min=0.05"]
+# Scored by the reward adapter, the judge logged beside it.
+ADAPTER_REWARD = ["reward.kind=adapter", "reward.also_log=[textblob]"]
 # Pairs whose judge scores differ by less than this carry no preference worth learning.
 MIN_JUDGE_GAP = 0.1
 
@@ -78,6 +82,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--samples", type=int, default=4, help="continuations per opener to pair up")
     parser.add_argument("--out", default="runs/bench-rlhf")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the pairs and reward adapters an earlier run left under --out; rerun PPO only")
     parser.add_argument("--make-pairs", type=int, metavar="SEED", help=argparse.SUPPRESS)
     parser.add_argument("ppo_overrides", nargs="*", metavar="KEY=VALUE",
                         help="recipe overrides for the PPO stage, e.g. ppo.kl_coef=0.2")
@@ -90,16 +96,24 @@ def main() -> None:
     rows = []
     for seed in args.seeds:
         base = out / f"seed-{seed}"
-        t0 = time.perf_counter()
-        made = subprocess.run([sys.executable, __file__, "--make-pairs", str(seed), "--samples", str(args.samples),
-                               "--out", str(out)], cwd=REPO, capture_output=True, text=True, check=True)
-        counts = json.loads(made.stdout.strip().splitlines()[-1])
-        pairs_s = time.perf_counter() - t0
-        reward, reward_s = run(["train-reward", "recipes/movie_reward.yaml", f"train.seed={seed}",
-                                f"data.source={base / 'pairs' / 'train.jsonl'}",
-                                f"data.eval_source={base / 'pairs' / 'held_out.jsonl'}",
-                                f"train.output_dir={base / 'reward'}"])
-        ppo, ppo_s = run(["train", "recipes/quickstart.yaml", f"train.seed={seed}", *PPO_OVERRIDES, *args.ppo_overrides,
+        pairs_files = [base / "pairs" / f"{name}.jsonl" for name in ("train", "held_out")]
+        if args.reuse and all(f.is_file() for f in pairs_files):
+            counts = {f.stem: sum(1 for _ in f.open()) for f in pairs_files}
+            pairs_s = None
+        else:
+            t0 = time.perf_counter()
+            made = subprocess.run([sys.executable, __file__, "--make-pairs", str(seed), "--samples", str(args.samples),
+                                   "--out", str(out)], cwd=REPO, capture_output=True, text=True, check=True)
+            counts = json.loads(made.stdout.strip().splitlines()[-1])
+            pairs_s = time.perf_counter() - t0
+        if args.reuse and (base / "reward" / "summary.json").is_file():
+            reward, reward_s = json.loads((base / "reward" / "summary.json").read_text()), None
+        else:
+            reward, reward_s = run(["train-reward", "recipes/movie_reward.yaml", f"train.seed={seed}",
+                                    f"data.source={pairs_files[0]}", f"data.eval_source={pairs_files[1]}",
+                                    f"train.output_dir={base / 'reward'}"])
+        ppo, ppo_s = run(["train", "recipes/quickstart.yaml", f"train.seed={seed}", *PPO_SETTINGS, *ADAPTER_REWARD,
+                          *args.ppo_overrides,
                           f"reward.adapter={base / 'reward' / 'final' / 'reward'}", f"train.output_dir={base / 'ppo'}"])
         row = {
             "seed": seed, "pairs": counts,
@@ -113,22 +127,23 @@ def main() -> None:
             "reward_adapter_score_after": round(ppo["heldout_score_after"], 3),
             "final_kl": round(ppo["final_kl"], 2),
             "ppo_peak_memory_gb": round(ppo["peak_memory_gb"], 2),
-            "seconds": {"pairs": round(pairs_s), "train_reward": round(reward_s), "ppo": round(ppo_s)},
+            "seconds": {stage: None if t is None else round(t)  # None: reused from an earlier run
+                        for stage, t in (("pairs", pairs_s), ("train_reward", reward_s), ("ppo", ppo_s))},
         }
         if seed == args.seeds[0]:  # the same PPO run with a function reward: one backbone, nothing else
-            function, _ = run(["train", "recipes/quickstart.yaml", f"train.seed={seed}", *args.ppo_overrides,
+            function, _ = run(["train", "recipes/quickstart.yaml", f"train.seed={seed}", *PPO_SETTINGS, *args.ppo_overrides,
                                "reward.kind=textblob", "reward.also_log=[]", f"train.output_dir={base / 'ppo-function-reward'}"])
             row["function_reward_peak_memory_gb"] = round(function["peak_memory_gb"], 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
     print("\n| seed | pairs (train / held-out) | reward adapter held-out accuracy | judge (TextBlob) before -> after "
-          "| final KL | PPO peak memory | wall time |\n|---|---|---|---|---|---|---|")
+          "| final KL | PPO peak memory | wall time (pairs + reward + PPO) |\n|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["seconds"]
         print(f"| {r['seed']} | {r['pairs']['train']} / {r['pairs']['held_out']} | {r['reward_heldout_accuracy']:.3f} | "
               f"{r['judge_before']:.3f} (± {r['judge_se_before']:.3f}) -> {r['judge_after']:.3f} "
               f"(± {r['judge_se_after']:.3f}) | {r['final_kl']} | {r['ppo_peak_memory_gb']} GB | "
-              f"{sum(s.values())} s |")
+              f"{' + '.join('reused' if t is None else f'{t} s' for t in s.values())} |")
 
 
 if __name__ == "__main__":

@@ -120,6 +120,17 @@ class LoraSettings(Section):
     """
 
 
+class RewardAdapterSettings(LoraSettings):
+    """The reward adapter `train-reward` trains: LoRA settings, plus dropout."""
+
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """LoRA dropout while the reward adapter trains (off when it scores): a regulariser for small
+    preference sets, where the adapter otherwise memorises the pairs in the second epoch. PPO's
+    adapters never use dropout (their ratios must start at exactly 1). An adapter from `init_from` keeps
+    the dropout it was saved with.
+    """
+
+
 class AdaptersConfig(Section):
     """The LoRA adapters on the one backbone (LoRA dropout is always 0: the PPO ratio starts at 1)."""
 
@@ -432,6 +443,24 @@ class PPOConfig(Section):
     kl_horizon. Ziegler et al.'s 10000 suits thousands of steps; in a run of tens of steps it barely
     moves, and kl_horizon = batch lets each step move it by up to 20%.
     """
+    kl_coef_min: Optional[float] = Field(None, gt=0.0)
+    """The adaptive controller never lowers `kl_coef` below this (at most the starting `kl_coef`); null: no
+    floor. In a short run the controller spends the first steps, while the KL is still under the target,
+    lowering the coefficient, and then raises it too late to stop the KL overshooting; a floor at the
+    starting value keeps the controller raising it only when the KL passes the target.
+    """
+
+    @model_validator(mode="after")
+    def _kl_floor(self) -> "PPOConfig":
+        if self.kl_coef_min is None:
+            return self
+        if self.target_kl is None:
+            raise ValueError(f"kl_coef_min ({self.kl_coef_min:g}) has no effect without target_kl "
+                             "(the adaptive controller): set both or neither")
+        if self.kl_coef_min > self.kl_coef:
+            raise ValueError(f"kl_coef_min ({self.kl_coef_min:g}) must not exceed kl_coef ({self.kl_coef:g}), "
+                             "the coefficient the controller starts from")
+        return self
     score_norm: bool = False
     """Normalise scores by a running mean and std over all steps so far. Score shaping runs in this order:
     normalisation, clipping, length penalty.
@@ -673,7 +702,7 @@ class RewardRecipe(Section):
     """A reward model's recipe: a reward LoRA adapter and head trained on preference pairs."""
 
     model: ModelConfig = ModelConfig()
-    adapter: LoraSettings = LoraSettings()
+    adapter: RewardAdapterSettings = RewardAdapterSettings()
     data: PreferenceDataConfig = PreferenceDataConfig()
     train: RewardTrainConfig = RewardTrainConfig()
 

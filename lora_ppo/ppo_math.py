@@ -274,14 +274,15 @@ def kl_loss(
     return kl_coef * aggregate_loss(kl, response_mask, aggregation, token_count)
 
 
-def adaptive_kl_coef(kl_coef: float, current_kl: float, target_kl: float, horizon: int, n_steps: int) -> float:
+def adaptive_kl_coef(kl_coef: float, current_kl: float, target_kl: float, horizon: int, n_steps: int,
+                     floor: float = 0.0) -> float:
     """Ziegler et al. 2019, section 2.2: move kl_coef toward keeping the KL at `target_kl`.
 
     e = clip(KL / target - 1, -0.2, 0.2); kl_coef *= 1 + e * n_steps / horizon, where
-    n_steps is the number of samples the KL was measured on.
+    n_steps is the number of samples the KL was measured on; never below `floor`.
     """
     error = min(max(current_kl / target_kl - 1.0, -0.2), 0.2)
-    return kl_coef * (1.0 + error * n_steps / horizon)
+    return max(floor, kl_coef * (1.0 + error * n_steps / horizon))
 
 
 def update_running_moments(

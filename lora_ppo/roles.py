@@ -14,7 +14,7 @@ from typing import Iterator, Literal, Optional, Sequence
 import torch
 from torch import nn
 
-from lora_ppo.config import AdaptersConfig, LoraSettings
+from lora_ppo.config import AdaptersConfig, LoraSettings, RewardAdapterSettings
 from lora_ppo.errors import RecipeError
 from lora_ppo.logprobs import token_logprobs
 from lora_ppo.bnb_workarounds import keep_4bit_weights_differentiable
@@ -36,14 +36,15 @@ BASE = "__base__"
 FROM_REWARD = "reward"
 
 
-def lora_config(settings: LoraSettings):
+def lora_config(settings: LoraSettings, dropout: float = 0.0):
     from peft import LoraConfig
 
     return LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
-        # No dropout: PPO ratios must be exactly 1 before the first update (dropout off everywhere).
-        lora_dropout=0.0,
+        # No dropout in PPO: its ratios must be exactly 1 before the first update. Only reward
+        # training passes some, and it is active only inside `RewardModel.training_mode()`.
+        lora_dropout=dropout,
         target_modules=settings.target_modules,
         bias="none",
         task_type="CAUSAL_LM",
@@ -376,14 +377,14 @@ class RewardModel(Backbone):
     """The backbone with one trainable reward adapter and its scalar head, for pairwise reward
     training (`lora-ppo train-reward`). Its saved folder is what `reward.kind: adapter` loads."""
 
-    def __init__(self, base_model, settings: LoraSettings, base_name: Optional[str] = None):
+    def __init__(self, base_model, settings: RewardAdapterSettings, base_name: Optional[str] = None):
         from peft import PeftModel, get_peft_model
 
         if settings.init_from:
             check_adapter_dir(settings.init_from, "adapter.init_from")
             peft = PeftModel.from_pretrained(base_model, settings.init_from, adapter_name=REWARD, is_trainable=True)
         else:
-            peft = get_peft_model(base_model, lora_config(settings), adapter_name=REWARD)
+            peft = get_peft_model(base_model, lora_config(settings, settings.dropout), adapter_name=REWARD)
         super().__init__(peft, base_name)
         head_file = Path(settings.init_from) / REWARD_HEAD_FILE if settings.init_from else None
         self.make_head(REWARD, head_file if head_file is not None and head_file.is_file() else None)
@@ -393,6 +394,15 @@ class RewardModel(Backbone):
 
     def parameters(self) -> list[nn.Parameter]:
         return self.adapter_params(REWARD) + list(self.heads[REWARD].parameters())
+
+    @contextlib.contextmanager
+    def training_mode(self) -> Iterator[None]:
+        """LoRA dropout on (when the adapter has any) for a training step; scoring stays dropout-free."""
+        self.peft.train()
+        try:
+            yield
+        finally:
+            self.peft.eval()
 
     def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The score of each sequence at its last real token. [B]"""

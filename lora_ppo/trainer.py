@@ -168,7 +168,8 @@ class PPOTrainer:
         # 6. KL controller: move kl_coef toward ppo.target_kl (Ziegler et al. 2019).
         if r.ppo.target_kl is not None and bad is None:
             state.kl_coef = ppo_math.adaptive_kl_coef(
-                state.kl_coef, adv.kl.sum(dim=1).mean().item(), r.ppo.target_kl, r.ppo.kl_horizon, len(rollout.rows)
+                state.kl_coef, adv.kl.sum(dim=1).mean().item(), r.ppo.target_kl, r.ppo.kl_horizon, len(rollout.rows),
+                r.ppo.kl_coef_min or 0.0,
             )
         # 7. Metrics.
         metrics = step_metrics(

@@ -193,6 +193,23 @@ def test_resume_continues_exactly(tmp_path, tiny_model_dir, monkeypatch):
     assert steps("parts") == steps("whole") and len(steps("whole")) == 6
 
 
+def test_adapter_dropout_acts_in_training_steps_only(tmp_path, tiny_model_dir):
+    """adapter.dropout regularises the training steps; held-out scores (and so accuracy) stay
+    deterministic, and the model is back in eval mode after every step."""
+    data = write_jsonl(tmp_path / "train.jsonl", preference_rows(8))
+    held_out = write_jsonl(tmp_path / "held.jsonl", preference_rows(4, start=500))
+    recipe_dict = reward_recipe_dict(tiny_model_dir, data, held_out, tmp_path / "run", epochs=1, batch_size=4)
+    recipe_dict["adapter"]["dropout"] = 0.5
+    trainer = RewardTrainer(recipe_from_dict(recipe_dict, schema=RewardRecipe), progress=False)
+    trainer.train()
+    assert not trainer.model.peft.training
+    ids, mask = pair_batch(trainer.eval_pairs.pairs, 0, trainer.device)
+    with torch.no_grad():
+        assert torch.equal(trainer.model.scores(ids, mask), trainer.model.scores(ids, mask))
+        with trainer.model.training_mode():
+            assert not torch.equal(trainer.model.scores(ids, mask), trainer.model.scores(ids, mask))
+
+
 def test_ppo_with_the_reward_adapter_holds_one_base_model(tmp_path, tiny_model_dir, reward_run, monkeypatch):
     """reward.kind: adapter scores on the policy's backbone: one base model is loaded, the reward
     adapter never gets a gradient nor changes, and the run folder keeps a copy of it."""

@@ -75,6 +75,14 @@ def test_adaptive_kl_controller_moves_kl_coef(tmp_path, tiny_model_dir):
     assert metrics[1]["objective/kl"] > 1.2e-6 and coefs[2] > coefs[1]
 
 
+def test_kl_coef_min_keeps_the_controller_from_lowering_the_coefficient(tmp_path, tiny_model_dir):
+    # A target no KL reaches: without a floor every step lowers kl_coef by 8%; with one it stays put.
+    _, metrics = _train(tmp_path, tiny_model_dir, [
+        "ppo.target_kl=1e6", "ppo.kl_horizon=10", "ppo.kl_coef=0.1", "ppo.kl_coef_min=0.1", "train.steps=3",
+    ])
+    assert [m["objective/kl_coef"] for m in metrics] == [0.1, 0.1, 0.1]
+
+
 @pytest.mark.parametrize("penalty", ["reward", "loss"])
 def test_reference_none_has_zero_kl_and_no_kl_penalty(tmp_path, tiny_model_dir, caplog, penalty):
     with caplog.at_level("WARNING"):

@@ -109,6 +109,9 @@ def test_adaptive_kl_controller():
     assert adaptive_kl_coef(0.1, 3.0, 6.0, 640, 64) == pytest.approx(0.098)
     # within the band: error 0.1 -> x(1 + 0.01)
     assert adaptive_kl_coef(0.1, 6.6, 6.0, 640, 64) == pytest.approx(0.101)
+    # a floor stops the fall, not the rise
+    assert adaptive_kl_coef(0.1, 3.0, 6.0, 640, 64, floor=0.1) == 0.1
+    assert adaptive_kl_coef(0.1, 12.0, 6.0, 640, 64, floor=0.1) == pytest.approx(0.102)
 
 
 def test_running_moments_match_all_data_at_once():
