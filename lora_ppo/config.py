@@ -124,10 +124,9 @@ class RewardAdapterSettings(LoraSettings):
     """The reward adapter `train-reward` trains: LoRA settings, plus dropout."""
 
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    """LoRA dropout while the reward adapter trains (off when it scores): a regulariser for small
-    preference sets, where the adapter otherwise memorises the pairs in the second epoch. PPO's
-    adapters never use dropout (their ratios must start at exactly 1). An adapter from `init_from` keeps
-    the dropout it was saved with.
+    """LoRA dropout while the reward adapter trains (off when it scores): a regulariser against
+    memorising a small preference set. PPO's adapters never use dropout (their ratios must start at
+    exactly 1). An adapter from `init_from` keeps the dropout it was saved with.
     """
 
 
