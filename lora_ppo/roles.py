@@ -81,8 +81,7 @@ class Backbone:
         self.base_name = base_name
         # Eval mode for good: dropout anywhere would make the PPO ratio differ from 1 before
         # any update, and the rollout logprobs would not be those of the policy being trained.
-        self.peft.eval()
-        keep_4bit_weights_differentiable(self.peft)  # eval() reset it; see its docstring
+        self.eval_mode()
         base = self.peft.get_base_model()
         self.decoder = base.get_decoder()
         self.lm_head = base.get_output_embeddings()
@@ -103,6 +102,12 @@ class Backbone:
             self.load_head(adapter_name, init_from)
         head.requires_grad_(trainable)
         return head
+
+    def eval_mode(self) -> None:
+        """No dropout anywhere, with the 4-bit layers kept on their differentiable kernel (eval()
+        resets their flag; see keep_4bit_weights_differentiable)."""
+        self.peft.eval()
+        keep_4bit_weights_differentiable(self.peft)
 
     def adapter_params(self, adapter_name: str) -> list[nn.Parameter]:
         marker = f".{adapter_name}."
@@ -402,7 +407,7 @@ class RewardModel(Backbone):
         try:
             yield
         finally:
-            self.peft.eval()
+            self.eval_mode()
 
     def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The score of each sequence at its last real token. [B]"""

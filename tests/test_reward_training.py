@@ -16,7 +16,7 @@ from lora_ppo.cli import app
 from lora_ppo.config import PreferenceDataConfig, RewardRecipe, recipe_from_dict
 from lora_ppo.data import PromptFormat, load_preference_sets, prepare_pairs
 from lora_ppo.reward_training import RewardTrainer, pair_batch, pairwise_loss
-from tests.conftest import adapter_tensors, tiny_recipe_dict
+from tests.conftest import adapter_tensors, bnb_4bit_layers, tiny_recipe_dict
 
 GOOD = ["great", "wonderful", "lovely", "masterpiece"]
 BAD = ["terrible", "boring", "dull", "awful"]
@@ -195,7 +195,8 @@ def test_resume_continues_exactly(tmp_path, tiny_model_dir, monkeypatch):
 
 def test_adapter_dropout_acts_in_training_steps_only(tmp_path, tiny_model_dir):
     """adapter.dropout regularises the training steps; held-out scores (and so accuracy) stay
-    deterministic, and the model is back in eval mode after every step."""
+    deterministic, and the model is back in eval mode after every step, its 4-bit layers still on
+    their differentiable kernel."""
     data = write_jsonl(tmp_path / "train.jsonl", preference_rows(8))
     held_out = write_jsonl(tmp_path / "held.jsonl", preference_rows(4, start=500))
     recipe_dict = reward_recipe_dict(tiny_model_dir, data, held_out, tmp_path / "run", epochs=1, batch_size=4)
@@ -203,6 +204,7 @@ def test_adapter_dropout_acts_in_training_steps_only(tmp_path, tiny_model_dir):
     trainer = RewardTrainer(recipe_from_dict(recipe_dict, schema=RewardRecipe), progress=False)
     trainer.train()
     assert not trainer.model.peft.training
+    assert all(layer.training for layer in bnb_4bit_layers(trainer.model))
     ids, mask = pair_batch(trainer.eval_pairs.pairs, 0, trainer.device)
     with torch.no_grad():
         assert torch.equal(trainer.model.scores(ids, mask), trainer.model.scores(ids, mask))
