@@ -4,7 +4,7 @@ trains a reward adapter on them; PPO then trains the policy with `reward.kind: a
 judge scores the held-out continuations before and after. Each stage runs in a fresh process;
 prints one JSON line per seed, then a Markdown table. Run alone (CPU-heavy).
 
-    python bench/rlhf_check.py [PPO overrides, e.g. ppo.kl_coef=0.2] [--seeds 0 1 2] [--samples 4] [--reuse]
+    python bench/rlhf_check.py [PPO overrides, e.g. ppo.kl_coef=0.2] [--seeds 0 1 2] [--samples 6] [--reuse]
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def run(command: list[str]) -> tuple[dict, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--samples", type=int, default=4, help="continuations per opener to pair up")
+    parser.add_argument("--samples", type=int, default=6, help="continuations per opener to pair up")
     parser.add_argument("--out", default="runs/bench-rlhf")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the pairs and reward adapters an earlier run left under --out; rerun PPO only")
@@ -111,6 +111,7 @@ def main() -> None:
         else:
             reward, reward_s = run(["train-reward", "recipes/movie_reward.yaml", f"train.seed={seed}",
                                     f"data.source={pairs_files[0]}", f"data.eval_source={pairs_files[1]}",
+                                    f"data.eval_size={counts['held_out']}",  # every held-out pair, not the first 128
                                     f"train.output_dir={base / 'reward'}"])
         ppo, ppo_s = run(["train", "recipes/quickstart.yaml", f"train.seed={seed}", *PPO_SETTINGS, *ADAPTER_REWARD,
                           *args.ppo_overrides,
