@@ -28,6 +28,13 @@ def keep_4bit_weights_differentiable(model: nn.Module) -> None:
             module.training = True
 
 
+def eval_on_training_kernel(model: nn.Module) -> nn.Module:
+    """`model.eval()` (no dropout anywhere) with its 4-bit layers kept on the kernel training
+    uses: eval() resets their flag (see keep_4bit_weights_differentiable)."""
+    model.eval()
+    keep_4bit_weights_differentiable(model)
+    return model
+
 
 def dequantized_4bit_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     """The bytes `dequantized_4bit_layers` would hold for `model`'s 4-bit layers."""

@@ -135,18 +135,15 @@ def _load_adapter(base_model, folder: Path, model_name: str):
     """The policy adapter on `base_model`, frozen, as PEFT loads it for inference."""
     from peft import PeftModel
 
-    from lora_ppo.bnb_workarounds import keep_4bit_weights_differentiable
+    from lora_ppo.bnb_workarounds import eval_on_training_kernel
 
     try:
         model = PeftModel.from_pretrained(base_model, str(folder), adapter_name="policy", is_trainable=False)
     except (ValueError, RuntimeError, KeyError, OSError) as err:
         raise RecipeError(f"checkpoint {folder}: the adapter does not fit the base model {model_name!r}: "
                           f"{first_line(err)}") from None
-    model.eval()
-    # eval() would switch bitsandbytes to its inference kernel, which rounds differently from the
-    # one training used (see keep_4bit_weights_differentiable); the reference must be what trained.
-    keep_4bit_weights_differentiable(model)
-    return model
+    # The reference must be what trained: bitsandbytes' inference kernel rounds differently.
+    return eval_on_training_kernel(model)
 
 
 def _merge(peft_model):

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from lora_ppo.bnb_workarounds import keep_4bit_weights_differentiable
+from lora_ppo.bnb_workarounds import eval_on_training_kernel
 from lora_ppo.config import VERIFIABLE_KINDS, ModelConfig, RewardConfig, RewardSourceConfig
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.quantization import compute_dtype, device, quantization_config
@@ -158,10 +158,9 @@ class ClassifierReward:
             )
         except (OSError, ValueError) as err:
             raise RecipeError(f"reward.model: cannot load a sequence classifier from {cfg.model!r}: {first_line(err)}") from None
-        self.model.eval().requires_grad_(False)
         # bitsandbytes' CPU inference repacking (AVX512-BF16 hosts) breaks on layers narrower than its
         # block size and rounds differently: the classifier stays on the kernel the policy uses.
-        keep_4bit_weights_differentiable(self.model)
+        eval_on_training_kernel(self.model).requires_grad_(False)
         num_labels = self.model.config.num_labels
         self.label = num_labels - 1 if cfg.label is None else cfg.label
         if not 0 <= self.label < num_labels:

@@ -17,7 +17,7 @@ from torch import nn
 from lora_ppo.config import AdaptersConfig, LoraSettings, RewardAdapterSettings
 from lora_ppo.errors import RecipeError
 from lora_ppo.logprobs import token_logprobs
-from lora_ppo.bnb_workarounds import keep_4bit_weights_differentiable
+from lora_ppo.bnb_workarounds import eval_on_training_kernel
 
 Role = Literal["policy", "value", "reference", "reward"]
 POLICY: Role = "policy"
@@ -81,7 +81,7 @@ class Backbone:
         self.base_name = base_name
         # Eval mode for good: dropout anywhere would make the PPO ratio differ from 1 before
         # any update, and the rollout logprobs would not be those of the policy being trained.
-        self.eval_mode()
+        eval_on_training_kernel(self.peft)
         base = self.peft.get_base_model()
         self.decoder = base.get_decoder()
         self.lm_head = base.get_output_embeddings()
@@ -102,12 +102,6 @@ class Backbone:
             self.load_head(adapter_name, init_from)
         head.requires_grad_(trainable)
         return head
-
-    def eval_mode(self) -> None:
-        """No dropout anywhere, with the 4-bit layers kept on their differentiable kernel (eval()
-        resets their flag; see keep_4bit_weights_differentiable)."""
-        self.peft.eval()
-        keep_4bit_weights_differentiable(self.peft)
 
     def adapter_params(self, adapter_name: str) -> list[nn.Parameter]:
         marker = f".{adapter_name}."
@@ -407,7 +401,7 @@ class RewardModel(Backbone):
         try:
             yield
         finally:
-            self.eval_mode()
+            eval_on_training_kernel(self.peft)
 
     def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The score of each sequence at its last real token. [B]"""
