@@ -274,6 +274,32 @@ def kl_loss(
     return kl_coef * aggregate_loss(kl, response_mask, aggregation, token_count)
 
 
+def reference_kl_change(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> torch.Tensor:
+    """How far an update has moved each response's KL to the reference, estimated on the rollout's
+    own samples (no new generation): sum_t (rho_t - 1) * G_t, [B], 0 when new == old.
+
+    rho_t = p_new / p_old of token t and G_t = sum_{s >= t} log(p_old / p_ref) at s, the KL still
+    to come. This is the first-order (policy-gradient, Williams 1992) estimate of KL(new || ref) -
+    KL(old || ref), with the KL as the return: a token's choice changes the KL of every token after
+    it, and the change of a token's own log-ratio adds nothing to first order (its score function
+    has mean 0).
+
+    Args:
+        new_logprobs, old_logprobs, ref_logprobs: [B, T_resp] logprobs of the rollout's tokens.
+        response_mask: [B, T_resp] True on real response tokens.
+    """
+    zeros = torch.zeros_like(old_logprobs)
+    kl = torch.where(response_mask, old_logprobs - ref_logprobs, zeros)  # [B, T_resp] k1 per token
+    kl_to_go = kl.flip(dims=[1]).cumsum(dim=1).flip(dims=[1])  # [B, T_resp]
+    ratio_minus_one = torch.where(response_mask, torch.expm1(new_logprobs - old_logprobs), zeros)
+    return (ratio_minus_one * kl_to_go).sum(dim=1)
+
+
 def adaptive_kl_coef(kl_coef: float, current_kl: float, target_kl: float, horizon: int, n_steps: int,
                      floor: float = 0.0) -> float:
     """Ziegler et al. 2019, section 2.2: move kl_coef toward keeping the KL at `target_kl`.

@@ -5,7 +5,7 @@ value losses on the trainable adapters, with the NaN/inf guard, returning an `Up
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -97,6 +97,8 @@ class UpdateStats:
     value_grad_norm: Optional[float] = None
     skipped_minibatch_frac: Optional[float] = None  # ppo.ratio_threshold: share skipped / scaled
     scaled_minibatch_frac: Optional[float] = None
+    kl_stopped_minibatch_frac: Optional[float] = None  # ppo.max_kl: share of minibatches without a policy step
+    ref_kl_estimate: Optional[float] = None  # ppo.max_kl: the policy's estimated KL at its last check
 
     def as_metrics(self) -> dict[str, float]:
         """The grouped metric names of metrics.jsonl; quantities that do not exist are left out."""
@@ -109,33 +111,36 @@ class UpdateStats:
             "policy/grad_norm": self.policy_grad_norm, "value/grad_norm": self.value_grad_norm,
             "policy/skipped_minibatch_frac": self.skipped_minibatch_frac,
             "policy/scaled_minibatch_frac": self.scaled_minibatch_frac,
+            "policy/kl_stopped_minibatch_frac": self.kl_stopped_minibatch_frac,
+            "policy/ref_kl_estimate": self.ref_kl_estimate,
         }
         return {key: value for key, value in named.items() if value is not None}
 
 
 @dataclass
 class _TokenWeightedMeans:
-    """Running token-weighted sums of per-micro-batch statistics."""
+    """Running token-weighted sums of per-micro-batch statistics, each key weighted by the tokens of
+    the micro-batches that logged it (once ppo.max_kl stops the policy, only value keys are logged)."""
 
     sums: dict[str, float] = field(default_factory=dict)
-    weight: float = 0.0
+    weights: dict[str, float] = field(default_factory=dict)
 
     def add(self, values: dict[str, float], weight: float) -> None:
         for key, value in values.items():
             self.sums[key] = self.sums.get(key, 0.0) + value * weight
-        self.weight += weight
+            self.weights[key] = self.weights.get(key, 0.0) + weight
 
     def mean(self, key: str) -> Optional[float]:
-        return self.sums[key] / max(self.weight, 1e-12) if key in self.sums else None
+        return self.sums[key] / max(self.weights[key], 1e-12) if key in self.sums else None
 
     def summed_over(self, world: World) -> "_TokenWeightedMeans":
         """The sums of every process's micro-batches (they all log the same keys)."""
         if world.size == 1:
             return self
         keys = sorted(self.sums)
-        totals = world.sum(torch.tensor([self.sums[k] for k in keys] + [self.weight], dtype=torch.float64,
-                                        device=world.device)).tolist()
-        return _TokenWeightedMeans(dict(zip(keys, totals[:-1])), totals[-1])
+        local = [self.sums[k] for k in keys] + [self.weights[k] for k in keys]
+        totals = world.sum(torch.tensor(local, dtype=torch.float64, device=world.device)).tolist()
+        return _TokenWeightedMeans(dict(zip(keys, totals[: len(keys)])), dict(zip(keys, totals[len(keys) :])))
 
 
 @dataclass(frozen=True)
@@ -170,25 +175,35 @@ def ppo_update(
     batch = rollout.response_ids.shape[0]
     means = _TokenWeightedMeans()
     nonfinite: list[str] = []
-    minibatches = skipped = scaled = 0
+    minibatches = skipped = scaled = kl_stopped = 0
+    ref_kl: Optional[float] = None
     norms = (torch.zeros(()), torch.zeros(()))
     with roles.gradient_checkpointing(settings.gradient_checkpointing):
         for _epoch in range(cfg.num_epochs):
             order = torch.randperm(batch, generator=generator).to(rollout.response_ids.device)
             for rows in order.split(settings.minibatch_size):
                 optimizer.zero_grad(set_to_none=True)
-                mean_ratio, bad = minibatch_backward(roles, rollout, adv, rows, cfg, settings, kl_coef, means, world)
+                policy_on = kl_stopped == 0
+                result = minibatch_backward(roles, rollout, adv, rows, cfg, settings, kl_coef, means, world, policy_on)
                 world.sum_gradients(roles.policy_parameters() + roles.value_parameters())
                 minibatches += 1
-                action = ratio_threshold_action(cfg, mean_ratio)
+                action = ratio_threshold_action(cfg, result.mean_ratio) if policy_on else None
                 skipped += action == "skip"
                 scaled += action == "scale"
-                norms, bad = optimizer_step(roles, optimizer, scheduler, cfg, action, mean_ratio, bad)
+                if result.ref_kl is not None:
+                    ref_kl = result.ref_kl
+                if not policy_on or passes_max_kl(cfg, result):
+                    # This minibatch's policy gradient went past the ceiling (or was never computed):
+                    # the policy stays where it is for the rest of the update.
+                    kl_stopped += 1
+                    action = "skip"
+                norms, bad = optimizer_step(roles, optimizer, scheduler, cfg, action, result.mean_ratio, result.bad)
                 if bad is not None:
                     nonfinite.append(bad)
     means = means.summed_over(world)
     with_critic = adv.returns is not None
     with_ratio_threshold = cfg.ratio_threshold is not None
+    with_max_kl = cfg.max_kl is not None
     return UpdateStats(
         skipped_minibatches=len(nonfinite),
         nonfinite=nonfinite[0] if nonfinite else None,
@@ -199,7 +214,29 @@ def ppo_update(
         policy_grad_norm=float(norms[0]), value_grad_norm=float(norms[1]) if with_critic else None,
         skipped_minibatch_frac=skipped / max(1, minibatches) if with_ratio_threshold else None,
         scaled_minibatch_frac=scaled / max(1, minibatches) if with_ratio_threshold else None,
+        kl_stopped_minibatch_frac=kl_stopped / max(1, minibatches) if with_max_kl else None,
+        ref_kl_estimate=ref_kl,
     )
+
+
+class MinibatchResult(NamedTuple):
+    """What one minibatch's backward tells the optimizer step, over every process."""
+
+    mean_ratio: float  # token-weighted mean policy ratio; NO_RATIO when the policy was not run
+    bad: Optional[str]  # the first non-finite loss, or None
+    ref_kl: Optional[float] = None  # ppo.max_kl: the policy's estimated KL to the reference, per response
+    ref_kl_change: Optional[float] = None  # ... and how much of it this update added (negative: lowered)
+
+
+NO_RATIO = 1.0  # the mean ratio of a minibatch whose policy forward was skipped (ppo.max_kl)
+
+
+def passes_max_kl(cfg: PPOConfig, result: MinibatchResult) -> bool:
+    """Whether the update has pushed the policy's KL to the reference past ppo.max_kl: an update that
+    lowered the KL may go on, even above the ceiling (the KL penalty is bringing the policy back)."""
+    if cfg.max_kl is None or result.ref_kl is None:
+        return False
+    return result.ref_kl > cfg.max_kl and result.ref_kl_change > 0
 
 
 def minibatch_backward(
@@ -212,18 +249,18 @@ def minibatch_backward(
     kl_coef: float,
     means: _TokenWeightedMeans,
     world: World = World(),
-) -> tuple[float, Optional[str]]:
+    policy_on: bool = True,
+) -> MinibatchResult:
     """Accumulate one minibatch's policy and value gradients, a micro-batch at a time; with
-    several processes, this one's share of the minibatch's rows.
-
-    Returns the minibatch's token-weighted mean ratio and the first non-finite loss (or None),
-    both over every process.
+    several processes, this one's share of the minibatch's rows. `policy_on` False (ppo.max_kl
+    stopped the policy): the value's only.
     """
     input_ids, attention_mask, mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
     token_count = mask[rows].sum().clamp(min=1)
     normalizer = token_count if cfg.loss_aggregation == "token" else len(rows)
     with_critic = adv.returns is not None
     ratio_sum = torch.zeros(())
+    ref_kl_sums = torch.zeros(2, dtype=torch.float64)  # (rollout's KL, change) summed over responses
     bad: Optional[str] = None
     for idx in rows.tensor_split(world.size)[world.rank].split(settings.micro_batch_size):
         ids, am, m = input_ids[idx], attention_mask[idx], mask[idx]
@@ -233,7 +270,7 @@ def minibatch_backward(
         share = max(share, 1e-12)
         part = _MicroBatch(roles, rollout, adv, idx, cfg, settings, kl_coef, normalizer, share)
 
-        if with_critic and settings.roles_together:
+        if with_critic and settings.roles_together and policy_on:
             # One forward and one backward for both trainable roles: each base weight read once.
             with roles.rows_as_roles((POLICY, VALUE), len(idx)):
                 policy_hidden, value_hidden = roles.stacked_hidden_states(ids, am, 2)
@@ -242,22 +279,31 @@ def minibatch_backward(
                 bad = bad or part.first_nonfinite(loss, vf_loss)
                 (loss + cfg.vf_coef * vf_loss).backward()
         else:
-            with roles.as_role(POLICY):
-                loss, ratio = part.policy_loss(roles.hidden_states(ids, am))
-            bad = bad or part.first_nonfinite(loss, None)
-            loss.backward()
+            if policy_on:
+                with roles.as_role(POLICY):
+                    loss, ratio = part.policy_loss(roles.hidden_states(ids, am))
+                bad = bad or part.first_nonfinite(loss, None)
+                loss.backward()
             if with_critic:
                 with roles.as_role(VALUE):
                     vf_loss = part.value_loss(roles.hidden_states(ids, am))
                 bad = bad or part.first_nonfinite(None, vf_loss)
                 (cfg.vf_coef * vf_loss).backward()
-        ratio_sum = ratio_sum + ratio * n_tokens
+        if policy_on:
+            ratio_sum = ratio_sum + ratio * n_tokens
+            ref_kl_sums += part.ref_kl_sums
         means.add(part.stats, n_tokens)
     if world.size > 1:
         ratio_sum = world.sum(ratio_sum.to(world.device)).cpu()
+        ref_kl_sums = world.sum(ref_kl_sums.to(world.device)).cpu()
         bads = [b for b in world.gather(bad) if b is not None]
         bad = bads[0] if bads else None
-    return float(ratio_sum / token_count), bad
+    if not policy_on:
+        return MinibatchResult(NO_RATIO, bad)
+    if cfg.max_kl is None:
+        return MinibatchResult(float(ratio_sum / token_count), bad)
+    start, change = (ref_kl_sums / len(rows)).tolist()
+    return MinibatchResult(float(ratio_sum / token_count), bad, start + change, change)
 
 
 class _MicroBatch:
@@ -269,6 +315,7 @@ class _MicroBatch:
         self.settings, self.kl_coef, self.normalizer, self.share = settings, kl_coef, normalizer, share
         self.mask = rollout.response_mask[idx]
         self.stats: dict[str, float] = {}
+        self.ref_kl_sums = torch.zeros(2, dtype=torch.float64)  # ppo.max_kl: (rollout's KL, change) summed
 
     def policy_loss(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(clipped policy loss - entropy bonus [+ KL loss], mean ratio) from the policy's hidden states."""
@@ -280,6 +327,11 @@ class _MicroBatch:
             self.normalizer, cfg.dual_clip, cfg.loss_aggregation,
         )
         loss = pg_loss - cfg.entropy_coef * ppo_math.aggregate_loss(entropy, m, cfg.loss_aggregation, self.normalizer)
+        if cfg.max_kl is not None:
+            old, ref = self.rollout.old_logprobs[idx], self.rollout.ref_logprobs[idx]
+            start = torch.where(m, old - ref, torch.zeros_like(old)).sum()  # k1, as the change is estimated
+            change = ppo_math.reference_kl_change(new_logprobs.detach(), old, ref, m).sum()
+            self.ref_kl_sums = torch.stack([start, change]).double().cpu()
         self.stats.update({
             "loss/policy": float(pg_loss.detach() / self.share),
             "clipfrac": float(pg_stats["clipfrac"]), "dual_clipfrac": float(pg_stats["dual_clipfrac"]),

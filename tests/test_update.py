@@ -77,3 +77,61 @@ def test_first_update_sees_rollout_logprobs(roles, tokenizer, grad_accum_steps):
     assert abs(stats.ratio - 1.0) < 1e-5
     assert stats.approxkl < 1e-10
     assert stats.clipfrac == 0.0
+
+
+# ppo.max_kl on a rollout whose KL to the reference is KL_PER_RESPONSE, all on the last token, so
+# the KL still to come is the same at every token and the update's estimated change has the sign
+# of the summed ratio change: advantages of +1 raise every sampled token's probability (the KL
+# grows), -1 lower them (it falls).
+KL_PER_RESPONSE = 1.0
+
+
+def _max_kl_run(roles, tokenizer, advantage: float, num_epochs: int, max_kl):
+    from dataclasses import replace
+
+    rollout = _rollout_for_update(roles, tokenizer)
+    mask = rollout.response_mask
+    last = mask.long().sum(dim=1) - 1
+    kl = torch.zeros_like(rollout.old_logprobs)
+    kl[torch.arange(4), last] = KL_PER_RESPONSE
+    rollout = replace(rollout, ref_logprobs=rollout.old_logprobs - kl)
+    cfg = PPOConfig(num_epochs=num_epochs, num_minibatches=1, learning_rate=1e-3, max_kl=max_kl)
+    adv = compute_advantages(rollout, cfg, cfg.kl_coef, rollout.scores)
+    adv = replace(adv, advantages=torch.where(mask, torch.full_like(adv.advantages, advantage), 0.0))
+    optimizer = torch.optim.AdamW(
+        [{"params": roles.policy_parameters()}, {"params": roles.value_parameters()}], lr=cfg.learning_rate
+    )
+    stats = ppo_update(roles, optimizer, None, rollout, adv, cfg, UpdateSettings(4, 2, 1.0, False), cfg.kl_coef,
+                       torch.Generator().manual_seed(0))
+    lora = {n: p.detach().clone() for n, p in roles.peft.named_parameters() if "lora_B" in n}
+    return stats, lora
+
+
+def _fresh_roles(make_roles):
+    torch.manual_seed(0)  # LoRA A is initialised from the global RNG: the runs compared start equal
+    return make_roles(seed=1, scale=0.5)
+
+
+def _adapter(weights, name):
+    return torch.cat([w.flatten() for n, w in sorted(weights.items()) if f".{name}." in n])
+
+
+def test_max_kl_stops_the_policy_once_the_update_raises_the_kl_past_it(make_roles, tokenizer):
+    # The rollout is already above the ceiling (1 > 0.5): the first step raises the KL, so the
+    # other three epochs leave the policy where that step put it; the value trains all four.
+    stopped, stopped_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, 1.0, 4, max_kl=0.5)
+    one_epoch, one_epoch_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, 1.0, 1, max_kl=None)
+    assert stopped.kl_stopped_minibatch_frac == 0.75
+    assert stopped.ref_kl_estimate > KL_PER_RESPONSE
+    torch.testing.assert_close(_adapter(stopped_lora, "policy"), _adapter(one_epoch_lora, "policy"), atol=1e-6, rtol=1e-5)
+    assert not torch.equal(_adapter(stopped_lora, "value"), _adapter(one_epoch_lora, "value"))
+    assert "policy/kl_stopped_minibatch_frac" in stopped.as_metrics()
+    assert "policy/kl_stopped_minibatch_frac" not in one_epoch.as_metrics()
+
+
+def test_max_kl_lets_an_update_that_lowers_the_kl_go_on(make_roles, tokenizer):
+    lowered, lowered_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, -1.0, 4, max_kl=0.5)
+    _, one_epoch_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, -1.0, 1, max_kl=None)
+    assert lowered.kl_stopped_minibatch_frac == 0.0
+    assert lowered.ref_kl_estimate < KL_PER_RESPONSE
+    assert not torch.equal(_adapter(lowered_lora, "policy"), _adapter(one_epoch_lora, "policy"))
