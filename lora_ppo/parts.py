@@ -95,11 +95,11 @@ def build_optimizer(
 
 def evaluate_policy(parts: Parts, recipe: Recipe, prompts: Optional[Sequence[PromptRow]] = None,
                     samples_per_prompt: Optional[int] = None, detailed: bool = False,
-                    progress: Optional[object] = None) -> Evaluation:
+                    progress: Optional[object] = None, with_kl: bool = False) -> Evaluation:
     """The policy's score (and sources and side metrics) on `prompts` (default: the held-out ones)
     with standard errors, and every completion, sampled with a fixed seed that leaves the training
-    RNG untouched; empty when there are no prompts. `detailed` adds response length, distinct-1/2
-    and, with a reference, the KL to it."""
+    RNG untouched; empty when there are no prompts. `with_kl` adds, with a reference, the KL to it;
+    `detailed` adds that, response length and distinct-1/2."""
     rows = parts.eval_prompts.rows if prompts is None else list(prompts)
     if not rows:
         return Evaluation({}, [])
@@ -109,5 +109,5 @@ def evaluate_policy(parts: Parts, recipe: Recipe, prompts: Optional[Sequence[Pro
     with dequantized_once(parts.roles.peft, recipe.model):
         return evaluate(sampler, rows, parts.rewards, seed=recipe.train.seed,
                         samples_per_prompt=samples_per_prompt or recipe.data.eval_samples_per_prompt,
-                        with_text_stats=detailed, with_kl=detailed and recipe.adapters.reference_enabled,
+                        with_text_stats=detailed, with_kl=(detailed or with_kl) and recipe.adapters.reference_enabled,
                         progress=progress)

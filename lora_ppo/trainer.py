@@ -270,15 +270,16 @@ class PPOTrainer:
     # ---- evaluation, run folder and checkpoints ---------------------------------------------
 
     def evaluate(self, records_file: Optional[Path] = None) -> dict[str, float]:
-        """Mean held-out score (and side metrics) with standard errors, sampled with a fixed seed;
-        {} with train.eval off. The completions go to `records_file`, for the report."""
+        """Mean held-out score (side metrics, and the KL to the reference: how far the policy that
+        was scored has moved) with standard errors, sampled with a fixed seed; {} with train.eval
+        off. The completions go to `records_file`, for the report."""
         from tqdm.auto import tqdm
 
         if not self.recipe.train.eval:
             return {}
         with tqdm(total=len(self.parts.eval_prompts.rows), desc="held-out", disable=not self.progress,
                   dynamic_ncols=True, file=sys.stderr) as bar:
-            evaluation = evaluate_policy(self.parts, self.recipe, progress=bar)
+            evaluation = evaluate_policy(self.parts, self.recipe, progress=bar, with_kl=True)
         if records_file is not None and self.world.is_main:
             write_jsonl(records_file, evaluation.records)
         return evaluation.scores

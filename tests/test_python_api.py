@@ -21,6 +21,10 @@ def test_python_api_trains_and_saved_adapter_reproduces_logits(tmp_path, tiny_mo
     before = {n: p.detach().clone() for n, p in trainer.roles.peft.named_parameters() if "lora_B.policy" in n}
     summary = trainer.train()
     assert summary["steps"] == 2
+    # The held-out KL is the scored policy's: 0 before training (LoRA B starts at 0), and what an
+    # evaluation of the trained policy measures after.
+    assert abs(summary["heldout_kl_before"]) < 1e-6
+    assert summary["heldout_kl_after"] == trainer.evaluate()["kl"]
     after = dict(trainer.roles.peft.named_parameters())
     assert any(not torch.equal(before[n], after[n]) for n in before)
 
