@@ -5,6 +5,7 @@ judge scores the held-out continuations before and after. Each stage runs in a f
 prints one JSON line per seed, then a Markdown table. Run alone (CPU-heavy).
 
     python bench/rlhf_check.py [PPO overrides, e.g. ppo.kl_coef=0.2] [--seeds 0 1 2] [--samples 6] [--reuse]
+                               [--no-function-reward]
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench-rlhf")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the pairs and reward adapters an earlier run left under --out; rerun PPO only")
+    parser.add_argument("--function-reward", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the first seed's PPO with a function reward, for the memory comparison")
     parser.add_argument("--make-pairs", type=int, metavar="SEED", help=argparse.SUPPRESS)
     parser.add_argument("ppo_overrides", nargs="*", metavar="KEY=VALUE",
                         help="recipe overrides for the PPO stage, e.g. ppo.kl_coef=0.2")
@@ -126,24 +129,26 @@ def main() -> None:
             "judge_se_after": round(ppo["heldout_textblob_se_after"], 3),
             "reward_adapter_score_before": round(ppo["heldout_score_before"], 3),
             "reward_adapter_score_after": round(ppo["heldout_score_after"], 3),
-            "final_kl": round(ppo["final_kl"], 2),
+            "final_kl": round(ppo["final_kl"], 2),  # the last rollout's: the policy before its last update
+            "heldout_kl_after": round(ppo["heldout_kl_after"], 2),  # the judged policy's, on the held-out openers
             "ppo_peak_memory_gb": round(ppo["peak_memory_gb"], 2),
             "seconds": {stage: None if t is None else round(t)  # None: reused from an earlier run
                         for stage, t in (("pairs", pairs_s), ("train_reward", reward_s), ("ppo", ppo_s))},
         }
-        if seed == args.seeds[0]:  # the same PPO run with a function reward: one backbone, nothing else
+        if args.function_reward and seed == args.seeds[0]:  # the same PPO run with a function reward: one backbone
             function, _ = run(["train", "recipes/quickstart.yaml", f"train.seed={seed}", *PPO_SETTINGS, *args.ppo_overrides,
                                "reward.kind=textblob", "reward.also_log=[]", f"train.output_dir={base / 'ppo-function-reward'}"])
             row["function_reward_peak_memory_gb"] = round(function["peak_memory_gb"], 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
     print("\n| seed | pairs (train / held-out) | reward adapter held-out accuracy | judge (TextBlob) before -> after "
-          "| final KL | PPO peak memory | wall time (pairs + reward + PPO) |\n|---|---|---|---|---|---|---|")
+          "| KL: last rollout / judged policy | PPO peak memory | wall time (pairs + reward + PPO) |\n"
+          "|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["seconds"]
         print(f"| {r['seed']} | {r['pairs']['train']} / {r['pairs']['held_out']} | {r['reward_heldout_accuracy']:.3f} | "
               f"{r['judge_before']:.3f} (± {r['judge_se_before']:.3f}) -> {r['judge_after']:.3f} "
-              f"(± {r['judge_se_after']:.3f}) | {r['final_kl']} | {r['ppo_peak_memory_gb']} GB | "
+              f"(± {r['judge_se_after']:.3f}) | {r['final_kl']} / {r['heldout_kl_after']} | {r['ppo_peak_memory_gb']} GB | "
               f"{' + '.join('reused' if t is None else f'{t} s' for t in s.values())} |")
 
 

@@ -25,6 +25,7 @@ def test_eval_of_the_final_policy_matches_the_runs_after_evaluation(finished_run
     assert scores["textblob"] == summary["heldout_textblob_after"]
     assert scores["step"] == 3 and scores["checkpoint"].endswith("final")
     assert scores["kl"] > 0  # the policy moved off the reference in 3 steps at lr 1e-2
+    assert scores["kl"] == summary["heldout_kl_after"]
     assert 0 < scores["length"] <= 6  # rollout.max_new_tokens
     assert 0 < scores["distinct_1"] <= 1 and 0 < scores["distinct_2"] <= 1
     for name in ("score", "kl", "length"):
