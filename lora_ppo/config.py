@@ -451,9 +451,9 @@ class PPOConfig(Section):
 
     max_kl: Optional[float] = Field(None, gt=0.0)
     """A ceiling on the KL to the reference per response, held inside each update: once the policy's
-    estimated KL on the rollout's own samples (the rollout's KL plus the first-order change the update
-    made) passes max_kl, the update stops moving the policy away: the rest of the step's minibatches
-    train the value only. An update that lowers the KL is never stopped. The controller reacts a step
+    estimated KL (the rollout's KL plus the first-order change the update made, estimated on the
+    minibatch's own samples) passes max_kl, the update stops moving the policy away: the rest of the
+    step's minibatches train the value only. An update that lowers the KL is never stopped. The controller reacts a step
     late, after the rollout; this stops the overshoot within the step. Logged as
     `policy/kl_stopped_minibatch_frac` and `policy/ref_kl_estimate`. null: no ceiling.
     """

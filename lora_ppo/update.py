@@ -177,6 +177,12 @@ def ppo_update(
     nonfinite: list[str] = []
     minibatches = skipped = scaled = kl_stopped = 0
     ref_kl: Optional[float] = None
+    # ppo.max_kl: the whole rollout's KL (k1, as the change is estimated), the base every
+    # minibatch's estimated change is added to; a minibatch's own rows would add their noise.
+    rollout_kl = None
+    if cfg.max_kl is not None:
+        kl = torch.where(rollout.response_mask, rollout.old_logprobs - rollout.ref_logprobs, 0.0)  # [B, T_resp]
+        rollout_kl = kl.sum(dim=1).mean().item()
     norms = (torch.zeros(()), torch.zeros(()))
     with roles.gradient_checkpointing(settings.gradient_checkpointing):
         for _epoch in range(cfg.num_epochs):
@@ -190,9 +196,9 @@ def ppo_update(
                 action = ratio_threshold_action(cfg, result.mean_ratio) if policy_on else None
                 skipped += action == "skip"
                 scaled += action == "scale"
-                if result.ref_kl is not None:
-                    ref_kl = result.ref_kl
-                if not policy_on or passes_max_kl(cfg, result):
+                if result.ref_kl_change is not None:
+                    ref_kl = rollout_kl + result.ref_kl_change
+                if not policy_on or passes_max_kl(cfg, rollout_kl, result.ref_kl_change):
                     # This minibatch's policy gradient went past the ceiling (or was never computed):
                     # the policy stays where it is for the rest of the update.
                     kl_stopped += 1
@@ -224,19 +230,20 @@ class MinibatchResult(NamedTuple):
 
     mean_ratio: float  # token-weighted mean policy ratio; NO_RATIO when the policy was not run
     bad: Optional[str]  # the first non-finite loss, or None
-    ref_kl: Optional[float] = None  # ppo.max_kl: the policy's estimated KL to the reference, per response
-    ref_kl_change: Optional[float] = None  # ... and how much of it this update added (negative: lowered)
+    ref_kl_change: Optional[float] = None  # ppo.max_kl: how far the update has moved the KL to the
+    # reference per response, estimated on this minibatch's rows (negative: lowered it)
 
 
 NO_RATIO = 1.0  # the mean ratio of a minibatch whose policy forward was skipped (ppo.max_kl)
 
 
-def passes_max_kl(cfg: PPOConfig, result: MinibatchResult) -> bool:
-    """Whether the update has pushed the policy's KL to the reference past ppo.max_kl: an update that
-    lowered the KL may go on, even above the ceiling (the KL penalty is bringing the policy back)."""
-    if cfg.max_kl is None or result.ref_kl is None:
+def passes_max_kl(cfg: PPOConfig, rollout_kl: Optional[float], change: Optional[float]) -> bool:
+    """Whether the update has pushed the policy's KL to the reference (the rollout's, plus the
+    estimated change) past ppo.max_kl: an update that lowered the KL may go on, even above the
+    ceiling (the KL penalty is bringing the policy back)."""
+    if cfg.max_kl is None or change is None:
         return False
-    return result.ref_kl > cfg.max_kl and result.ref_kl_change > 0
+    return rollout_kl + change > cfg.max_kl and change > 0
 
 
 def minibatch_backward(
@@ -260,7 +267,7 @@ def minibatch_backward(
     normalizer = token_count if cfg.loss_aggregation == "token" else len(rows)
     with_critic = adv.returns is not None
     ratio_sum = torch.zeros(())
-    ref_kl_sums = torch.zeros(2, dtype=torch.float64)  # (rollout's KL, change) summed over responses
+    ref_kl_change = torch.zeros((), dtype=torch.float64)  # ppo.max_kl: summed over responses
     bad: Optional[str] = None
     for idx in rows.tensor_split(world.size)[world.rank].split(settings.micro_batch_size):
         ids, am, m = input_ids[idx], attention_mask[idx], mask[idx]
@@ -291,19 +298,19 @@ def minibatch_backward(
                 (cfg.vf_coef * vf_loss).backward()
         if policy_on:
             ratio_sum = ratio_sum + ratio * n_tokens
-            ref_kl_sums += part.ref_kl_sums
+            ref_kl_change += part.ref_kl_change
         means.add(part.stats, n_tokens)
     if world.size > 1:
         ratio_sum = world.sum(ratio_sum.to(world.device)).cpu()
-        ref_kl_sums = world.sum(ref_kl_sums.to(world.device)).cpu()
+        if cfg.max_kl is not None:
+            ref_kl_change = world.sum(ref_kl_change.to(world.device)).cpu()
         bads = [b for b in world.gather(bad) if b is not None]
         bad = bads[0] if bads else None
     if not policy_on:
         return MinibatchResult(NO_RATIO, bad)
     if cfg.max_kl is None:
         return MinibatchResult(float(ratio_sum / token_count), bad)
-    start, change = (ref_kl_sums / len(rows)).tolist()
-    return MinibatchResult(float(ratio_sum / token_count), bad, start + change, change)
+    return MinibatchResult(float(ratio_sum / token_count), bad, float(ref_kl_change / len(rows)))
 
 
 class _MicroBatch:
@@ -315,7 +322,7 @@ class _MicroBatch:
         self.settings, self.kl_coef, self.normalizer, self.share = settings, kl_coef, normalizer, share
         self.mask = rollout.response_mask[idx]
         self.stats: dict[str, float] = {}
-        self.ref_kl_sums = torch.zeros(2, dtype=torch.float64)  # ppo.max_kl: (rollout's KL, change) summed
+        self.ref_kl_change = torch.zeros((), dtype=torch.float64)  # ppo.max_kl: summed over the rows
 
     def policy_loss(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(clipped policy loss - entropy bonus [+ KL loss], mean ratio) from the policy's hidden states."""
@@ -328,10 +335,9 @@ class _MicroBatch:
         )
         loss = pg_loss - cfg.entropy_coef * ppo_math.aggregate_loss(entropy, m, cfg.loss_aggregation, self.normalizer)
         if cfg.max_kl is not None:
-            old, ref = self.rollout.old_logprobs[idx], self.rollout.ref_logprobs[idx]
-            start = torch.where(m, old - ref, torch.zeros_like(old)).sum()  # k1, as the change is estimated
-            change = ppo_math.reference_kl_change(new_logprobs.detach(), old, ref, m).sum()
-            self.ref_kl_sums = torch.stack([start, change]).double().cpu()
+            change = ppo_math.reference_kl_change(
+                new_logprobs.detach(), self.rollout.old_logprobs[idx], self.rollout.ref_logprobs[idx], m)
+            self.ref_kl_change = change.sum().double().cpu()
         self.stats.update({
             "loss/policy": float(pg_loss.detach() / self.share),
             "clipfrac": float(pg_stats["clipfrac"]), "dual_clipfrac": float(pg_stats["dual_clipfrac"]),
