@@ -86,7 +86,7 @@ def test_first_update_sees_rollout_logprobs(roles, tokenizer, grad_accum_steps):
 KL_PER_RESPONSE = 1.0
 
 
-def _max_kl_run(roles, tokenizer, advantage: float, num_epochs: int, max_kl):
+def _max_kl_run(roles, tokenizer, advantage: float, num_epochs: int, max_kl, roles_together: bool = False):
     from dataclasses import replace
 
     rollout = _rollout_for_update(roles, tokenizer)
@@ -101,8 +101,8 @@ def _max_kl_run(roles, tokenizer, advantage: float, num_epochs: int, max_kl):
     optimizer = torch.optim.AdamW(
         [{"params": roles.policy_parameters()}, {"params": roles.value_parameters()}], lr=cfg.learning_rate
     )
-    stats = ppo_update(roles, optimizer, None, rollout, adv, cfg, UpdateSettings(4, 2, 1.0, False), cfg.kl_coef,
-                       torch.Generator().manual_seed(0))
+    settings = UpdateSettings(4, 2, 1.0, False, roles_together)
+    stats = ppo_update(roles, optimizer, None, rollout, adv, cfg, settings, cfg.kl_coef, torch.Generator().manual_seed(0))
     lora = {n: p.detach().clone() for n, p in roles.peft.named_parameters() if "lora_B" in n}
     return stats, lora
 
@@ -116,11 +116,12 @@ def _adapter(weights, name):
     return torch.cat([w.flatten() for n, w in sorted(weights.items()) if f".{name}." in n])
 
 
-def test_max_kl_stops_the_policy_once_the_update_raises_the_kl_past_it(make_roles, tokenizer):
+@pytest.mark.parametrize("roles_together", [False, True])
+def test_max_kl_stops_the_policy_once_the_update_raises_the_kl_past_it(make_roles, tokenizer, roles_together):
     # The rollout is already above the ceiling (1 > 0.5): the first step raises the KL, so the
     # other three epochs leave the policy where that step put it; the value trains all four.
-    stopped, stopped_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, 1.0, 4, max_kl=0.5)
-    one_epoch, one_epoch_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, 1.0, 1, max_kl=None)
+    stopped, stopped_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, 1.0, 4, 0.5, roles_together)
+    one_epoch, one_epoch_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, 1.0, 1, None, roles_together)
     assert stopped.kl_stopped_minibatch_frac == 0.75
     assert stopped.ref_kl_estimate > KL_PER_RESPONSE
     torch.testing.assert_close(_adapter(stopped_lora, "policy"), _adapter(one_epoch_lora, "policy"), atol=1e-6, rtol=1e-5)
