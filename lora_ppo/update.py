@@ -177,12 +177,7 @@ def ppo_update(
     nonfinite: list[str] = []
     minibatches = skipped = scaled = kl_stopped = 0
     ref_kl: Optional[float] = None
-    # ppo.max_kl: the whole rollout's KL (k1, as the change is estimated), the base every
-    # minibatch's estimated change is added to; a minibatch's own rows would add their noise.
-    rollout_kl = None
-    if cfg.max_kl is not None:
-        kl = torch.where(rollout.response_mask, rollout.old_logprobs - rollout.ref_logprobs, 0.0)  # [B, T_resp]
-        rollout_kl = kl.sum(dim=1).mean().item()
+    ceiling = KLCeiling.of(rollout, cfg.max_kl) if cfg.max_kl is not None else None
     norms = (torch.zeros(()), torch.zeros(()))
     with roles.gradient_checkpointing(settings.gradient_checkpointing):
         for _epoch in range(cfg.num_epochs):
@@ -190,15 +185,16 @@ def ppo_update(
             for rows in order.split(settings.minibatch_size):
                 optimizer.zero_grad(set_to_none=True)
                 policy_on = kl_stopped == 0
-                result = minibatch_backward(roles, rollout, adv, rows, cfg, settings, kl_coef, means, world, policy_on)
+                result = minibatch_backward(roles, rollout, adv, rows, cfg, settings, kl_coef, means, world,
+                                            policy_on, ceiling)
                 world.sum_gradients(roles.policy_parameters() + roles.value_parameters())
                 minibatches += 1
                 action = ratio_threshold_action(cfg, result.mean_ratio) if policy_on else None
                 skipped += action == "skip"
                 scaled += action == "scale"
                 if result.ref_kl_change is not None:
-                    ref_kl = rollout_kl + result.ref_kl_change
-                if not policy_on or passes_max_kl(cfg, rollout_kl, result.ref_kl_change):
+                    ref_kl = ceiling.rollout_kl + result.ref_kl_change
+                if not policy_on or (ceiling is not None and ceiling.passed(result.ref_kl_change)):
                     # This minibatch's policy gradient went past the ceiling (or was never computed):
                     # the policy stays where it is for the rest of the update.
                     kl_stopped += 1
@@ -237,13 +233,27 @@ class MinibatchResult(NamedTuple):
 NO_RATIO = 1.0  # the mean ratio of a minibatch whose policy forward was skipped (ppo.max_kl)
 
 
-def passes_max_kl(cfg: PPOConfig, rollout_kl: Optional[float], change: Optional[float]) -> bool:
-    """Whether the update has pushed the policy's KL to the reference (the rollout's, plus the
-    estimated change) past ppo.max_kl: an update that lowered the KL may go on, even above the
-    ceiling (the KL penalty is bringing the policy back)."""
-    if cfg.max_kl is None or change is None:
-        return False
-    return rollout_kl + change > cfg.max_kl and change > 0
+@dataclass(frozen=True)
+class KLCeiling:
+    """ppo.max_kl's view of the rollout: the whole batch's KL and the baseline of the change
+    estimate, so a minibatch's few rows add only the update's change, not their own spread."""
+
+    max_kl: float
+    rollout_kl: float  # mean over responses of the sum of k1, as the change is estimated
+    kl_to_go_mean: torch.Tensor  # [T_resp] the batch's mean KL still to come at each position
+
+    @classmethod
+    def of(cls, rollout: Rollout, max_kl: float) -> "KLCeiling":
+        mask = rollout.response_mask
+        to_go = ppo_math.kl_to_go(rollout.old_logprobs, rollout.ref_logprobs, mask)  # [B, T_resp]
+        per_position = to_go.sum(dim=0) / mask.sum(dim=0).clamp(min=1)  # [T_resp]
+        return cls(max_kl, to_go[:, 0].mean().item(), per_position)
+
+    def passed(self, change: float) -> bool:
+        """Whether the update has pushed the KL (the rollout's plus the estimated change) past the
+        ceiling: an update that lowered it may go on, even above the ceiling (the KL penalty is
+        bringing the policy back)."""
+        return self.rollout_kl + change > self.max_kl and change > 0
 
 
 def minibatch_backward(
@@ -257,10 +267,12 @@ def minibatch_backward(
     means: _TokenWeightedMeans,
     world: World = World(),
     policy_on: bool = True,
+    ceiling: Optional[KLCeiling] = None,
 ) -> MinibatchResult:
     """Accumulate one minibatch's policy and value gradients, a micro-batch at a time; with
     several processes, this one's share of the minibatch's rows. `policy_on` False (ppo.max_kl
-    stopped the policy): the value's only.
+    stopped the policy): the value's only. With a `ceiling`, also the estimated change of the
+    KL to the reference.
     """
     input_ids, attention_mask, mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
     token_count = mask[rows].sum().clamp(min=1)
@@ -275,7 +287,7 @@ def minibatch_backward(
         # Loss parts are shares of the minibatch loss; logged per token they are scaled back up.
         share = n_tokens / float(token_count) if cfg.loss_aggregation == "token" else len(idx) / len(rows)
         share = max(share, 1e-12)
-        part = _MicroBatch(roles, rollout, adv, idx, cfg, settings, kl_coef, normalizer, share)
+        part = _MicroBatch(roles, rollout, adv, idx, cfg, settings, kl_coef, normalizer, share, ceiling)
 
         if with_critic and settings.roles_together and policy_on:
             # One forward and one backward for both trainable roles: each base weight read once.
@@ -302,13 +314,13 @@ def minibatch_backward(
         means.add(part.stats, n_tokens)
     if world.size > 1:
         ratio_sum = world.sum(ratio_sum.to(world.device)).cpu()
-        if cfg.max_kl is not None:
+        if ceiling is not None:
             ref_kl_change = world.sum(ref_kl_change.to(world.device)).cpu()
         bads = [b for b in world.gather(bad) if b is not None]
         bad = bads[0] if bads else None
     if not policy_on:
         return MinibatchResult(NO_RATIO, bad)
-    if cfg.max_kl is None:
+    if ceiling is None:
         return MinibatchResult(float(ratio_sum / token_count), bad)
     return MinibatchResult(float(ratio_sum / token_count), bad, float(ref_kl_change / len(rows)))
 
@@ -317,9 +329,11 @@ class _MicroBatch:
     """One micro-batch's losses from its roles' hidden states, and the stats they log."""
 
     def __init__(self, roles: RoleModel, rollout: Rollout, adv: Advantages, idx: torch.Tensor, cfg: PPOConfig,
-                 settings: UpdateSettings, kl_coef: float, normalizer, share: float):
+                 settings: UpdateSettings, kl_coef: float, normalizer, share: float,
+                 ceiling: Optional[KLCeiling] = None):
         self.roles, self.rollout, self.adv, self.idx, self.cfg = roles, rollout, adv, idx, cfg
         self.settings, self.kl_coef, self.normalizer, self.share = settings, kl_coef, normalizer, share
+        self.ceiling = ceiling
         self.mask = rollout.response_mask[idx]
         self.stats: dict[str, float] = {}
         self.ref_kl_change = torch.zeros((), dtype=torch.float64)  # ppo.max_kl: summed over the rows
@@ -334,9 +348,9 @@ class _MicroBatch:
             self.normalizer, cfg.dual_clip, cfg.loss_aggregation,
         )
         loss = pg_loss - cfg.entropy_coef * ppo_math.aggregate_loss(entropy, m, cfg.loss_aggregation, self.normalizer)
-        if cfg.max_kl is not None:
-            change = ppo_math.reference_kl_change(
-                new_logprobs.detach(), self.rollout.old_logprobs[idx], self.rollout.ref_logprobs[idx], m)
+        if self.ceiling is not None:
+            change = ppo_math.reference_kl_change(new_logprobs.detach(), self.rollout.old_logprobs[idx],
+                                                  self.rollout.ref_logprobs[idx], m, self.ceiling.kl_to_go_mean)
             self.ref_kl_change = change.sum().double().cpu()
         self.stats.update({
             "loss/policy": float(pg_loss.detach() / self.share),

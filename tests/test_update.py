@@ -79,25 +79,28 @@ def test_first_update_sees_rollout_logprobs(roles, tokenizer, grad_accum_steps):
     assert stats.clipfrac == 0.0
 
 
-# ppo.max_kl on a rollout whose KL to the reference is KL_PER_RESPONSE, all on the last token, so
-# the KL still to come is the same at every token and the update's estimated change has the sign
-# of the summed ratio change: advantages of +1 raise every sampled token's probability (the KL
-# grows), -1 lower them (it falls).
-KL_PER_RESPONSE = 1.0
+# ppo.max_kl on a rollout whose responses 0 and 2 have a KL to the reference of HIGH_KL (all on
+# their last token) and responses 1 and 3 none: advantages of +1 on the high-KL responses and -1
+# on the others move the policy toward the high-KL ones (the KL grows); the opposite signs
+# move it away (the KL falls).
+HIGH_KL = 4.0
+ROLLOUT_KL = HIGH_KL / 2
 
 
-def _max_kl_run(roles, tokenizer, advantage: float, num_epochs: int, max_kl, roles_together: bool = False):
+def _max_kl_run(roles, tokenizer, toward_high_kl: bool, num_epochs: int, max_kl, roles_together: bool = False):
     from dataclasses import replace
 
     rollout = _rollout_for_update(roles, tokenizer)
     mask = rollout.response_mask
     last = mask.long().sum(dim=1) - 1
+    high = torch.tensor([True, False, True, False])
     kl = torch.zeros_like(rollout.old_logprobs)
-    kl[torch.arange(4), last] = KL_PER_RESPONSE
+    kl[torch.arange(4), last] = torch.where(high, HIGH_KL, 0.0)
     rollout = replace(rollout, ref_logprobs=rollout.old_logprobs - kl)
     cfg = PPOConfig(num_epochs=num_epochs, num_minibatches=1, learning_rate=1e-3, max_kl=max_kl)
     adv = compute_advantages(rollout, cfg, cfg.kl_coef, rollout.scores)
-    adv = replace(adv, advantages=torch.where(mask, torch.full_like(adv.advantages, advantage), 0.0))
+    per_row = torch.where(high == toward_high_kl, 1.0, -1.0)  # [B]
+    adv = replace(adv, advantages=torch.where(mask, per_row[:, None].expand_as(mask), 0.0))
     optimizer = torch.optim.AdamW(
         [{"params": roles.policy_parameters()}, {"params": roles.value_parameters()}], lr=cfg.learning_rate
     )
@@ -118,12 +121,12 @@ def _adapter(weights, name):
 
 @pytest.mark.parametrize("roles_together", [False, True])
 def test_max_kl_stops_the_policy_once_the_update_raises_the_kl_past_it(make_roles, tokenizer, roles_together):
-    # The rollout is already above the ceiling (1 > 0.5): the first step raises the KL, so the
+    # The rollout is already above the ceiling (2 > 1.5): the first step raises the KL, so the
     # other three epochs leave the policy where that step put it; the value trains all four.
-    stopped, stopped_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, 1.0, 4, 0.5, roles_together)
-    one_epoch, one_epoch_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, 1.0, 1, None, roles_together)
+    stopped, stopped_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, True, 4, 1.5, roles_together)
+    one_epoch, one_epoch_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, True, 1, None, roles_together)
     assert stopped.kl_stopped_minibatch_frac == 0.75
-    assert stopped.ref_kl_estimate > KL_PER_RESPONSE
+    assert stopped.ref_kl_estimate > ROLLOUT_KL
     torch.testing.assert_close(_adapter(stopped_lora, "policy"), _adapter(one_epoch_lora, "policy"), atol=1e-6, rtol=1e-5)
     assert not torch.equal(_adapter(stopped_lora, "value"), _adapter(one_epoch_lora, "value"))
     assert "policy/kl_stopped_minibatch_frac" in stopped.as_metrics()
@@ -131,8 +134,8 @@ def test_max_kl_stops_the_policy_once_the_update_raises_the_kl_past_it(make_role
 
 
 def test_max_kl_lets_an_update_that_lowers_the_kl_go_on(make_roles, tokenizer):
-    lowered, lowered_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, -1.0, 4, max_kl=0.5)
-    _, one_epoch_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, -1.0, 1, max_kl=None)
+    lowered, lowered_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, False, 4, 1.5)
+    _, one_epoch_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, False, 1, None)
     assert lowered.kl_stopped_minibatch_frac == 0.0
-    assert lowered.ref_kl_estimate < KL_PER_RESPONSE
+    assert lowered.ref_kl_estimate < ROLLOUT_KL
     assert not torch.equal(_adapter(lowered_lora, "policy"), _adapter(one_epoch_lora, "policy"))
