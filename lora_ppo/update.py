@@ -175,7 +175,7 @@ def ppo_update(
     batch = rollout.response_ids.shape[0]
     means = _TokenWeightedMeans()
     nonfinite: list[str] = []
-    minibatches = skipped = scaled = kl_stopped = 0
+    minibatches = skipped = scaled = kl_stopped = policy_steps = 0
     ref_kl: Optional[float] = None
     ceiling = KLCeiling.of(rollout, cfg.max_kl) if cfg.max_kl is not None else None
     norms = (torch.zeros(()), torch.zeros(()))
@@ -194,12 +194,15 @@ def ppo_update(
                 scaled += action == "scale"
                 if result.ref_kl_change is not None:
                     ref_kl = ceiling.rollout_kl + result.ref_kl_change
-                if not policy_on or (ceiling is not None and ceiling.passed(result.ref_kl_change)):
+                # Before the update's first policy step the change is rounding only (generation's
+                # logprobs against the update's forward), whose sign must not stop the update.
+                if not policy_on or (ceiling is not None and policy_steps > 0 and ceiling.passed(result.ref_kl_change)):
                     # This minibatch's policy gradient went past the ceiling (or was never computed):
                     # the policy stays where it is for the rest of the update.
                     kl_stopped += 1
                     action = "skip"
                 norms, bad = optimizer_step(roles, optimizer, scheduler, cfg, action, result.mean_ratio, result.bad)
+                policy_steps += action != "skip" and bad is None
                 if bad is not None:
                     nonfinite.append(bad)
     means = means.summed_over(world)

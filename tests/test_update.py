@@ -87,7 +87,8 @@ HIGH_KL = 4.0
 ROLLOUT_KL = HIGH_KL / 2
 
 
-def _max_kl_run(roles, tokenizer, toward_high_kl: bool, num_epochs: int, max_kl, roles_together: bool = False):
+def _max_kl_run(roles, tokenizer, toward_high_kl: bool, num_epochs: int, max_kl, roles_together: bool = False,
+                rounding: float = 0.0):
     from dataclasses import replace
 
     rollout = _rollout_for_update(roles, tokenizer)
@@ -96,7 +97,10 @@ def _max_kl_run(roles, tokenizer, toward_high_kl: bool, num_epochs: int, max_kl,
     high = torch.tensor([True, False, True, False])
     kl = torch.zeros_like(rollout.old_logprobs)
     kl[torch.arange(4), last] = torch.where(high, HIGH_KL, 0.0)
-    rollout = replace(rollout, ref_logprobs=rollout.old_logprobs - kl)
+    # `rounding`: old logprobs a little below the update's own, as generation's can be, on the
+    # high-KL responses: before any step the estimated change is then positive, by rounding alone.
+    old = rollout.old_logprobs - rounding * high[:, None]
+    rollout = replace(rollout, old_logprobs=old, ref_logprobs=old - kl)
     cfg = PPOConfig(num_epochs=num_epochs, num_minibatches=1, learning_rate=1e-3, max_kl=max_kl)
     adv = compute_advantages(rollout, cfg, cfg.kl_coef, rollout.scores)
     per_row = torch.where(high == toward_high_kl, 1.0, -1.0)  # [B]
@@ -133,8 +137,9 @@ def test_max_kl_stops_the_policy_once_the_update_raises_the_kl_past_it(make_role
     assert "policy/kl_stopped_minibatch_frac" not in one_epoch.as_metrics()
 
 
-def test_max_kl_lets_an_update_that_lowers_the_kl_go_on(make_roles, tokenizer):
-    lowered, lowered_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, False, 4, 1.5)
+@pytest.mark.parametrize("rounding", [0.0, 1e-5])
+def test_max_kl_lets_an_update_that_lowers_the_kl_go_on(make_roles, tokenizer, rounding):
+    lowered, lowered_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, False, 4, 1.5, rounding=rounding)
     _, one_epoch_lora = _max_kl_run(_fresh_roles(make_roles), tokenizer, False, 1, None)
     assert lowered.kl_stopped_minibatch_frac == 0.0
     assert lowered.ref_kl_estimate < ROLLOUT_KL
