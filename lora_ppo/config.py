@@ -449,20 +449,8 @@ class PPOConfig(Section):
     starting value keeps the controller raising it only when the KL passes the target.
     """
 
-    max_kl: Optional[float] = Field(None, gt=0.0)
-    """A ceiling on the KL to the reference per response, held inside each update: once the policy's
-    estimated KL (the rollout's KL plus the first-order change the update made, estimated on the
-    minibatch's own samples) passes max_kl, the update stops moving the policy away: the rest of the
-    step's minibatches train the value only. An update that lowers the KL is never stopped. The controller reacts a step
-    late, after the rollout; this stops the overshoot within the step. Logged as
-    `policy/kl_stopped_minibatch_frac` and `policy/ref_kl_estimate`. null: no ceiling.
-    """
-
     @model_validator(mode="after")
-    def _kl_bounds(self) -> "PPOConfig":
-        if self.max_kl is not None and self.target_kl is not None and self.max_kl <= self.target_kl:
-            raise ValueError(f"max_kl ({self.max_kl:g}) must be above target_kl ({self.target_kl:g}): the "
-                             "controller steers toward target_kl, max_kl stops an update that overshoots it")
+    def _kl_floor(self) -> "PPOConfig":
         if self.kl_coef_min is None:
             return self
         if self.target_kl is None:
@@ -598,9 +586,6 @@ class Recipe(Section):
                 f"rollout.batch_size ({self.rollout.batch_size}) must be divisible by "
                 f"ppo.num_minibatches * ppo.grad_accum_steps ({parts})"
             )
-        if self.ppo.max_kl is not None and not self.adapters.reference_enabled:
-            raise ValueError(f"ppo.max_kl ({self.ppo.max_kl:g}) limits the KL to the reference, and "
-                             "adapters.reference is none: set a reference or remove max_kl")
         if self.uses_critic and self.adapters.value.init_from == "reward" and self.reward.adapter_path is None:
             raise ValueError("adapters.value.init_from: 'reward' starts the value from the reward adapter, "
                              "and this recipe has none (reward.kind: adapter)")

@@ -274,49 +274,6 @@ def kl_loss(
     return kl_coef * aggregate_loss(kl, response_mask, aggregation, token_count)
 
 
-def kl_to_go(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """The KL still to come at each token, sum_{s >= t} log(p / p_ref) at s (k1), [B, T_resp]; 0 on padding."""
-    kl = torch.where(response_mask, logprobs - ref_logprobs, torch.zeros_like(logprobs))  # [B, T_resp]
-    return kl.flip(dims=[1]).cumsum(dim=1).flip(dims=[1])
-
-
-def reference_kl_change(
-    new_logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
-    response_mask: torch.Tensor,
-    baseline: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """How far an update has moved each response's KL to the reference, estimated on the rollout's
-    own samples (no new generation), [B], 0 when new == old:
-
-        sum_t (rho_t - 1) * (G_t - b_t)  +  sum_t (rho_t log rho_t - rho_t + 1)
-
-    with rho_t = p_new / p_old of token t and G_t the rollout's KL still to come (`kl_to_go`).
-    Exactly, KL(new || ref) = KL(new || old) + E_new[sum_s log(p_old / p_ref)]. The first sum is
-    the first-order (policy-gradient, Williams 1992) expansion of the second term minus
-    KL(old || ref): a token's choice changes the KL of every token after it. The second sum
-    estimates KL(new || old), the update's own movement (>= 0 per token; the first sum alone
-    underestimates the growth by it). A baseline b_t that does not depend on token t (the batch's
-    mean G_t at position t) leaves the expectation unchanged, since E_old[rho_t - 1] = 0, and
-    removes most of the spread G_t's large mean puts into it.
-
-    Args:
-        new_logprobs, old_logprobs, ref_logprobs: [B, T_resp] logprobs of the rollout's tokens.
-        response_mask: [B, T_resp] True on real response tokens.
-        baseline: [T_resp] b_t per position, or None (0).
-    """
-    zeros = torch.zeros_like(old_logprobs)
-    to_go = kl_to_go(old_logprobs, ref_logprobs, response_mask)  # [B, T_resp]
-    if baseline is not None:
-        to_go = to_go - baseline[None, : to_go.shape[1]]
-    log_ratio = torch.where(response_mask, new_logprobs - old_logprobs, zeros)  # [B, T_resp]
-    ratio_minus_one = torch.expm1(log_ratio)
-    first_order = torch.where(response_mask, ratio_minus_one * to_go, zeros)
-    movement = torch.where(response_mask, (ratio_minus_one + 1.0) * log_ratio - ratio_minus_one, zeros)
-    return (first_order + movement).sum(dim=1)
-
-
 def adaptive_kl_coef(kl_coef: float, current_kl: float, target_kl: float, horizon: int, n_steps: int,
                      floor: float = 0.0) -> float:
     """Ziegler et al. 2019, section 2.2: move kl_coef toward keeping the KL at `target_kl`.

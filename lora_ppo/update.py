@@ -5,7 +5,7 @@ value losses on the trainable adapters, with the NaN/inf guard, returning an `Up
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
@@ -97,8 +97,6 @@ class UpdateStats:
     value_grad_norm: Optional[float] = None
     skipped_minibatch_frac: Optional[float] = None  # ppo.ratio_threshold: share skipped / scaled
     scaled_minibatch_frac: Optional[float] = None
-    kl_stopped_minibatch_frac: Optional[float] = None  # ppo.max_kl: share of minibatches without a policy step
-    ref_kl_estimate: Optional[float] = None  # ppo.max_kl: the policy's estimated KL at its last check
 
     def as_metrics(self) -> dict[str, float]:
         """The grouped metric names of metrics.jsonl; quantities that do not exist are left out."""
@@ -111,36 +109,33 @@ class UpdateStats:
             "policy/grad_norm": self.policy_grad_norm, "value/grad_norm": self.value_grad_norm,
             "policy/skipped_minibatch_frac": self.skipped_minibatch_frac,
             "policy/scaled_minibatch_frac": self.scaled_minibatch_frac,
-            "policy/kl_stopped_minibatch_frac": self.kl_stopped_minibatch_frac,
-            "policy/ref_kl_estimate": self.ref_kl_estimate,
         }
         return {key: value for key, value in named.items() if value is not None}
 
 
 @dataclass
 class _TokenWeightedMeans:
-    """Running token-weighted sums of per-micro-batch statistics, each key weighted by the tokens of
-    the micro-batches that logged it (once ppo.max_kl stops the policy, only value keys are logged)."""
+    """Running token-weighted sums of per-micro-batch statistics."""
 
     sums: dict[str, float] = field(default_factory=dict)
-    weights: dict[str, float] = field(default_factory=dict)
+    weight: float = 0.0
 
     def add(self, values: dict[str, float], weight: float) -> None:
         for key, value in values.items():
             self.sums[key] = self.sums.get(key, 0.0) + value * weight
-            self.weights[key] = self.weights.get(key, 0.0) + weight
+        self.weight += weight
 
     def mean(self, key: str) -> Optional[float]:
-        return self.sums[key] / max(self.weights[key], 1e-12) if key in self.sums else None
+        return self.sums[key] / max(self.weight, 1e-12) if key in self.sums else None
 
     def summed_over(self, world: World) -> "_TokenWeightedMeans":
         """The sums of every process's micro-batches (they all log the same keys)."""
         if world.size == 1:
             return self
         keys = sorted(self.sums)
-        local = [self.sums[k] for k in keys] + [self.weights[k] for k in keys]
-        totals = world.sum(torch.tensor(local, dtype=torch.float64, device=world.device)).tolist()
-        return _TokenWeightedMeans(dict(zip(keys, totals[: len(keys)])), dict(zip(keys, totals[len(keys) :])))
+        totals = world.sum(torch.tensor([self.sums[k] for k in keys] + [self.weight], dtype=torch.float64,
+                                        device=world.device)).tolist()
+        return _TokenWeightedMeans(dict(zip(keys, totals[:-1])), totals[-1])
 
 
 @dataclass(frozen=True)
@@ -175,40 +170,25 @@ def ppo_update(
     batch = rollout.response_ids.shape[0]
     means = _TokenWeightedMeans()
     nonfinite: list[str] = []
-    minibatches = skipped = scaled = kl_stopped = policy_steps = 0
-    ref_kl: Optional[float] = None
-    ceiling = KLCeiling.of(rollout, cfg.max_kl) if cfg.max_kl is not None else None
+    minibatches = skipped = scaled = 0
     norms = (torch.zeros(()), torch.zeros(()))
     with roles.gradient_checkpointing(settings.gradient_checkpointing):
         for _epoch in range(cfg.num_epochs):
             order = torch.randperm(batch, generator=generator).to(rollout.response_ids.device)
             for rows in order.split(settings.minibatch_size):
                 optimizer.zero_grad(set_to_none=True)
-                policy_on = kl_stopped == 0
-                result = minibatch_backward(roles, rollout, adv, rows, cfg, settings, kl_coef, means, world,
-                                            policy_on, ceiling)
+                mean_ratio, bad = minibatch_backward(roles, rollout, adv, rows, cfg, settings, kl_coef, means, world)
                 world.sum_gradients(roles.policy_parameters() + roles.value_parameters())
                 minibatches += 1
-                action = ratio_threshold_action(cfg, result.mean_ratio) if policy_on else None
+                action = ratio_threshold_action(cfg, mean_ratio)
                 skipped += action == "skip"
                 scaled += action == "scale"
-                if result.ref_kl_change is not None:
-                    ref_kl = ceiling.rollout_kl + result.ref_kl_change
-                # Before the update's first policy step the change is rounding only (generation's
-                # logprobs against the update's forward), whose sign must not stop the update.
-                if not policy_on or (ceiling is not None and policy_steps > 0 and ceiling.passed(result.ref_kl_change)):
-                    # This minibatch's policy gradient went past the ceiling (or was never computed):
-                    # the policy stays where it is for the rest of the update.
-                    kl_stopped += 1
-                    action = "skip"
-                norms, bad = optimizer_step(roles, optimizer, scheduler, cfg, action, result.mean_ratio, result.bad)
-                policy_steps += action != "skip" and bad is None
+                norms, bad = optimizer_step(roles, optimizer, scheduler, cfg, action, mean_ratio, bad)
                 if bad is not None:
                     nonfinite.append(bad)
     means = means.summed_over(world)
     with_critic = adv.returns is not None
     with_ratio_threshold = cfg.ratio_threshold is not None
-    with_max_kl = cfg.max_kl is not None
     return UpdateStats(
         skipped_minibatches=len(nonfinite),
         nonfinite=nonfinite[0] if nonfinite else None,
@@ -219,44 +199,7 @@ def ppo_update(
         policy_grad_norm=float(norms[0]), value_grad_norm=float(norms[1]) if with_critic else None,
         skipped_minibatch_frac=skipped / max(1, minibatches) if with_ratio_threshold else None,
         scaled_minibatch_frac=scaled / max(1, minibatches) if with_ratio_threshold else None,
-        kl_stopped_minibatch_frac=kl_stopped / max(1, minibatches) if with_max_kl else None,
-        ref_kl_estimate=ref_kl,
     )
-
-
-class MinibatchResult(NamedTuple):
-    """What one minibatch's backward tells the optimizer step, over every process."""
-
-    mean_ratio: float  # token-weighted mean policy ratio; NO_RATIO when the policy was not run
-    bad: Optional[str]  # the first non-finite loss, or None
-    ref_kl_change: Optional[float] = None  # ppo.max_kl: how far the update has moved the KL to the
-    # reference per response, estimated on this minibatch's rows (negative: lowered it)
-
-
-NO_RATIO = 1.0  # the mean ratio of a minibatch whose policy forward was skipped (ppo.max_kl)
-
-
-@dataclass(frozen=True)
-class KLCeiling:
-    """ppo.max_kl's view of the rollout: the whole batch's KL and the baseline of the change
-    estimate, so a minibatch's few rows add only the update's change, not their own spread."""
-
-    max_kl: float
-    rollout_kl: float  # mean over responses of the sum of k1, as the change is estimated
-    kl_to_go_mean: torch.Tensor  # [T_resp] the batch's mean KL still to come at each position
-
-    @classmethod
-    def of(cls, rollout: Rollout, max_kl: float) -> "KLCeiling":
-        mask = rollout.response_mask
-        to_go = ppo_math.kl_to_go(rollout.old_logprobs, rollout.ref_logprobs, mask)  # [B, T_resp]
-        per_position = to_go.sum(dim=0) / mask.sum(dim=0).clamp(min=1)  # [T_resp]
-        return cls(max_kl, to_go[:, 0].mean().item(), per_position)
-
-    def passed(self, change: float) -> bool:
-        """Whether the update has pushed the KL (the rollout's plus the estimated change) past the
-        ceiling: an update that lowered it may go on, even above the ceiling (the KL penalty is
-        bringing the policy back)."""
-        return self.rollout_kl + change > self.max_kl and change > 0
 
 
 def minibatch_backward(
@@ -269,20 +212,18 @@ def minibatch_backward(
     kl_coef: float,
     means: _TokenWeightedMeans,
     world: World = World(),
-    policy_on: bool = True,
-    ceiling: Optional[KLCeiling] = None,
-) -> MinibatchResult:
+) -> tuple[float, Optional[str]]:
     """Accumulate one minibatch's policy and value gradients, a micro-batch at a time; with
-    several processes, this one's share of the minibatch's rows. `policy_on` False (ppo.max_kl
-    stopped the policy): the value's only. With a `ceiling`, also the estimated change of the
-    KL to the reference.
+    several processes, this one's share of the minibatch's rows.
+
+    Returns the minibatch's token-weighted mean ratio and the first non-finite loss (or None),
+    both over every process.
     """
     input_ids, attention_mask, mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
     token_count = mask[rows].sum().clamp(min=1)
     normalizer = token_count if cfg.loss_aggregation == "token" else len(rows)
     with_critic = adv.returns is not None
     ratio_sum = torch.zeros(())
-    ref_kl_change = torch.zeros((), dtype=torch.float64)  # ppo.max_kl: summed over responses
     bad: Optional[str] = None
     for idx in rows.tensor_split(world.size)[world.rank].split(settings.micro_batch_size):
         ids, am, m = input_ids[idx], attention_mask[idx], mask[idx]
@@ -290,9 +231,9 @@ def minibatch_backward(
         # Loss parts are shares of the minibatch loss; logged per token they are scaled back up.
         share = n_tokens / float(token_count) if cfg.loss_aggregation == "token" else len(idx) / len(rows)
         share = max(share, 1e-12)
-        part = _MicroBatch(roles, rollout, adv, idx, cfg, settings, kl_coef, normalizer, share, ceiling)
+        part = _MicroBatch(roles, rollout, adv, idx, cfg, settings, kl_coef, normalizer, share)
 
-        if with_critic and settings.roles_together and policy_on:
+        if with_critic and settings.roles_together:
             # One forward and one backward for both trainable roles: each base weight read once.
             with roles.rows_as_roles((POLICY, VALUE), len(idx)):
                 policy_hidden, value_hidden = roles.stacked_hidden_states(ids, am, 2)
@@ -301,45 +242,33 @@ def minibatch_backward(
                 bad = bad or part.first_nonfinite(loss, vf_loss)
                 (loss + cfg.vf_coef * vf_loss).backward()
         else:
-            if policy_on:
-                with roles.as_role(POLICY):
-                    loss, ratio = part.policy_loss(roles.hidden_states(ids, am))
-                bad = bad or part.first_nonfinite(loss, None)
-                loss.backward()
+            with roles.as_role(POLICY):
+                loss, ratio = part.policy_loss(roles.hidden_states(ids, am))
+            bad = bad or part.first_nonfinite(loss, None)
+            loss.backward()
             if with_critic:
                 with roles.as_role(VALUE):
                     vf_loss = part.value_loss(roles.hidden_states(ids, am))
                 bad = bad or part.first_nonfinite(None, vf_loss)
                 (cfg.vf_coef * vf_loss).backward()
-        if policy_on:
-            ratio_sum = ratio_sum + ratio * n_tokens
-            ref_kl_change += part.ref_kl_change
+        ratio_sum = ratio_sum + ratio * n_tokens
         means.add(part.stats, n_tokens)
     if world.size > 1:
         ratio_sum = world.sum(ratio_sum.to(world.device)).cpu()
-        if ceiling is not None:
-            ref_kl_change = world.sum(ref_kl_change.to(world.device)).cpu()
         bads = [b for b in world.gather(bad) if b is not None]
         bad = bads[0] if bads else None
-    if not policy_on:
-        return MinibatchResult(NO_RATIO, bad)
-    if ceiling is None:
-        return MinibatchResult(float(ratio_sum / token_count), bad)
-    return MinibatchResult(float(ratio_sum / token_count), bad, float(ref_kl_change / len(rows)))
+    return float(ratio_sum / token_count), bad
 
 
 class _MicroBatch:
     """One micro-batch's losses from its roles' hidden states, and the stats they log."""
 
     def __init__(self, roles: RoleModel, rollout: Rollout, adv: Advantages, idx: torch.Tensor, cfg: PPOConfig,
-                 settings: UpdateSettings, kl_coef: float, normalizer, share: float,
-                 ceiling: Optional[KLCeiling] = None):
+                 settings: UpdateSettings, kl_coef: float, normalizer, share: float):
         self.roles, self.rollout, self.adv, self.idx, self.cfg = roles, rollout, adv, idx, cfg
         self.settings, self.kl_coef, self.normalizer, self.share = settings, kl_coef, normalizer, share
-        self.ceiling = ceiling
         self.mask = rollout.response_mask[idx]
         self.stats: dict[str, float] = {}
-        self.ref_kl_change = torch.zeros((), dtype=torch.float64)  # ppo.max_kl: summed over the rows
 
     def policy_loss(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(clipped policy loss - entropy bonus [+ KL loss], mean ratio) from the policy's hidden states."""
@@ -351,10 +280,6 @@ class _MicroBatch:
             self.normalizer, cfg.dual_clip, cfg.loss_aggregation,
         )
         loss = pg_loss - cfg.entropy_coef * ppo_math.aggregate_loss(entropy, m, cfg.loss_aggregation, self.normalizer)
-        if self.ceiling is not None:
-            change = ppo_math.reference_kl_change(new_logprobs.detach(), self.rollout.old_logprobs[idx],
-                                                  self.rollout.ref_logprobs[idx], m, self.ceiling.kl_to_go_mean)
-            self.ref_kl_change = change.sum().double().cpu()
         self.stats.update({
             "loss/policy": float(pg_loss.detach() / self.share),
             "clipfrac": float(pg_stats["clipfrac"]), "dual_clipfrac": float(pg_stats["dual_clipfrac"]),
