@@ -9,6 +9,7 @@ says what is wrong, what usually causes it, and which recipe fields to look at.
     empty_responses       responses that used to have tokens shrank to (nearly) nothing
     pinned_length         responses that used to stop now run to rollout.max_new_tokens
     reward_gaming         the reward rose over 5 steps while an independent side metric fell
+    logprob_mismatch      the update's first forward disagrees with the rollout's old logprobs (same weights)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 ALARMS = ("kl_runaway", "negative_kl", "entropy_collapse", "overclipping", "empty_responses", "pinned_length",
-          "reward_gaming")
+          "reward_gaming", "logprob_mismatch")
 KL_WINDOW = 4  # steps of growth before the KL counts as running away
 KL_HIGH = 8.0  # nats per response: early growth below this is the policy learning, not drifting
 TARGET_KL_FACTOR = 3.0  # "far above ppo.target_kl"
@@ -31,6 +32,11 @@ PINNED_FRACTION = 0.98  # of rollout.max_new_tokens
 STOPPED_BEFORE = 0.2  # a run "used to stop" when at least this share of its first responses did
 GAMING_WINDOW = 5
 GAMING_DROP = 0.05  # how far the side metric must fall over the window
+# The logprob self-check (check/logprob_mean_diff, nats per token) by compute dtype: float32
+# recomputation agrees to ~1e-6, bf16/fp16 to ~1e-3 (bench/README.md); a wrong logit path is off
+# by 1e-2 to 1 nats. Past STOP_FACTOR times the limit at a run's first step, the run stops.
+LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}
+LOGPROB_STOP_FACTOR = 10.0
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class AlarmSettings:
     max_new_tokens: int
     target_kl: Optional[float] = None
     side_metrics: tuple[str, ...] = ()  # objective/<name> of the scores logged beside the reward
+    logprob_tolerance: float = LOGPROB_TOLERANCE["float32"]
 
 
 def check_alarms(history: Sequence[dict], settings: AlarmSettings) -> list[Alarm]:
@@ -53,7 +60,7 @@ def check_alarms(history: Sequence[dict], settings: AlarmSettings) -> list[Alarm
     if not history:
         return []
     checks = (_kl_runaway, _negative_kl, _entropy_collapse, _overclipping, _empty_responses, _pinned_length,
-              _reward_gaming)
+              _reward_gaming, _logprob_mismatch)
     return [alarm for check in checks for alarm in check(history, settings)]
 
 
@@ -149,3 +156,25 @@ def _reward_gaming(history, settings) -> list[Alarm]:
                                 f"({side[0]:.3f} -> {side[-1]:.3f}): the policy may be gaming the reward. Read "
                                 "samples.jsonl; raise ppo.kl_coef, or fix the reward."))
     return alarms[:1]
+
+
+def _logprob_mismatch(history, settings) -> list[Alarm]:
+    diff = _series(history, "check/logprob_mean_diff")
+    if not diff or diff[-1] <= settings.logprob_tolerance:
+        return []
+    return [Alarm("logprob_mismatch", f"the update's first forward gives logprobs {diff[-1]:.2g} nats per token away "
+                  f"from the rollout's (limit {settings.logprob_tolerance:g}) with the same weights: the policy "
+                  "that samples is not the one being optimised. Try rollout.logprobs_from_generation: false and "
+                  "rollout.score_roles_together: false; if it stays, report the model (docs/models.md).")]
+
+
+def first_step_logprob_error(metrics: dict, tolerance: float) -> Optional[str]:
+    """The one-line reason to stop a run at its first step, when the self-check is far past its
+    limit (a model whose distribution lora_ppo does not reproduce), else None."""
+    diff = metrics.get("check/logprob_mean_diff")
+    if diff is None or diff <= LOGPROB_STOP_FACTOR * tolerance:
+        return None
+    return (f"logprob self-check failed at the first step: the update's forward is {diff:.3g} nats per token "
+            f"(largest {metrics.get('check/logprob_max_diff', float('nan')):.3g}) away from the logprobs the "
+            f"rollout recorded with the same weights (limit {tolerance:g}): training would optimise another "
+            "distribution than the one sampled (docs/models.md)")

@@ -110,7 +110,14 @@ class LoraSettings(Section):
     """
     target_modules: Union[Literal["all-linear"], list[str]] = "all-linear"
     """Which linear layers get LoRA: `all-linear`, or a list of module names such as `[q_proj, v_proj]`. All
-    of them by default, as QLoRA found adapting every layer works best.
+    of them by default, as QLoRA found adapting every layer works best. On an MoE model whose experts are
+    fused 3-D weights (transformers 5), `all-linear` means the linear layers only (attention and any dense
+    MLP), not the experts or the router: see `target_parameters` (docs/models.md).
+    """
+    target_parameters: list[str] = []
+    """3-D weight parameters to adapt as well, by name suffix, e.g. `[mlp.experts.gate_up_proj,
+    mlp.experts.down_proj]` for fused MoE experts (PEFT's `target_parameters`). Empty by default: expert
+    LoRA holds one rank-r adapter per expert and cannot share a forward with other roles (docs/models.md).
     """
     init_from: Optional[str] = None
     """A PEFT adapter folder to start from (e.g. an SFT adapter) instead of a fresh LoRA; for the value

@@ -7,12 +7,41 @@ chunk is checkpointed: its logits are recomputed in backward instead of being ke
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 DEFAULT_CHUNK_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model's forward does to its LM head's output before it is a distribution:
+    `softcap * tanh(logits * scale / softcap)`, or `logits * scale` without a soft-cap.
+
+    Gemma 2/3 soft-cap their final logits (`final_logit_softcapping`), Granite divides them by
+    `logits_scaling`, Cohere multiplies them by `logit_scale`. The bare LM head of such a model is
+    not its distribution, so every logprob, KL and ratio must go through this.
+    """
+
+    scale: float = 1.0
+    softcap: Optional[float] = None
+
+    @property
+    def is_identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = self.softcap * torch.tanh(logits / self.softcap)
+        return logits
+
+
+IDENTITY = LogitTransform()
 
 
 def _chunk_logprobs(

@@ -7,17 +7,23 @@ trainable reward adapter and head, for pairwise reward training.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
 from pathlib import Path
-from typing import Iterator, Literal, Optional, Sequence
+from typing import Iterator, Literal, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from lora_ppo.config import AdaptersConfig, LoraSettings, RewardAdapterSettings
-from lora_ppo.errors import RecipeError
+from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.logprobs import token_logprobs
 from lora_ppo.bnb_workarounds import eval_on_training_kernel
+from lora_ppo.model_checks import (check_logit_path, fused_expert_parameters, logit_path_error, logit_transform_of,
+                                   probe_ids)
+
+log = logging.getLogger(__name__)
 
 Role = Literal["policy", "value", "reference", "reward"]
 POLICY: Role = "policy"
@@ -36,7 +42,9 @@ BASE = "__base__"
 FROM_REWARD = "reward"
 
 
-def lora_config(settings: LoraSettings, dropout: float = 0.0):
+def lora_config(settings: LoraSettings, dropout: float = 0.0, all_linear: Union[str, list[str]] = "all-linear"):
+    """PEFT's LoraConfig for `settings`; `all_linear` is what `target_modules: all-linear` means on
+    this model (see `linear_targets`)."""
     from peft import LoraConfig
 
     return LoraConfig(
@@ -45,10 +53,22 @@ def lora_config(settings: LoraSettings, dropout: float = 0.0):
         # No dropout in PPO: its ratios must be exactly 1 before the first update. Only reward
         # training passes some, and it is active only inside `RewardModel.training_mode()`.
         lora_dropout=dropout,
-        target_modules=settings.target_modules,
+        target_modules=all_linear if settings.target_modules == "all-linear" else settings.target_modules,
+        target_parameters=list(settings.target_parameters) or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
+
+
+def linear_targets(base_model: nn.Module) -> Union[str, list[str]]:
+    """What `target_modules: all-linear` adapts on `base_model`: PEFT's `all-linear`, except on a
+    model with fused MoE experts, where PEFT would also adapt the 3-D expert weights and the router
+    (one adapter per expert, no mixed-adapter batches): there, the linear layers' names only."""
+    if not fused_expert_parameters(base_model):
+        return "all-linear"
+    head = base_model.get_output_embeddings()
+    return sorted({name.rsplit(".", 1)[-1] for name, module in base_model.named_modules()
+                   if isinstance(module, nn.Linear) and module is not head})
 
 
 def check_adapter_dir(path: str, field: str, head: Optional[str] = None) -> None:
@@ -85,6 +105,9 @@ class Backbone:
         base = self.peft.get_base_model()
         self.decoder = base.get_decoder()
         self.lm_head = base.get_output_embeddings()
+        # Applied after the LM head wherever lora_ppo computes token logits itself (RoleModel
+        # checks it against the model's own forward).
+        self.logit_transform = logit_transform_of(base.config)
         self.hidden_size = base.config.get_text_config().hidden_size
         head_dtype = self.lm_head.weight.dtype if self.lm_head.weight.is_floating_point() else torch.float32
         self.head_dtype = head_dtype if head_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
@@ -103,6 +126,11 @@ class Backbone:
         head.requires_grad_(trainable)
         return head
 
+    def token_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's own next-token logits from hidden states [..., H]: LM head, then the model's
+        final transform (soft-cap, scale), in float32. [..., V]"""
+        return self.logit_transform(self.lm_head(hidden).float())
+
     def adapter_params(self, adapter_name: str) -> list[nn.Parameter]:
         marker = f".{adapter_name}."
         return [p for n, p in self.peft.named_parameters() if marker in n and "lora_" in n]
@@ -110,33 +138,28 @@ class Backbone:
     @contextlib.contextmanager
     def gradient_checkpointing(self, enabled: bool) -> Iterator[None]:
         """Checkpoint decoder layers inside the block (for updates); generation keeps its KV cache."""
+        from torch.utils.checkpoint import checkpoint
         from transformers.modeling_layers import GradientCheckpointingLayer
 
         base = self.peft.get_base_model()
         if not enabled or not base.supports_gradient_checkpointing:
             yield
             return
-        # transformers checkpoints a layer only while that layer is in training mode, and the
-        # model stays in eval mode here (no dropout: ratios must be exactly 1 before the first
-        # update). So the layers' own flag is set, not their children's: without it the setting
-        # silently does nothing.
+        # transformers checkpoints a layer only in training mode, and training mode turns on the
+        # dropout some layers apply themselves (OPT's `dropout(x, training=self.training)`): the
+        # ratio would not start at 1. So each layer stays in eval mode and is checkpointed here.
         layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
-        was_training = [m.training for m in layers]
-        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2 name
-            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for layer in layers:
-            layer.training = True
+            def checkpointed(*args, layer=layer, **kwargs):
+                forward = functools.partial(type(layer).forward, layer, **kwargs)
+                return checkpoint(forward, *args, use_reentrant=False) if torch.is_grad_enabled() else forward(*args)
+
+            layer.forward = checkpointed  # an instance attribute shadows the class's forward
         try:
             yield
         finally:
-            for layer, flag in zip(layers, was_training):
-                layer.training = flag
-            if hasattr(base, "activation_checkpointing_disable"):
-                base.activation_checkpointing_disable()
-            else:
-                base.gradient_checkpointing_disable()
+            for layer in layers:
+                del layer.forward
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Last hidden states of the decoder (final norm applied), [B, T, H]; no LM head."""
@@ -204,17 +227,18 @@ class RoleModel(Backbone):
                  reward_adapter: Optional[str] = None, base_name: Optional[str] = None):
         from peft import PeftModel, get_peft_model
 
+        all_linear = linear_targets(base_model)
         if adapters.policy.init_from:
             check_adapter_dir(adapters.policy.init_from, "adapters.policy.init_from")
             peft = PeftModel.from_pretrained(base_model, adapters.policy.init_from, adapter_name=POLICY, is_trainable=True)
         else:
-            peft = get_peft_model(base_model, lora_config(adapters.policy), adapter_name=POLICY)
+            peft = get_peft_model(base_model, lora_config(adapters.policy, all_linear=all_linear), adapter_name=POLICY)
         self.has_value = with_value
         value_from, value_head_from = self._value_start(adapters.value.init_from, reward_adapter)
         if with_value and value_from:
             peft.load_adapter(value_from, adapter_name=VALUE, is_trainable=True)
         elif with_value:
-            peft.add_adapter(VALUE, lora_config(adapters.value))
+            peft.add_adapter(VALUE, lora_config(adapters.value, all_linear=all_linear))
         # The reference is either the bare base (adapters disabled) or a frozen adapter of its own,
         # e.g. the SFT adapter the policy started from: then the policy trains a copy of it.
         self.reference_adapter: Optional[str] = adapters.reference_adapter_path
@@ -233,6 +257,38 @@ class RoleModel(Backbone):
         self._params = {name: self.adapter_params(name) for name in (POLICY, VALUE, REFERENCE, REWARD)}
         self._active: Optional[str] = None
         self._activate(POLICY)
+        self._check_logit_path()
+        # Whether PEFT's per-row adapter batches work on this model, without and with autograd.
+        self.mixed_batches = {grad: self._probe_mixed_batches(grad) for grad in (False, True)}
+
+    def _check_logit_path(self) -> None:
+        """Refuse a model whose own forward gives other logits than `token_logits` (a transform
+        lora_ppo does not know): checked once, on a probe, as the policy."""
+        ids = probe_ids(self.lm_head.weight.shape[0], self.lm_head.weight.device)
+        mask = torch.ones_like(ids)
+        error = logit_path_error(lambda x: self.peft(input_ids=x, attention_mask=mask).logits,
+                                 lambda x: self.token_logits(self.hidden_states(x, mask)), ids)
+        check_logit_path(error, self.logit_transform, self.head_dtype, self.peft.get_base_model().config.model_type)
+
+    def _probe_mixed_batches(self, grad: bool) -> bool:
+        """Whether one forward (and, with `grad`, a backward) can run each block of rows under its
+        own role here. PEFT refuses it for layers that flatten the batch (OPT), for LoRA on 3-D
+        expert parameters, and, with autograd, on 4-bit layers with a bias."""
+        roles = [POLICY, REFERENCE] + ([VALUE] if self.has_value else [])
+        ids = probe_ids(self.lm_head.weight.shape[0], self.lm_head.weight.device)[:, :4]
+        try:
+            with torch.set_grad_enabled(grad):
+                hidden = self.hidden_states_as_roles(ids, torch.ones_like(ids), roles)
+                if grad:
+                    sum(h.float().sum() for h in hidden).backward()
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
+            log.info("mixed-adapter batches %s do not work on this model (%s): each role gets its own pass",
+                     "with autograd" if grad else "without autograd", first_line(err).split(". ")[0])
+            return False
+        finally:
+            for p in self.peft.parameters():
+                p.grad = None
+        return True
 
     @staticmethod
     def _value_start(init_from: Optional[str], reward_adapter: Optional[str]) -> tuple[Optional[str], Optional[Path]]:
@@ -321,8 +377,16 @@ class RoleModel(Backbone):
         names = [self.adapter_name(role) for role in roles for _ in range(batch)]
         # PeftModel.forward and generate wrap their call in this context to honour `adapter_names`;
         # the decoder is called directly here (no LM head over every position), so it is entered as they do.
-        with self.peft._enable_peft_forward_hooks(adapter_names=names):
+        hooks = self.peft._enable_peft_forward_hooks(adapter_names=names)
+        hooks.__enter__()
+        try:
             yield
+        except BaseException:
+            # PEFT removes its hooks only after a clean exit: left in place, they would apply these
+            # adapter names to every later forward, whatever its batch size.
+            _remove_adapter_name_hooks(self.peft)
+            raise
+        hooks.__exit__(None, None, None)
 
     def stacked_hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               copies: int) -> list[torch.Tensor]:
@@ -353,7 +417,7 @@ class RoleModel(Backbone):
                              temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """`response_logprobs` from a role's hidden states [B, T, H] of `input_ids`."""
         predicting = hidden[:, response_start - 1 : -1]  # [B, T_resp, H]
-        return token_logprobs(self.lm_head, predicting, input_ids[:, response_start:], temperature)
+        return token_logprobs(self.token_logits, predicting, input_ids[:, response_start:], temperature)
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int) -> torch.Tensor:
         """Value of the state before each response token, [B, T_resp] float32 (value role)."""
@@ -372,6 +436,16 @@ class RoleModel(Backbone):
             return self.sequence_scores(REWARD, input_ids, attention_mask)
 
 
+def _remove_adapter_name_hooks(model: nn.Module) -> None:
+    """Remove the forward pre-hooks PEFT's `_enable_peft_forward_hooks` registers for per-row
+    adapter names."""
+    for module in model.modules():
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if getattr(getattr(hook, "func", None), "__name__", "") == "_adapter_names_pre_forward_hook":
+                del module._forward_pre_hooks[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
 class RewardModel(Backbone):
     """The backbone with one trainable reward adapter and its scalar head, for pairwise reward
     training (`lora-ppo train-reward`). Its saved folder is what `reward.kind: adapter` loads."""
@@ -383,7 +457,8 @@ class RewardModel(Backbone):
             check_adapter_dir(settings.init_from, "adapter.init_from")
             peft = PeftModel.from_pretrained(base_model, settings.init_from, adapter_name=REWARD, is_trainable=True)
         else:
-            peft = get_peft_model(base_model, lora_config(settings, settings.dropout), adapter_name=REWARD)
+            peft = get_peft_model(base_model, lora_config(settings, settings.dropout, linear_targets(base_model)),
+                                  adapter_name=REWARD)
         super().__init__(peft, base_name)
         head_file = Path(settings.init_from) / REWARD_HEAD_FILE if settings.init_from else None
         self.make_head(REWARD, head_file if head_file is not None and head_file.is_file() else None)

@@ -304,8 +304,8 @@ def score_passes(
 
     Old logprobs already recorded during sampling are used as given (no policy pass). Without a
     reference the reference logprobs are the old ones, so every KL estimate is 0. `together`: the
-    roles still needed share one forward per micro-batch (`RoleModel.hidden_states_as_roles`);
-    otherwise each role has its own.
+    roles still needed share one forward per micro-batch (`RoleModel.hidden_states_as_roles`) where
+    the model allows it (`RoleModel.mixed_batches`); otherwise each role has its own.
     """
     needed = [role for role, wanted in ((POLICY, old_logprobs is None), (REFERENCE, with_reference),
                                         (VALUE, with_values)) if wanted]
@@ -320,7 +320,7 @@ def score_passes(
     for start in range(0, input_ids.shape[0], forward_batch_size):
         ids = input_ids[start : start + forward_batch_size]
         mask = attention_mask[start : start + forward_batch_size]
-        if together and len(needed) > 1:
+        if together and len(needed) > 1 and roles.mixed_batches[False]:
             for role, hidden in zip(needed, roles.hidden_states_as_roles(ids, mask, needed)):
                 read(role, hidden, ids)
         else:

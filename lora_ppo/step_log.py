@@ -24,9 +24,11 @@ HISTORY = 16  # steps of metrics the alarms look back over
 class StepLog:
     """The log of one run's steps, from `open` (after the run folder is ready) to `close`."""
 
-    def __init__(self, recipe: Recipe, run: RunDir, progress: bool, side_metrics: tuple[str, ...]):
+    def __init__(self, recipe: Recipe, run: RunDir, progress: bool, side_metrics: tuple[str, ...],
+                 logprob_tolerance: float):
         self.recipe, self.run, self.progress = recipe, run, progress
-        self.settings = AlarmSettings(recipe.rollout.max_new_tokens, recipe.ppo.target_kl, side_metrics)
+        self.settings = AlarmSettings(recipe.rollout.max_new_tokens, recipe.ppo.target_kl, side_metrics,
+                                      logprob_tolerance)
         self.history: list[dict] = []
         self.trackers: Optional[Trackers] = None
         self.bar = None

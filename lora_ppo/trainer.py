@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from lora_ppo import checkpoint, ppo_math
+from lora_ppo.alarms import LOGPROB_TOLERANCE, first_step_logprob_error
 from lora_ppo.config import Recipe, recipe_to_yaml
 from lora_ppo.data import PromptStream, count_summary
 from lora_ppo.distributed import World, join_world
@@ -21,6 +22,7 @@ from lora_ppo.memory import PhasePeaks, run_peak_gb
 from lora_ppo.metrics import step_metrics
 from lora_ppo.model import dequantized_once
 from lora_ppo.parts import build, evaluate_policy
+from lora_ppo.quantization import compute_dtype
 from lora_ppo.roles import POLICY, REWARD, VALUE, RoleModel
 from lora_ppo.rollout import Rollout, collect_rollout, gather_rollout, row_seeds
 from lora_ppo.run_dir import write_jsonl
@@ -72,7 +74,10 @@ class PPOTrainer:
             recipe.model.gradient_checkpointing, recipe.ppo.update_roles_together,
         )
         self.state = TrainState(kl_coef=recipe.ppo.kl_coef)
-        self.step_log = StepLog(recipe, self.run, self.progress, tuple(self.parts.rewards.side))
+        self.logprob_tolerance = LOGPROB_TOLERANCE[str(compute_dtype(recipe.model)).removeprefix("torch.")]
+        self.logprobs_checked = False  # the first step this process runs stops the run on a failed self-check
+        self.step_log = StepLog(recipe, self.run, self.progress, tuple(self.parts.rewards.side),
+                                self.logprob_tolerance)
         if self.resume_from is not None:
             self.state = checkpoint.load(self.resume_from, self._trainables(), TrainState, self.world)
             log.info("resuming from %s (step %d)", self.resume_from, self.state.step)
@@ -252,6 +257,11 @@ class PPOTrainer:
             self.step_log.record(state, metrics, rollout)
         else:
             state.last_metrics = metrics
+        if not self.logprobs_checked:
+            self.logprobs_checked = True
+            error = first_step_logprob_error(metrics, self.logprob_tolerance)
+            if error is not None:
+                raise TrainingHalted(f"step {state.step}: {error}")
         if state.consecutive_skips >= r.train.max_consecutive_skips:
             # Skipped updates left the adapters and optimizer moments at the last good update.
             folder = self.save_checkpoint()

@@ -97,6 +97,10 @@ class UpdateStats:
     value_grad_norm: Optional[float] = None
     skipped_minibatch_frac: Optional[float] = None  # ppo.ratio_threshold: share skipped / scaled
     scaled_minibatch_frac: Optional[float] = None
+    # The logprob self-check: |new - old| logprobs on the first minibatch, before any optimizer
+    # step, where both come from the same weights and must agree up to rounding.
+    logprob_max_diff: Optional[float] = None
+    logprob_mean_diff: Optional[float] = None
 
     def as_metrics(self) -> dict[str, float]:
         """The grouped metric names of metrics.jsonl; quantities that do not exist are left out."""
@@ -109,6 +113,7 @@ class UpdateStats:
             "policy/grad_norm": self.policy_grad_norm, "value/grad_norm": self.value_grad_norm,
             "policy/skipped_minibatch_frac": self.skipped_minibatch_frac,
             "policy/scaled_minibatch_frac": self.scaled_minibatch_frac,
+            "check/logprob_max_diff": self.logprob_max_diff, "check/logprob_mean_diff": self.logprob_mean_diff,
         }
         return {key: value for key, value in named.items() if value is not None}
 
@@ -136,6 +141,31 @@ class _TokenWeightedMeans:
         totals = world.sum(torch.tensor([self.sums[k] for k in keys] + [self.weight], dtype=torch.float64,
                                         device=world.device)).tolist()
         return _TokenWeightedMeans(dict(zip(keys, totals[:-1])), totals[-1])
+
+
+@dataclass
+class LogprobCheck:
+    """|new - old| logprobs over the real tokens of the update's first minibatch: the policy the
+    update computes must be the one that sampled (same weights, ratio 1). A wrong logit transform,
+    dropout, or a scoring pass that differs from the update's forward shows here at step 1."""
+
+    max_diff: float = 0.0
+    diff_sum: float = 0.0
+    tokens: float = 0.0
+
+    def add(self, new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+        diff = (new_logprobs.detach() - old_logprobs).abs()[mask]  # [real tokens]
+        if diff.numel():
+            self.max_diff = max(self.max_diff, float(diff.max()))
+            self.diff_sum += float(diff.sum())
+            self.tokens += diff.numel()
+
+    def over(self, world: World) -> tuple[float, float]:
+        """(max, mean) over every process's share."""
+        if world.size == 1:
+            return self.max_diff, self.diff_sum / max(self.tokens, 1.0)
+        shares = world.gather((self.max_diff, self.diff_sum, self.tokens))
+        return max(m for m, _, _ in shares), sum(s for _, s, _ in shares) / max(sum(t for _, _, t in shares), 1.0)
 
 
 @dataclass(frozen=True)
@@ -169,6 +199,7 @@ def ppo_update(
     """
     batch = rollout.response_ids.shape[0]
     means = _TokenWeightedMeans()
+    check = LogprobCheck()
     nonfinite: list[str] = []
     minibatches = skipped = scaled = 0
     norms = (torch.zeros(()), torch.zeros(()))
@@ -177,7 +208,8 @@ def ppo_update(
             order = torch.randperm(batch, generator=generator).to(rollout.response_ids.device)
             for rows in order.split(settings.minibatch_size):
                 optimizer.zero_grad(set_to_none=True)
-                mean_ratio, bad = minibatch_backward(roles, rollout, adv, rows, cfg, settings, kl_coef, means, world)
+                mean_ratio, bad = minibatch_backward(roles, rollout, adv, rows, cfg, settings, kl_coef, means, world,
+                                                     check if minibatches == 0 else None)
                 world.sum_gradients(roles.policy_parameters() + roles.value_parameters())
                 minibatches += 1
                 action = ratio_threshold_action(cfg, mean_ratio)
@@ -187,6 +219,7 @@ def ppo_update(
                 if bad is not None:
                     nonfinite.append(bad)
     means = means.summed_over(world)
+    logprob_max_diff, logprob_mean_diff = check.over(world)
     with_critic = adv.returns is not None
     with_ratio_threshold = cfg.ratio_threshold is not None
     return UpdateStats(
@@ -199,6 +232,7 @@ def ppo_update(
         policy_grad_norm=float(norms[0]), value_grad_norm=float(norms[1]) if with_critic else None,
         skipped_minibatch_frac=skipped / max(1, minibatches) if with_ratio_threshold else None,
         scaled_minibatch_frac=scaled / max(1, minibatches) if with_ratio_threshold else None,
+        logprob_max_diff=logprob_max_diff, logprob_mean_diff=logprob_mean_diff,
     )
 
 
@@ -212,9 +246,11 @@ def minibatch_backward(
     kl_coef: float,
     means: _TokenWeightedMeans,
     world: World = World(),
+    check: Optional[LogprobCheck] = None,
 ) -> tuple[float, Optional[str]]:
     """Accumulate one minibatch's policy and value gradients, a micro-batch at a time; with
-    several processes, this one's share of the minibatch's rows.
+    several processes, this one's share of the minibatch's rows. `check`: the logprob self-check
+    to add this minibatch's |new - old| logprobs to (the first minibatch of an update).
 
     Returns the minibatch's token-weighted mean ratio and the first non-finite loss (or None),
     both over every process.
@@ -231,9 +267,9 @@ def minibatch_backward(
         # Loss parts are shares of the minibatch loss; logged per token they are scaled back up.
         share = n_tokens / float(token_count) if cfg.loss_aggregation == "token" else len(idx) / len(rows)
         share = max(share, 1e-12)
-        part = _MicroBatch(roles, rollout, adv, idx, cfg, settings, kl_coef, normalizer, share)
+        part = _MicroBatch(roles, rollout, adv, idx, cfg, settings, kl_coef, normalizer, share, check)
 
-        if with_critic and settings.roles_together:
+        if with_critic and settings.roles_together and roles.mixed_batches[True]:
             # One forward and one backward for both trainable roles: each base weight read once.
             with roles.rows_as_roles((POLICY, VALUE), len(idx)):
                 policy_hidden, value_hidden = roles.stacked_hidden_states(ids, am, 2)
@@ -264,9 +300,11 @@ class _MicroBatch:
     """One micro-batch's losses from its roles' hidden states, and the stats they log."""
 
     def __init__(self, roles: RoleModel, rollout: Rollout, adv: Advantages, idx: torch.Tensor, cfg: PPOConfig,
-                 settings: UpdateSettings, kl_coef: float, normalizer, share: float):
+                 settings: UpdateSettings, kl_coef: float, normalizer, share: float,
+                 check: Optional[LogprobCheck] = None):
         self.roles, self.rollout, self.adv, self.idx, self.cfg = roles, rollout, adv, idx, cfg
         self.settings, self.kl_coef, self.normalizer, self.share = settings, kl_coef, normalizer, share
+        self.check = check
         self.mask = rollout.response_mask[idx]
         self.stats: dict[str, float] = {}
 
@@ -275,6 +313,8 @@ class _MicroBatch:
         cfg, m, idx = self.cfg, self.mask, self.idx
         new_logprobs, entropy = self.roles.logprobs_from_hidden(
             hidden, self.rollout.input_ids[idx], self.rollout.response_start, self.settings.temperature)
+        if self.check is not None:
+            self.check.add(new_logprobs, self.rollout.old_logprobs[idx], m)
         pg_loss, pg_stats = ppo_math.policy_loss(
             new_logprobs, self.rollout.old_logprobs[idx], self.adv.advantages[idx], m, cfg.clip_eps,
             self.normalizer, cfg.dual_clip, cfg.loss_aggregation,

@@ -1,0 +1,75 @@
+"""What a loaded model needs besides its weights, found once at load time: the final logit
+transform its forward applies (checked against that forward on a probe), and its fused MoE
+expert weights, which bitsandbytes leaves unquantized."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+from torch import nn
+
+from lora_ppo.errors import RecipeError
+from lora_ppo.logprobs import LogitTransform
+
+log = logging.getLogger(__name__)
+
+# Largest |logprob difference| between lora_ppo's logit path and the model's own forward on the
+# probe. Both read the same LM head output, so in float32 they differ by rounding (about 1e-6); a
+# model computing in bf16/fp16 applies its transform in that format (a soft-cap of 30 rounds by up
+# to ~0.1), while a missed transform is off by nats.
+LOGIT_PATH_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.25}
+PROBE_LENGTH = 16
+
+
+def logit_transform_of(config) -> LogitTransform:
+    """The transform a model's forward applies to its LM head's logits, from its config:
+    Granite's `logits_scaling` (divides), Cohere's `logit_scale` (multiplies), Gemma's
+    `final_logit_softcapping`."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = float(getattr(text, "logit_scale", None) or 1.0) / float(getattr(text, "logits_scaling", None) or 1.0)
+    softcap = getattr(text, "final_logit_softcapping", None)
+    return LogitTransform(scale=scale, softcap=float(softcap) if softcap else None)
+
+
+def probe_ids(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """A fixed probe sequence spread over the vocabulary, [1, PROBE_LENGTH]."""
+    return (torch.arange(1, PROBE_LENGTH + 1, device=device) * 7919 % vocab_size).unsqueeze(0)
+
+
+def logit_path_error(model_logits: Callable[[torch.Tensor], torch.Tensor],
+                     path_logits: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor) -> float:
+    """The largest |log-softmax difference| between the model's own forward and lora_ppo's path
+    (decoder, LM head, transform) on `ids`, over every position and vocabulary entry."""
+    with torch.no_grad():
+        own = torch.log_softmax(model_logits(ids).float(), dim=-1)
+        ours = torch.log_softmax(path_logits(ids).float(), dim=-1)
+    return float((own - ours).abs().max())
+
+
+def check_logit_path(error: float, transform: LogitTransform, dtype: torch.dtype, model_type: str) -> None:
+    """Refuse a model whose distribution lora_ppo cannot reproduce: training it would optimise a
+    different distribution from the one it samples, with no error anywhere."""
+    tolerance = LOGIT_PATH_TOLERANCE.get(dtype, LOGIT_PATH_TOLERANCE[torch.float16])
+    if error > tolerance:
+        raise RecipeError(
+            f"model.name: a {model_type} model's logits do not match lora_ppo's logit path (largest logprob "
+            f"difference {error:.3g} on a probe, limit {tolerance:g}; transform used: {describe(transform)}): its "
+            "forward post-processes logits in a way lora_ppo cannot reproduce, so it is not trained"
+        )
+    if not transform.is_identity:
+        log.info("logit transform: %s (checked against the model's forward: largest logprob difference %.2g)",
+                 describe(transform), error)
+
+
+def describe(transform: LogitTransform) -> str:
+    parts = ([f"x{transform.scale:g}"] if transform.scale != 1.0 else []) + (
+        [f"soft-cap {transform.softcap:g}"] if transform.softcap is not None else [])
+    return ", ".join(parts) or "none"
+
+
+def fused_expert_parameters(model: nn.Module) -> dict[str, int]:
+    """{name: elements} of the model's 3-D weight parameters: transformers 5 stores MoE experts
+    fused that way (not as Linear layers), and bitsandbytes quantizes only Linear layers."""
+    return {name: p.numel() for name, p in model.named_parameters() if p.ndim == 3}

@@ -1,0 +1,134 @@
+"""The architecture matrix: every architecture of tests/architectures.py, built tiny and random,
+loaded in real 4-bit through the real loading path, trains one PPO step on the default settings
+with the policy equal to the reference (KL 0, ratio 1: the logit path is the model's own), and
+exports with parity. Then the checks that guard it: a dropped logit transform is refused at load
+time, and when the load-time check is bypassed too, the logprob self-check stops the first step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.architectures import ARCHITECTURES, build_model
+from tests.conftest import build_tiny_tokenizer, tiny_recipe_dict
+
+# Step 1's KL and ratio are exact up to float32 rounding when the policy equals the reference.
+STEP_ONE_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="session")
+def arch_dir(tmp_path_factory):
+    """arch_dir(name): a folder with a tiny random model of that architecture and a tokenizer."""
+    root = tmp_path_factory.mktemp("architectures")
+
+    def make(name: str) -> Path:
+        folder = root / name
+        if not folder.exists():
+            folder.mkdir()
+            tokenizer = build_tiny_tokenizer(folder)
+            build_model(name, folder, len(tokenizer))
+        return folder
+
+    return make
+
+
+def train_one_step(model_dir: Path, out: Path, **sections) -> list[dict]:
+    from lora_ppo.config import Recipe
+    from lora_ppo.trainer import PPOTrainer
+
+    recipe = tiny_recipe_dict(model_dir, out, train={"steps": 1, "eval": False}, **sections)
+    PPOTrainer(Recipe(**recipe), progress=False).train()
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_one_step_with_policy_equal_to_reference_then_export_with_parity(name, arch_dir, tmp_path):
+    from lora_ppo.export import merge_and_export
+
+    run = tmp_path / "run"
+    # Old logprobs come from generation (the model's own forward, float32 here): the reference
+    # and the update recompute them through lora_ppo's logit path, so both agree only if that
+    # path is the model's distribution.
+    step = train_one_step(arch_dir(name), run)[0]
+    assert abs(step["objective/kl"]) < STEP_ONE_TOLERANCE, step["objective/kl"]
+    assert step["check/logprob_max_diff"] < STEP_ONE_TOLERANCE, step["check/logprob_max_diff"]
+    assert step["alarm/logprob_mismatch"] == 0.0
+
+    report = merge_and_export(run, tmp_path / "export")
+    assert report.parity is not None and report.parity.passed, report.parity.format()
+    assert (tmp_path / "export" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("name", ["gemma2", "granite", "cohere"])
+def test_a_model_whose_logit_transform_is_missed_is_refused_at_load(name, arch_dir, monkeypatch):
+    from lora_ppo import roles as roles_module
+    from lora_ppo.config import AdaptersConfig, ModelConfig
+    from lora_ppo.errors import RecipeError
+    from lora_ppo.logprobs import IDENTITY
+    from lora_ppo.model import load_base_model
+
+    monkeypatch.setattr(roles_module, "logit_transform_of", lambda config: IDENTITY)
+    with pytest.raises(RecipeError, match=f"model.name: a {name} model's logits do not match"):
+        roles_module.RoleModel(load_base_model(ModelConfig(name=str(arch_dir(name)))), AdaptersConfig())
+
+
+@pytest.mark.parametrize("name", ["gemma2", "granite"])
+def test_the_self_check_stops_the_first_step_when_the_transform_is_dropped(name, arch_dir, tmp_path, monkeypatch):
+    from lora_ppo import roles as roles_module
+    from lora_ppo.logprobs import IDENTITY
+    from lora_ppo.trainer import TrainingHalted
+
+    # Both load-time guards off: only the update's own comparison with the rollout is left.
+    monkeypatch.setattr(roles_module, "logit_transform_of", lambda config: IDENTITY)
+    monkeypatch.setattr(roles_module, "check_logit_path", lambda *args: None)
+    with pytest.raises(TrainingHalted, match="logprob self-check failed at the first step") as raised:
+        train_one_step(arch_dir(name), tmp_path / "run")
+    assert "\n" not in str(raised.value)
+
+
+def test_mixed_adapter_batches_fall_back_where_peft_refuses_them(arch_dir):
+    """OPT flattens [B, T, H] before its MLP: PEFT refuses per-row adapters there, so scoring
+    runs one pass per role, with the same numbers as the mixed pass gives elsewhere."""
+    from lora_ppo.config import AdaptersConfig, ModelConfig
+    from lora_ppo.model import load_base_model
+    from lora_ppo.roles import POLICY, REFERENCE, VALUE, RoleModel
+    from lora_ppo.rollout import score_passes
+
+    roles = RoleModel(load_base_model(ModelConfig(name=str(arch_dir("opt")))), AdaptersConfig())
+    assert roles.mixed_batches == {False: False, True: False}
+    ids = torch.randint(3, 300, (3, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    together = score_passes(roles, ids, mask, 4, 1.0, 2, together=True)
+    apart = score_passes(roles, ids, mask, 4, 1.0, 2, together=False)
+    for a, b in zip(together, apart):
+        assert torch.equal(a, b)
+    # A forward after the refused probe is an ordinary one (PEFT's hooks were not left behind).
+    with roles.as_role(POLICY), torch.no_grad():
+        assert roles.hidden_states(ids, mask).shape == (3, 10, roles.hidden_size)
+    assert REFERENCE and VALUE  # the roles the probe tried
+
+
+def test_moe_experts_stay_out_of_all_linear_and_train_when_named(arch_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from lora_ppo.config import AdaptersConfig, ModelConfig
+    from lora_ppo.model import load_base_model
+    from lora_ppo.roles import RoleModel
+
+    folder = arch_dir("qwen3_moe")
+    roles = RoleModel(load_base_model(ModelConfig(name=str(folder))), AdaptersConfig())
+    adapted = {n for n, _ in roles.peft.named_parameters() if "lora_" in n}
+    assert adapted and not any("experts" in n or "mlp.gate" in n for n in adapted)
+
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    lora = {"r": 4, "alpha": 8, "target_parameters": experts}
+    steps = train_one_step(folder, tmp_path / "run", adapters={"policy": lora, "value": lora})
+    assert abs(steps[0]["objective/kl"]) < STEP_ONE_TOLERANCE
+    assert steps[0]["check/logprob_max_diff"] < STEP_ONE_TOLERANCE
+    saved = load_file(str(tmp_path / "run" / "final" / "policy" / "adapter_model.safetensors"))
+    expert_b = [t for n, t in saved.items() if "experts" in n and "lora_B" in n]
+    assert expert_b and any(t.abs().sum() > 0 for t in expert_b)  # LoRA B starts at 0: it trained
