@@ -5,7 +5,6 @@ refused unless the change is harmless; saved state is only ever loaded with weig
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import signal
@@ -57,19 +56,41 @@ def reference_run(tmp_path_factory, tiny_model_dir) -> Path:
     return root / "run"
 
 
+# Loaded into the training subprocess through PYTHONPATH: at the start of step 3 (after step 2's
+# checkpoint) the run writes a marker and waits to be killed, so the kill lands in step 3 however
+# slow the machine is.
+HOLD_IN_STEP_3 = """
+import os, pathlib, time
+from lora_ppo import trainer
+_train_step = trainer.PPOTrainer.train_step
+def _held(self):
+    if self.state.step == 2:
+        pathlib.Path(os.environ["LORA_PPO_TEST_MARKER"]).write_text("in step 3")
+        while True:
+            time.sleep(1)
+    return _train_step(self)
+trainer.PPOTrainer.train_step = _held
+"""
+
+
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, tiny_model_dir, reference_run):
     recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run")
-    run = tmp_path / "run"
-    proc = subprocess.Popen(_train_cmd(recipe), env=ENV, cwd=REPO, stdout=subprocess.DEVNULL,
+    run, hook, marker = tmp_path / "run", tmp_path / "hook", tmp_path / "in-step-3"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOLD_IN_STEP_3, encoding="utf-8")
+    env = {**ENV, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}", "LORA_PPO_TEST_MARKER": str(marker)}
+    proc = subprocess.Popen(_train_cmd(recipe), env=env, cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        manifest = run / "checkpoints" / "step-2" / MANIFEST_FILE
-        deadline = time.monotonic() + 240
-        while not manifest.exists():
-            assert proc.poll() is None, "the run ended before its 2nd checkpoint"
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        time.sleep(random.uniform(0.0, 0.3))  # somewhere in step 3
+        proc_ended, deadline = None, time.monotonic() + 300  # a hung run fails instead of hanging the suite
+        while not marker.exists() and proc_ended is None:
+            assert time.monotonic() < deadline, "no marker from step 3 in 300 s"
+            try:
+                proc_ended = proc.wait(timeout=0.05)
+            except subprocess.TimeoutExpired:
+                pass
+        assert proc_ended is None, "the run ended before step 3"
+        assert (run / "checkpoints" / "step-2" / MANIFEST_FILE).exists()
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
