@@ -40,7 +40,7 @@ def test_every_plot_has_content(report):
     metrics = read_jsonl(report.parents[1] / "metrics.jsonl")
     names = {p.name for p in plots_for(metrics)}
     # A PPO run with a critic and a side metric fills every figure.
-    assert names == {"score", "kl", "entropy", "clipping", "value", "length", "time", "memory"}
+    assert names == {"score", "kl", "entropy", "clipping", "selfcheck", "value", "length", "time", "memory"}
     for name in names:
         pixels = _pixels(report.parent / "plots" / f"{name}.png")
         assert pixels.shape[0] > 200 and pixels.shape[1] > 300
