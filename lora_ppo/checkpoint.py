@@ -252,10 +252,9 @@ def _versions() -> dict[str, str]:
 
 
 def _torch_rng_states(generator: torch.Generator) -> dict[str, torch.Tensor]:
-    rng = {"torch": torch.get_rng_state(), "generator": generator.get_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
-    return rng
+    from lora_ppo.devices import device_rng_states
+
+    return {"torch": torch.get_rng_state(), "generator": generator.get_state(), **device_rng_states()}
 
 
 def _python_rng_state() -> list:
@@ -279,5 +278,6 @@ def _restore_rng(state: dict, tensors: dict, generator: torch.Generator) -> None
     np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     torch.set_rng_state(tensors["torch"])
     generator.set_state(tensors["generator"])
-    if torch.cuda.is_available() and "cuda" in tensors:
-        torch.cuda.set_rng_state_all(list(tensors["cuda"]))
+    from lora_ppo.devices import restore_device_rng_states
+
+    restore_device_rng_states(tensors)

@@ -18,9 +18,12 @@ from typing import Any, Iterable, Optional, Sequence, TypeVar
 
 import torch
 
+from lora_ppo.devices import device_type
 from lora_ppo.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 
 T = TypeVar("T")
+# The process-group backends whose collectives run on a GPU, and that GPU's device type.
+GPU_BACKENDS = {"nccl": "cuda", "xccl": "xpu"}
 
 
 @dataclass(frozen=True)
@@ -82,9 +85,11 @@ class World:
 
     @property
     def device(self) -> torch.device:
-        """Where collectives put their tensors: the process's GPU under NCCL, else the CPU."""
-        if self.size > 1 and torch.distributed.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
+        """Where collectives put their tensors: the process's GPU under NCCL (CUDA) or XCCL (XPU),
+        else the CPU (gloo)."""
+        kind = GPU_BACKENDS.get(torch.distributed.get_backend()) if self.size > 1 else None
+        if kind is not None:
+            return torch.device(kind, getattr(torch, kind).current_device())
         return torch.device("cpu")
 
 
@@ -100,7 +105,8 @@ def join_world() -> World:
         return World()
     from accelerate import PartialState
 
-    state = PartialState(cpu=not torch.cuda.is_available())
+    # MPS has no multi-process backend (docs/devices.md: one process there): gloo on the CPU.
+    state = PartialState(cpu=device_type() not in GPU_BACKENDS.values())
     return World(rank=state.process_index, size=state.num_processes)
 
 

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from lora_ppo.data import PromptRow
+from lora_ppo.devices import fork_rng_args
 from lora_ppo.rewards import RewardBatch, RewardSources
 from lora_ppo.rollout import Sampler, score_passes
 
@@ -65,7 +66,7 @@ def evaluate(
     names = [s.name for s in rewards.sources] if len(rewards.sources) > 1 else []
     columns: dict[str, list[float]] = {"score": [], **{name: [] for name in [*names, *rewards.side]}}
     lengths, kls, records, token_ids = [], [], [], []
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(**fork_rng_args(device)):
         torch.manual_seed(seed)
         for start in range(0, len(rows), sampler.cfg.batch_size):
             batch = rows[start : start + sampler.cfg.batch_size]

@@ -152,9 +152,10 @@ def _merge(peft_model):
 
 
 def _release() -> None:
+    from lora_ppo.devices import empty_cache
+
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    empty_cache()
 
 
 def _merged_model(recipe, adapter_dir: Path, base: str, prompts: list[torch.Tensor], verify: bool):
@@ -329,13 +330,12 @@ def _check_written(folder: Path, recipe, prompts: list[torch.Tensor], refs: list
     """Load the exported model and tokenizer from `folder` and compare them with the reference."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lora_ppo.quantization import device
+    from lora_ppo.devices import device_map
 
     log.info("parity check on %d probe prompts", len(prompts))
-    dev = device()
     trust = recipe.model.trust_remote_code
     exported = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=DTYPES[dtype], device_map={"": dev.index if dev.type == "cuda" else "cpu"},
+        str(folder), dtype=DTYPES[dtype], device_map=device_map(),
         use_safetensors=True, trust_remote_code=trust,
     )
     exported.eval()

@@ -1,6 +1,8 @@
 """Peak memory per phase (generate, score, update), and handing freed memory back between phases.
 
-On GPU the peak is `torch.cuda.max_memory_allocated` (what the tensors need); on CPU it is the
+On CUDA and XPU the peak is the allocator's `max_memory_allocated` (what the tensors need); MPS
+keeps no peak, so there it is what the Metal driver holds at the phase's end (freed blocks stay
+in its cache until `release_memory`, so that approximates the phase's peak); on CPU it is the
 process's peak resident set (VmHWM), which Linux lets a process reset through
 /proc/self/clear_refs, so each phase gets its own high-water mark.
 """
@@ -10,18 +12,23 @@ from __future__ import annotations
 import ctypes
 import gc
 import resource
+import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
+
+from lora_ppo.devices import device_type
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
-def _on_gpu() -> bool:
-    return torch.cuda.is_available()
+def _accelerator() -> Optional[str]:
+    """"cuda", "xpu" or "mps": the accelerator lora_ppo runs on; None on CPU."""
+    kind = device_type()
+    return None if kind == "cpu" else kind
 
 
 def resident_bytes(field: str = "VmRSS") -> int:
@@ -44,13 +51,14 @@ def _reset_cpu_peak() -> bool:
 
 
 def release_memory() -> None:
-    """Give freed memory back before the next phase: the CUDA cache on GPU, glibc's free lists
-    on CPU (without it a phase's peak would include the previous phase's freed blocks)."""
+    """Give freed memory back before the next phase: the allocator's cache on a GPU, glibc's free
+    lists on CPU (without it a phase's peak would include the previous phase's freed blocks)."""
     # A step's cyclic garbage is young: collecting generations 0-1 takes well under a millisecond,
     # where a full collection walks every object the libraries hold (bench/README.md, vs_trl.py).
     gc.collect(1)
-    if _on_gpu():
-        torch.cuda.empty_cache()
+    kind = _accelerator()
+    if kind is not None:
+        getattr(torch, kind).empty_cache()
         return
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -64,20 +72,27 @@ _run_peak = 0  # the largest peak seen before any reset: resets erase the proces
 def reset_peak() -> None:
     global _run_peak
     _run_peak = max(_run_peak, peak_bytes())
-    if _on_gpu():
-        torch.cuda.reset_peak_memory_stats()
-    else:
+    kind = _accelerator()
+    if kind in ("cuda", "xpu"):
+        getattr(torch, kind).reset_peak_memory_stats()
+    elif kind is None:  # MPS has no peak to reset: release_memory emptied its cache
         _reset_cpu_peak()
 
 
 def peak_bytes() -> int:
-    """Peak since the last `reset_peak`: GPU allocated bytes, or the CPU process's peak RSS."""
-    if _on_gpu():
-        return torch.cuda.max_memory_allocated()
+    """Peak since the last `reset_peak`: GPU allocated bytes (on MPS what its driver holds now),
+    or the CPU process's peak RSS."""
+    kind = _accelerator()
+    if kind in ("cuda", "xpu"):
+        return getattr(torch, kind).max_memory_allocated()
+    if kind == "mps":
+        return torch.mps.driver_allocated_memory()
     hwm = resident_bytes("VmHWM")
     if hwm:
         return hwm
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux; never reset
+    # Never reset; Linux counts KiB, macOS bytes.
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
 
 
 def run_peak_gb() -> float:

@@ -16,7 +16,9 @@ from lora_ppo.bnb_workarounds import dequantized_4bit_bytes, dequantized_4bit_la
 from lora_ppo.builtin_model import resolve_builtin
 from lora_ppo.config import AUTO_DEQUANTIZE_SHARE, BUILTIN_PREFIX, ModelConfig
 from lora_ppo.errors import RecipeError, first_line
-from lora_ppo.quantization import compute_dtype, device, quantization_config
+from lora_ppo.model_checks import fused_expert_parameters, unconverted_linears
+from lora_ppo.devices import accelerator_module, device, device_map
+from lora_ppo.quantization import compute_dtype, quantization_config
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,7 @@ def load_base_model(cfg: ModelConfig):
             path,
             dtype=dtype,
             quantization_config=quantization_config(cfg),
-            device_map={"": dev.index if dev.type == "cuda" else "cpu"},
+            device_map=device_map(dev),
             trust_remote_code=cfg.trust_remote_code,
             use_safetensors=_has_safetensors(path),
         )
@@ -76,10 +78,28 @@ def load_base_model(cfg: ModelConfig):
         raise _load_error(cfg.name, err) from None
     model.requires_grad_(False)
     model.config.use_cache = True
+    _log_what_stays_unquantized(model, cfg)
     keep_4bit_weights_differentiable(model)
     if dev.type == "cpu":
         _copy_out_of_checkpoint_mapping(model)
     return model
+
+
+def _log_what_stays_unquantized(model: nn.Module, cfg: ModelConfig) -> None:
+    """Say what a quantized load left at the compute dtype besides embeddings, norms and the LM
+    head: an MoE's fused expert weights (transformers 5 stores them as 3-D parameters) and Linear
+    subclasses (Falcon's FalconLinear), since bitsandbytes converts exact nn.Linear layers only."""
+    if cfg.quantization == "none":
+        return
+    dtype = compute_dtype(cfg)
+    for what, found in (("fused MoE expert weights", fused_expert_parameters(model)),
+                        ("linear layers of a Linear subclass", unconverted_linears(model))):
+        if found:
+            elements = sum(found.values())
+            log.warning("model.quantization %s leaves %d %s (%.2fB parameters, %.2f GB) unquantized in %s: "
+                        "bitsandbytes converts exact nn.Linear layers only (docs/models.md)", cfg.quantization,
+                        len(found), what, elements / 1e9, elements * dtype.itemsize / 1e9,
+                        str(dtype).removeprefix("torch."))
 
 
 def _copy_out_of_checkpoint_mapping(model: nn.Module) -> None:
@@ -147,11 +167,15 @@ def _dequantized_copy_fits(model: nn.Module, dtype: torch.dtype) -> bool:
 
 
 def free_memory_bytes(dev: torch.device) -> Optional[int]:
-    """Memory a step could still use: on a GPU what the driver reports free plus what torch's
-    allocator holds unused; on CPU Linux's MemAvailable. None when it cannot be read."""
-    if dev.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(dev)
-        return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    """Memory a step could still use: on a CUDA or XPU GPU what the driver reports free plus what
+    torch's allocator holds unused; on MPS the recommended working set less what tensors hold; on
+    CPU Linux's MemAvailable. None when it cannot be read."""
+    if dev.type in ("cuda", "xpu"):
+        gpu = accelerator_module(dev.type)
+        free, _total = gpu.mem_get_info(dev)
+        return free + gpu.memory_reserved(dev) - gpu.memory_allocated(dev)
+    if dev.type == "mps":
+        return torch.mps.recommended_max_memory() - torch.mps.current_allocated_memory()
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):

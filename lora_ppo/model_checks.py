@@ -69,6 +69,19 @@ def describe(transform: LogitTransform) -> str:
     return ", ".join(parts) or "none"
 
 
+def unconverted_linears(model: nn.Module) -> dict[str, int]:
+    """{name: weight elements} of the Linear layers a quantized load left at full precision besides
+    the LM head: bitsandbytes converts exact nn.Linear modules only, not subclasses such as
+    Falcon's FalconLinear."""
+    import bitsandbytes as bnb
+
+    head = model.get_output_embeddings()
+    quantized = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+    return {name: m.weight.numel() for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and not isinstance(m, quantized) and m is not head
+            and type(m) is not nn.Linear}
+
+
 def fused_expert_parameters(model: nn.Module) -> dict[str, int]:
     """{name: elements} of the model's 3-D weight parameters: transformers 5 stores MoE experts
     fused that way (not as Linear layers), and bitsandbytes quantizes only Linear layers."""

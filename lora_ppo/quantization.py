@@ -1,37 +1,59 @@
-"""The machine and the number formats of a model: the device, the compute dtype a recipe's rule
-gives here, and the bitsandbytes quantization config. Used for the policy's base model and for a
+"""The number formats of a model: the compute dtype a recipe's rule gives on this machine's
+device, and the bitsandbytes quantization config. Used for the policy's base model and for a
 classifier reward model alike."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from lora_ppo.config import ModelConfig
+from lora_ppo.devices import bf16_supported, device_type
 
 
 def compute_dtype(cfg: ModelConfig) -> torch.dtype:
     """The dtype for computation and for the unquantized parts (norms, embeddings, heads), by
-    the recipe's rule for this machine (`ModelConfig.compute_dtype_name`)."""
-    on_gpu = torch.cuda.is_available()
-    name = cfg.compute_dtype_name("cuda" if on_gpu else "cpu", on_gpu and torch.cuda.is_bf16_supported())
-    return getattr(torch, name)
+    the recipe's rule for this machine (`ModelConfig.compute_dtype_name`): `auto` is float32 on
+    CPU; on every accelerator bfloat16 where it computes in it, else float16."""
+    kind = device_type()
+    # The recipe's rule knows a GPU and a CPU; XPU and MPS follow the GPU rule.
+    rule_device = "cpu" if kind == "cpu" else "cuda"
+    return getattr(torch, cfg.compute_dtype_name(rule_device, bf16_supported(kind)))
 
 
-def device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def modules_kept_unquantized(model: torch.nn.Module) -> list[str]:
+    """The module names a quantized load of `model` (built on the meta device) keeps in compute
+    dtype: what transformers keeps by default (the module of the last weight, tied and output
+    embeddings) and every top-level module with weights outside the base model (a classifier's
+    head: `score`, `classifier`, DeBERTa's `pooler`)."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    # Giving `llm_int8_skip_modules` replaces transformers' default list, so it is kept here too.
+    kept = set(get_keys_to_not_convert(model))
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if isinstance(base, torch.nn.Module) and base is not model:
+        kept |= {name for name, child in model.named_children()
+                 if child is not base and next(child.parameters(), None) is not None}
+    return sorted(kept)
 
 
-def quantization_config(cfg: ModelConfig):
-    """The BitsAndBytesConfig for the recipe, or None for an unquantized base."""
+def quantization_config(cfg: ModelConfig, keep_unquantized: Sequence[str] = ()):
+    """The BitsAndBytesConfig for the recipe, or None for an unquantized base. `keep_unquantized`:
+    module names to load in compute dtype instead of transformers' default choice (see
+    `modules_kept_unquantized`)."""
     from transformers import BitsAndBytesConfig
 
+    # bitsandbytes' name, for 4-bit too; None keeps transformers' default.
+    skip = {"llm_int8_skip_modules": list(keep_unquantized)} if keep_unquantized else {}
     if cfg.quantization == "4bit":
         return BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
             bnb_4bit_use_double_quant=cfg.double_quant,
             bnb_4bit_compute_dtype=compute_dtype(cfg),
+            **skip,
         )
     if cfg.quantization == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, **skip)
     return None

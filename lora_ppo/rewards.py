@@ -23,7 +23,8 @@ import torch
 from lora_ppo.bnb_workarounds import eval_on_training_kernel
 from lora_ppo.config import VERIFIABLE_KINDS, ModelConfig, RewardConfig, RewardSourceConfig
 from lora_ppo.errors import RecipeError, first_line
-from lora_ppo.quantization import compute_dtype, device, quantization_config
+from lora_ppo.devices import device_map
+from lora_ppo.quantization import compute_dtype, modules_kept_unquantized, quantization_config
 from lora_ppo.verifiable import answers_match, normalise_text, states_answer_in_format
 
 RewardFn = Callable[..., Sequence[float]]
@@ -130,6 +131,18 @@ def import_function(spec: str) -> RewardFn:
     return fn
 
 
+def classifier_head_modules(name: str, trust_remote_code: bool = False) -> list[str]:
+    """The modules of the sequence classifier `name` that stay unquantized: its head (every
+    top-level module outside the base model) and transformers' default. Reads only the config:
+    the model is built on the meta device."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code)
+    return modules_kept_unquantized(model)
+
+
 class ClassifierReward:
     """Score completions with a sequence classifier (a reward model) that has its own tokenizer.
     With a chat template, it scores the conversation (the dataset's prompt as the user turn(s), the
@@ -148,13 +161,15 @@ class ClassifierReward:
             "compute_dtype": cfg.dtype or policy_model.compute_dtype,
             "dequantize_per_step": False,
         })
-        dev = device()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=settings.trust_remote_code)
+            # Left to itself transformers quantizes a head whose last parameter is a bias (DeBERTa's).
+            quantized = settings.quantization != "none"
+            head = classifier_head_modules(cfg.model, settings.trust_remote_code) if quantized else []
             self.model = AutoModelForSequenceClassification.from_pretrained(
                 cfg.model, trust_remote_code=settings.trust_remote_code, use_safetensors=True,
-                dtype=compute_dtype(settings), quantization_config=quantization_config(settings),
-                device_map={"": dev.index if dev.type == "cuda" else "cpu"},
+                dtype=compute_dtype(settings), quantization_config=quantization_config(settings, head),
+                device_map=device_map(),
             )
         except (OSError, ValueError) as err:
             raise RecipeError(f"reward.model: cannot load a sequence classifier from {cfg.model!r}: {first_line(err)}") from None
@@ -165,9 +180,14 @@ class ClassifierReward:
         self.label = num_labels - 1 if cfg.label is None else cfg.label
         if not 0 <= self.label < num_labels:
             raise RecipeError(f"reward.label: {cfg.label} is out of range for a classifier with {num_labels} labels")
-        if self.tokenizer.pad_token_id is None:
+        padded_with_eos = self.tokenizer.pad_token_id is None
+        if padded_with_eos:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        # A decoder classifier scores the last token that is not `pad_token_id`: without one it
+        # refuses batches > 1, and with eos standing in for pad the config's own pad id never shows.
+        for config in {id(c): c for c in (self.model.config, self.model.config.get_text_config())}.values():
+            if padded_with_eos or getattr(config, "pad_token_id", None) is None:
+                config.pad_token_id = self.tokenizer.pad_token_id
         self.tokenizer.truncation_side = "left"  # keep the end: the scored token is the last one
         self.templated = bool(getattr(self.tokenizer, "chat_template", None))
         self.batch_size = cfg.batch_size

@@ -1,17 +1,22 @@
 """`lora-ppo estimate`: the arithmetic on a hand-checked tiny config, how each phase scales with
-the recipe, and the command's output and errors."""
+the recipe, the command's output and errors, and the parameter counts of every architecture it
+knows against the models transformers builds and bitsandbytes quantizes (MoE experts included)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
 from lora_ppo import estimate as est
 from lora_ppo.cli import app
 from lora_ppo.config import recipe_from_dict
+from lora_ppo.errors import RecipeError
+from tests.architectures import ARCHITECTURES, configs
 from tests.conftest import tiny_recipe_dict
 
 runner = CliRunner()
@@ -214,3 +219,193 @@ def test_estimate_refuses_a_batch_that_does_not_split(tiny_model_dir, tmp_path):
     assert "do not split over 3 processes" in result.output
     shared = runner.invoke(app, ["estimate", str(path), "--num-processes", "2"])
     assert shared.exit_code == 0 and "per process of 2" in shared.output and "batch 2," in shared.output
+
+
+# Architectures: every count checked against what transformers builds and bitsandbytes loads.
+
+# Qwen/Qwen3-30B-A3B's config.json (the hub's numbers; no weights needed).
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768, "intermediate_size": 6144, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "vocab_size": 151936, "tie_word_embeddings": False,
+}
+MODEL_CONFIGS = Path(__file__).parents[1] / "bench" / "model_configs"
+BENCH_CONFIGS = sorted(p.parent.name for p in MODEL_CONFIGS.glob("*/config.json"))
+
+
+def _extra_configs() -> dict:
+    """Variants the zoo lacks: shared experts with dense layers between MoE ones, Mixtral's experts,
+    OPT's embedding projections, Falcon's new architecture and sequential norms, biases by flag."""
+    import transformers as tf
+
+    small = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}
+    return {
+        "qwen2_moe": tf.Qwen2MoeConfig(**small, num_key_value_heads=2, intermediate_size=128, num_experts=4,
+                                       num_experts_per_tok=2, moe_intermediate_size=32,
+                                       shared_expert_intermediate_size=48, decoder_sparse_step=2, mlp_only_layers=[3]),
+        "mixtral": tf.MixtralConfig(**small, num_key_value_heads=2, intermediate_size=32, num_local_experts=4,
+                                    num_experts_per_tok=2),
+        "opt_projected": tf.OPTConfig(**small, ffn_dim=256, word_embed_proj_dim=32, max_position_embeddings=256),
+        "falcon_new": tf.FalconConfig(**small, new_decoder_architecture=True, num_kv_heads=2, bias=True),
+        "falcon_sequential": tf.FalconConfig(**small, parallel_attn=False, multi_query=False),
+        "cohere_qk_norm": tf.CohereConfig(**small, num_key_value_heads=2, intermediate_size=128, use_qk_norm=True),
+        "llama_biased": tf.LlamaConfig(**small, num_key_value_heads=2, intermediate_size=128, attention_bias=True,
+                                       mlp_bias=True, tie_word_embeddings=False),
+        "gpt_neox_unbiased": tf.GPTNeoXConfig(**small, intermediate_size=256, attention_bias=False),
+    }
+
+
+def _config(name: str):
+    from transformers import AutoConfig, Qwen3MoeConfig
+
+    if name in ARCHITECTURES:
+        return configs(vocab=320)[name]
+    if name in BENCH_CONFIGS:
+        return AutoConfig.from_pretrained(MODEL_CONFIGS / name)
+    if name == "qwen3-30b-a3b":
+        return Qwen3MoeConfig(**{k: v for k, v in QWEN3_30B_A3B.items() if k != "model_type"})
+    return _extra_configs()[name]
+
+
+def _meta_model(config):
+    """The model transformers builds from `config`, on the meta device (no memory, any size)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+EXTRA = ("qwen2_moe", "mixtral", "opt_projected", "falcon_new", "falcon_sequential", "cohere_qk_norm", "llama_biased",
+         "gpt_neox_unbiased")
+
+
+@pytest.mark.parametrize("name", [*ARCHITECTURES, *EXTRA, *BENCH_CONFIGS, "qwen3-30b-a3b"])
+def test_parameter_count_matches_the_model_transformers_builds(name):
+    """Every architecture the estimate counts, tiny and real-size: its total is the model's own
+    (tied embeddings once), within 5%."""
+    config = _config(name)
+    real = sum(p.numel() for p in _meta_model(config).parameters())
+    assert est.ModelShape.from_config(config).total_params == pytest.approx(real, rel=0.05)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "falcon", "qwen2", "qwen3_moe", "qwen2_moe"])
+def test_quantized_split_matches_a_real_4bit_load(name, tmp_path):
+    """Loaded in real NF4 on CPU: what bitsandbytes made Linear4bit is the estimate's quantized
+    count, and the fused 3-D expert weights stay as they were. GPT-2's Conv1D layers are converted;
+    Falcon's FalconLinear (an nn.Linear subclass) is not, so nothing of Falcon is quantized."""
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = _config(name)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=nf4, device_map="cpu")
+    quantized = sum(m.weight.quant_state.shape.numel() for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
+    experts = sum(p.numel() for p in model.parameters() if p.ndim == 3)
+    shape = est.ModelShape.from_config(config)
+    assert shape.linear_params == quantized
+    assert shape.unquantized_parts().get("moe_experts", 0) == experts
+    assert (quantized == 0) == (name == "falcon") and (experts > 0) == name.endswith("_moe")
+
+
+@pytest.mark.parametrize("name", [*ARCHITECTURES, "qwen2_moe", "opt_projected"])
+def test_lora_parameters_match_peft(name):
+    """`all-linear` LoRA as a run applies it: PEFT's all-linear, or on fused MoE experts the
+    Linear layers' names (docs/models.md); r=4 on the meta-device model."""
+    from peft import LoraConfig, get_peft_model
+
+    config = _config(name)
+    model = _meta_model(config)
+    head = model.get_output_embeddings()
+    targets = "all-linear"
+    if any(p.ndim == 3 for p in model.parameters()):
+        targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                          if isinstance(m, torch.nn.Linear) and m is not head})
+    with torch.device("meta"):
+        peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
+    real = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
+    assert est.ModelShape.from_config(config).lora_params(4, "all-linear") == real
+
+
+def test_lora_on_fused_experts_holds_one_pair_per_expert():
+    """PEFT's target_parameters on Qwen3-MoE's experts: r x E rows for each of gate_up_proj
+    [E, 2I, H] and down_proj [E, H, I], per MoE layer, on top of attention's."""
+    from peft import LoraConfig, get_peft_model
+
+    config = _config("qwen3_moe")  # 2 layers, 4 experts, I = 32, H = 64
+    with torch.device("meta"):
+        peft_model = get_peft_model(_meta_model(config), LoraConfig(
+            r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    real = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
+    shape = est.ModelShape.from_config(config)
+    experts = 2 * 4 * 4 * ((64 + 64) + (64 + 32))
+    assert shape.lora_params(4, "all-linear", ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]) == real
+    assert real - shape.lora_params(4, "all-linear") == experts
+
+
+def test_an_moe_is_not_said_to_fit_when_its_experts_do_not(tmp_path):
+    """Qwen3-30B-A3B in "4-bit": its 29.0B expert parameters stay bf16 (58 GB), so a 24 GB card
+    is far from enough; the answer names the experts and their size."""
+    folder = tmp_path / "qwen3-30b-a3b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    experts = 48 * 128 * (2048 * 2 * 768 + 768 * 2048)
+    recipe = recipe_from_dict({"model": {"name": str(folder), "quantization": "4bit"}})
+    e = est.estimate_recipe(recipe, device="cuda", budget_gb=24)
+    assert not e.fits and e.fitting == {}
+    assert e.weight_parts["moe_experts"] == experts * 2
+    assert e.components["weights"] > experts * 2 > 24e9
+    text = est.format_estimate(e, recipe, "cuda")
+    assert "does NOT fit in 24 GB" in text and f"MoE experts {experts * 2 / 1e9:.2f} GB" in text
+    data = est.as_json(e)
+    assert data["unquantized_params"]["moe_experts"] == experts and data["fits"] is False
+    assert data["quantized_params"] == 48 * (2048 * 4096 * 2 + 2 * 2048 * 512)  # attention only
+    # Activations see the experts a token goes through: 8 of 768 wide.
+    assert e.shape.intermediate == 8 * 768
+
+
+def test_estimate_command_names_what_stays_unquantized(tmp_path):
+    folder = tmp_path / "qwen3-30b-a3b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"model": {"name": str(folder)}}))
+    result = runner.invoke(app, ["estimate", str(recipe), "--gpu-gb", "24"])
+    assert result.exit_code == 1, result.output
+    assert "unquantized (bfloat16): MoE experts 57.98 GB" in result.output
+    assert "bitsandbytes leaves fused MoE expert weights at bfloat16" in result.output
+
+
+def test_an_architecture_it_cannot_count_is_one_line_naming_it(tmp_path):
+    from transformers import BertConfig
+
+    with pytest.raises(RecipeError, match="cannot count the parameters of model type 'bert'"):
+        est.ModelShape.from_config(BertConfig())
+    folder = tmp_path / "t5"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 64}))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"model": {"name": str(folder)}}))
+    result = runner.invoke(app, ["estimate", str(recipe)])
+    assert result.exit_code == 2
+    assert "model type 't5'" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_an_unlisted_dense_rmsnorm_decoder_is_counted_as_llama_and_says_so():
+    from transformers import GemmaConfig
+
+    config = GemmaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    shape = est.ModelShape.from_config(config)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        real = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert shape.approximate and abs(shape.total_params - real) / real < 0.05
+    # An unlisted MoE is never guessed at: its experts could be most of the model.
+    moe = GemmaConfig(**{**config.to_dict(), "num_experts": 8})
+    with pytest.raises(RecipeError, match="model type 'gemma'"):
+        est.ModelShape.from_config(moe)

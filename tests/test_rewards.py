@@ -272,3 +272,92 @@ def test_classifier_loads_in_4bit_like_the_policy(tiny_classifier_dir):
     plain = build_reward(RewardConfig(kind="classifier", model=str(tiny_classifier_dir), quantization="none"),
                          ModelConfig(quantization="4bit"))
     assert not any(isinstance(m, bnb.nn.Linear4bit) for m in plain.model.modules())
+
+
+CLASSIFIER_WORDS = ["[PAD]", "[UNK]", "good", "bad", "film", "a", "the", "great", "awful"]
+
+
+def _save_classifier(folder: Path, model) -> Path:
+    """Save `model` with a word-level tokenizer over CLASSIFIER_WORDS ([PAD] is 0) beside it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(CLASSIFIER_WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(folder)
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_a_classifier_saved_without_pad_token_id_scores_a_batch_as_each_text_alone(tmp_path):
+    """Sequence classifiers find the last real token by `config.pad_token_id`: the tokenizer's
+    pad token fills it in, so a padded batch scores each text as it scores alone."""
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForSequenceClassification,
+    )
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(CLASSIFIER_WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=2)
+    folder = _save_classifier(tmp_path / "rm", LlamaForSequenceClassification(config))
+    model = AutoModelForSequenceClassification.from_pretrained(folder)
+    assert model.config.pad_token_id is None  # the case under test: only the tokenizer knows its pad token
+    fn = build_reward(RewardConfig(kind="classifier", model=str(folder), quantization="none", batch_size=3))
+    texts = ["good", "the film was great", "a bad awful film a"]  # 1, 4 and 5 tokens ("was" is [UNK])
+    scores = score_completions(fn, RewardBatch([""] * 3, texts))
+    tok = AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():  # each text alone: no padding, so no pad token is needed
+        expected = [model(**tok(t, return_tensors="pt")).logits[0, 1].item() for t in texts]
+    assert len({len(tok(t)["input_ids"]) for t in texts}) == 3
+    assert scores == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_classifier_head_ending_in_a_bias_stays_unquantized_in_4bit(tmp_path):
+    """transformers keeps unquantized only the module of the model's last weight; DeBERTa's last
+    parameter is `classifier.bias`, so its head (pooler + classifier) must be named explicitly."""
+    import bitsandbytes as bnb
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    torch.manual_seed(0)
+    config = DebertaV2Config(vocab_size=len(CLASSIFIER_WORDS), hidden_size=32, num_hidden_layers=2,
+                             num_attention_heads=2, intermediate_size=64, num_labels=2, pad_token_id=0)
+    folder = _save_classifier(tmp_path / "deberta", DebertaV2ForSequenceClassification(config))
+    assert list(DebertaV2ForSequenceClassification(config).named_parameters())[-1][0] == "classifier.bias"
+    saved = DebertaV2ForSequenceClassification.from_pretrained(folder)  # fp32, unquantized
+    fn = build_reward(RewardConfig(kind="classifier", model=str(folder)), ModelConfig(quantization="4bit"))
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in fn.model.deberta.modules())  # the encoder is 4-bit
+    for name in ("pooler.dense", "classifier"):
+        head, original = fn.model.get_submodule(name), saved.get_submodule(name)
+        assert type(head) is torch.nn.Linear, f"{name} is {type(head).__name__}"
+        assert torch.equal(head.weight, original.weight) and torch.equal(head.bias, original.bias)
+    texts = ["the film was great", "a bad awful film"]
+    scores = score_completions(fn, RewardBatch([""] * 2, texts))
+    with torch.no_grad():  # the 4-bit encoder's hidden states through the saved fp32 head
+        enc = fn.tokenizer(texts, return_tensors="pt", padding=True)
+        hidden = fn.model.deberta(**enc).last_hidden_state
+        expected = saved.classifier(saved.pooler(hidden))[:, 1].tolist()
+    assert scores == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("arch, expected_head", [
+    ("llama", {"score"}),
+    ("roberta", {"classifier"}),  # dense + out_proj, ending in out_proj.bias
+    ("deberta-v2", {"pooler", "classifier"}),
+])
+def test_the_head_is_every_top_level_module_outside_the_base_model(arch, expected_head):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from lora_ppo.quantization import modules_kept_unquantized
+
+    config = AutoConfig.for_model(arch, vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_labels=2)
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    kept = set(modules_kept_unquantized(model))
+    assert expected_head <= kept
+    # Nothing of the base model beyond what transformers keeps by default (here: nothing).
+    base = model.base_model_prefix
+    assert not any(name == base or name.startswith(base + ".") for name in kept)
