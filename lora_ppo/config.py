@@ -326,9 +326,11 @@ class DataConfig(Section):
     """Longer prompts (counted after the chat template) are dropped and counted, so prompt length stays within
     what the memory plan assumed.
     """
-    eval_source: Optional[str] = "builtin:movie_review_openers_heldout"
+    eval_source: Optional[str] = "auto"
     """Held-out prompts, in any form `source` takes; null: `eval_size` prompts are split off `source` instead
-    (seeded). The default is the builtin training set's held-out companion.
+    (seeded, said in the log). `auto`: a builtin set's held-out companion
+    (`builtin:movie_review_openers_heldout` for the default source), else the split off `source`, so a
+    run on your data is never evaluated on another set.
     """
     eval_split: str = "train"
     """The split of `eval_source` (slices allowed, as for `split`)."""

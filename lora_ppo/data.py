@@ -234,17 +234,30 @@ def prepare_rows(rows: list[dict], prompt_column: str, fmt: PromptFormat, max_pr
 # ---- the recipe's prompt sets -----------------------------------------------------------------
 
 
+# `data.eval_source: auto` for a builtin training set: the held-out set shipped beside it.
+HELD_OUT_COMPANIONS = {"builtin:movie_review_openers": "builtin:movie_review_openers_heldout"}
+
+
+def resolved_eval_source(cfg: DataConfig) -> Optional[str]:
+    """Where held-out prompts come from: `eval_source`, with `auto` read as the builtin source's
+    held-out companion, or None (split off the training source)."""
+    if cfg.eval_source == "auto":
+        return HELD_OUT_COMPANIONS.get(cfg.source)
+    return cfg.eval_source
+
+
 def load_prompt_sets(cfg: DataConfig, tokenizer, seed: int) -> tuple[PromptSet, PromptSet]:
     """(train, held-out) prompt sets for a recipe's data section."""
     fmt = PromptFormat(tokenizer, cfg.chat_template, cfg.system_prompt)
     rows, _ = load_rows(cfg.source, cfg.split, cfg.name, cfg.revision)
     train = prepare_rows(rows, cfg.prompt_column, fmt, cfg.max_prompt_tokens, cfg.source)
-    if cfg.eval_source:
-        same = cfg.eval_source == cfg.source
+    eval_source = resolved_eval_source(cfg)
+    if eval_source:
+        same = eval_source == cfg.source
         eval_name = cfg.eval_name if cfg.eval_name is not None else (cfg.name if same else None)
-        eval_rows, _ = load_rows(cfg.eval_source, cfg.eval_split, eval_name, cfg.revision if same else None,
+        eval_rows, _ = load_rows(eval_source, cfg.eval_split, eval_name, cfg.revision if same else None,
                                  "data.eval_source")
-        held_out = prepare_rows(eval_rows, cfg.prompt_column, fmt, cfg.max_prompt_tokens, cfg.eval_source)
+        held_out = prepare_rows(eval_rows, cfg.prompt_column, fmt, cfg.max_prompt_tokens, eval_source)
         held_out.rows = held_out.rows[: cfg.eval_size]
     else:
         # Split the held-out prompts off the training set with the run's seed, before training.
@@ -254,6 +267,9 @@ def load_prompt_sets(cfg: DataConfig, tokenizer, seed: int) -> tuple[PromptSet, 
         held_idx = set(order[:cut])
         held_out = PromptSet([r for i, r in enumerate(train.rows) if i in held_idx], columns=train.columns)
         train.rows = [r for i, r in enumerate(train.rows) if i not in held_idx]
+        if cut:
+            log.info("held-out prompts: %d of %s's %d usable rows, split off with seed %d before training "
+                     "(data.eval_source names a set of its own)", cut, cfg.source, len(order), seed)
     if not train.rows:
         raise RecipeError(f"data.source: no usable prompts in {cfg.source!r} ({_no_rows_reason(train, fmt, cfg)})")
     return train, held_out

@@ -273,3 +273,25 @@ def test_no_usable_rows_refuses_to_start_in_one_line(tmp_path, tiny_model_dir):
         f"error: data.source: no usable prompts in {str(source)!r} (1 not_text, 1 empty, 1 too_long)"
     ]
     assert not (tmp_path / "run").exists()
+
+
+def test_held_out_prompts_of_a_users_file_come_from_that_file(tmp_path, tiny_tokenizer, caplog):
+    """`data.eval_source` left at its default: a user's dataset is split (seeded, logged), never
+    evaluated on the quickstart's movie openers; the builtin source keeps its shipped companion."""
+    import json
+    import logging
+
+    source = tmp_path / "support.jsonl"
+    source.write_text("".join(json.dumps({"prompt": f"ticket {i}: my order is late"}) + "\n" for i in range(12)))
+    with caplog.at_level(logging.INFO, logger="lora_ppo.data"):
+        train, held_out = load_prompt_sets(DataConfig(source=str(source), eval_size=4), tiny_tokenizer, seed=0)
+    texts = {row.prompt for row in held_out.rows}
+    assert len(texts) == 4 and all(t.startswith("ticket ") for t in texts)
+    assert texts.isdisjoint(row.prompt for row in train.rows) and len(train.rows) == 8
+    assert "4 of" in caplog.text and "split off with seed 0" in caplog.text
+
+    _, builtin_held_out = load_prompt_sets(DataConfig(eval_size=4), tiny_tokenizer, seed=0)
+    import lora_ppo.builtin_prompts
+
+    shipped = (Path(lora_ppo.builtin_prompts.__file__).parent / "movie_review_openers_heldout.txt").read_text()
+    assert [row.prompt for row in builtin_held_out.rows] == shipped.splitlines()[:4]
