@@ -270,6 +270,10 @@ def kl_loss(
 ) -> torch.Tensor:
     """KL penalty as a loss term on the current policy (the GRPO placement, Shao et al. 2024,
     eq. 3), instead of inside the reward: kl_coef * aggregate(KL(new || ref))."""
+    # Padding zeroed first, as in policy_loss: a NaN or huge reference logprob there would send a
+    # NaN gradient (0 * inf) back through k2/k3.
+    new_logprobs = torch.where(response_mask, new_logprobs, torch.zeros_like(new_logprobs))
+    ref_logprobs = torch.where(response_mask, ref_logprobs, torch.zeros_like(ref_logprobs))
     kl = kl_estimate(new_logprobs, ref_logprobs, estimator)
     return kl_coef * aggregate_loss(kl, response_mask, aggregation, token_count)
 

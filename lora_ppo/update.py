@@ -120,27 +120,28 @@ class UpdateStats:
 
 @dataclass
 class _TokenWeightedMeans:
-    """Running token-weighted sums of per-micro-batch statistics."""
+    """Running weighted sums of per-micro-batch statistics: each key by the weight it was added
+    with (real tokens; a loss under sequence aggregation, rows)."""
 
     sums: dict[str, float] = field(default_factory=dict)
-    weight: float = 0.0
+    weights: dict[str, float] = field(default_factory=dict)
 
     def add(self, values: dict[str, float], weight: float) -> None:
         for key, value in values.items():
             self.sums[key] = self.sums.get(key, 0.0) + value * weight
-        self.weight += weight
+            self.weights[key] = self.weights.get(key, 0.0) + weight
 
     def mean(self, key: str) -> Optional[float]:
-        return self.sums[key] / max(self.weight, 1e-12) if key in self.sums else None
+        return self.sums[key] / max(self.weights[key], 1e-12) if key in self.sums else None
 
     def summed_over(self, world: World) -> "_TokenWeightedMeans":
         """The sums of every process's micro-batches (they all log the same keys)."""
         if world.size == 1:
             return self
         keys = sorted(self.sums)
-        totals = world.sum(torch.tensor([self.sums[k] for k in keys] + [self.weight], dtype=torch.float64,
-                                        device=world.device)).tolist()
-        return _TokenWeightedMeans(dict(zip(keys, totals[:-1])), totals[-1])
+        totals = world.sum(torch.tensor([self.sums[k] for k in keys] + [self.weights[k] for k in keys],
+                                        dtype=torch.float64, device=world.device)).tolist()
+        return _TokenWeightedMeans(dict(zip(keys, totals[:len(keys)])), dict(zip(keys, totals[len(keys):])))
 
 
 @dataclass
@@ -288,7 +289,11 @@ def minibatch_backward(
                 bad = bad or part.first_nonfinite(None, vf_loss)
                 (cfg.vf_coef * vf_loss).backward()
         ratio_sum = ratio_sum + ratio * n_tokens
-        means.add(part.stats, n_tokens)
+        # A micro-batch's logged loss is its own mean per token (or per response): weighted by its
+        # tokens (or responses), the micro-batches' mean is the minibatch's loss whatever the split.
+        losses = {k: v for k, v in part.stats.items() if k.startswith("loss/")}
+        means.add(losses, n_tokens if cfg.loss_aggregation == "token" else float(len(idx)))
+        means.add({k: v for k, v in part.stats.items() if k not in losses}, n_tokens)
     if world.size > 1:
         ratio_sum = world.sum(ratio_sum.to(world.device)).cpu()
         bads = [b for b in world.gather(bad) if b is not None]
