@@ -661,7 +661,9 @@ class PreferenceDataConfig(Section):
     max_length: int = Field(512, gt=0)
     """Longer pairs (prompt + response, in tokens) are dropped and counted."""
     eval_source: Optional[str] = None
-    """Held-out pairs; null: `eval_size` pairs are split off `source` (seeded)."""
+    """Held-out pairs; null: `eval_size` pairs are split off `source` (seeded), at most a fifth of them
+    (with a warning when that caps it).
+    """
     eval_split: str = "test"
     """The split of `eval_source`."""
     eval_size: int = Field(256, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)

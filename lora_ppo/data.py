@@ -234,6 +234,21 @@ def prepare_rows(rows: list[dict], prompt_column: str, fmt: PromptFormat, max_pr
 # ---- the recipe's prompt sets -----------------------------------------------------------------
 
 
+# A held-out split off the training pairs takes at most this share of them: eval_size's default
+# (256) would otherwise leave 1 pair of 150 to train on.
+MAX_HELD_OUT_PAIR_SHARE = 0.2
+
+
+def split_off(items: list[Row], size: int, seed: int, max_share: float = 1.0) -> tuple[list[Row], list[Row]]:
+    """(kept, held out): `size` items (at most `max_share` of them, and never all) drawn with
+    `seed`, each list in its original order."""
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    cut = min(size, max(0, len(order) - 1), int(max_share * len(order)))
+    held_idx = set(order[:cut])
+    return ([x for i, x in enumerate(items) if i not in held_idx], [x for i, x in enumerate(items) if i in held_idx])
+
+
 # `data.eval_source: auto` for a builtin training set: the held-out set shipped beside it.
 HELD_OUT_COMPANIONS = {"builtin:movie_review_openers": "builtin:movie_review_openers_heldout"}
 
@@ -261,15 +276,12 @@ def load_prompt_sets(cfg: DataConfig, tokenizer, seed: int) -> tuple[PromptSet, 
         held_out.rows = held_out.rows[: cfg.eval_size]
     else:
         # Split the held-out prompts off the training set with the run's seed, before training.
-        order = list(range(len(train.rows)))
-        random.Random(seed).shuffle(order)
-        cut = min(cfg.eval_size, max(0, len(order) - 1))
-        held_idx = set(order[:cut])
-        held_out = PromptSet([r for i, r in enumerate(train.rows) if i in held_idx], columns=train.columns)
-        train.rows = [r for i, r in enumerate(train.rows) if i not in held_idx]
-        if cut:
+        train.rows, held = split_off(train.rows, cfg.eval_size, seed)
+        held_out = PromptSet(held, columns=train.columns)
+        if held:
             log.info("held-out prompts: %d of %s's %d usable rows, split off with seed %d before training "
-                     "(data.eval_source names a set of its own)", cut, cfg.source, len(order), seed)
+                     "(data.eval_source names a set of its own)", len(held), cfg.source,
+                     len(held) + len(train.rows), seed)
     if not train.rows:
         raise RecipeError(f"data.source: no usable prompts in {cfg.source!r} ({_no_rows_reason(train, fmt, cfg)})")
     return train, held_out
@@ -421,11 +433,13 @@ def load_preference_sets(cfg: PreferenceDataConfig, tokenizer, seed: int) -> tup
         held_out = prepare_pairs(eval_rows, cfg, fmt, tokenizer.eos_token_id, cfg.eval_source)
         held_out.pairs = held_out.pairs[: cfg.eval_size]
     else:
-        order = list(range(len(train.pairs)))
-        random.Random(seed).shuffle(order)
-        held_idx = set(order[: min(cfg.eval_size, max(0, len(order) - 1))])
-        held_out = PreferenceSet([p for i, p in enumerate(train.pairs) if i in held_idx])
-        train.pairs = [p for i, p in enumerate(train.pairs) if i not in held_idx]
+        usable = len(train.pairs)
+        train.pairs, held = split_off(train.pairs, cfg.eval_size, seed, MAX_HELD_OUT_PAIR_SHARE)
+        held_out = PreferenceSet(held)
+        if len(held) < min(cfg.eval_size, usable - 1):
+            log.warning("data.eval_size %d would leave %d of %d pairs to train on: held out %d (%.0f%%, the most "
+                        "a split takes); data.eval_source names a held-out set of its own", cfg.eval_size,
+                        max(usable - cfg.eval_size, 0), usable, len(held), 100 * MAX_HELD_OUT_PAIR_SHARE)
     if not train.pairs:
         reasons = ", ".join(f"{v} {k}" for k, v in train.dropped.items()) or "the source is empty"
         raise RecipeError(f"data.source: no usable preference pairs in {cfg.source!r} ({reasons})")

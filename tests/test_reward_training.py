@@ -300,6 +300,18 @@ def test_the_reward_adapter_exports_with_its_head(reward_run, tmp_path):
 
 def test_held_out_split_off_the_training_pairs(tiny_tokenizer, tmp_path):
     data = write_jsonl(tmp_path / "p.jsonl", preference_rows(20))
-    train, held = load_preference_sets(PreferenceDataConfig(source=str(data), eval_size=5), tiny_tokenizer, seed=3)
-    assert len(train.pairs) == 15 and len(held.pairs) == 5
+    train, held = load_preference_sets(PreferenceDataConfig(source=str(data), eval_size=4), tiny_tokenizer, seed=3)
+    assert len(train.pairs) == 16 and len(held.pairs) == 4
     assert not {p.chosen_ids for p in train.pairs} & {p.chosen_ids for p in held.pairs}
+
+
+def test_a_split_never_takes_more_than_a_fifth_of_the_pairs(tiny_tokenizer, tmp_path, caplog):
+    """eval_size's default (256) against 30 pairs: 6 held out (20%), 24 to train on, and a warning,
+    where the split used to hold out 29 and train on 1."""
+    import logging
+
+    data = write_jsonl(tmp_path / "p.jsonl", preference_rows(30))
+    with caplog.at_level(logging.WARNING, logger="lora_ppo.data"):
+        train, held = load_preference_sets(PreferenceDataConfig(source=str(data)), tiny_tokenizer, seed=3)
+    assert (len(train.pairs), len(held.pairs)) == (24, 6)
+    assert "data.eval_size 256 would leave 0 of 30 pairs to train on: held out 6 (20%" in caplog.text
