@@ -166,7 +166,7 @@ class AdaptersConfig(Section):
         return self.reference
 
 
-RewardKind = Literal["vader", "textblob", "function", "classifier", "math_answer", "exact_match", "adapter"]
+RewardKind = Literal["vader", "textblob", "function", "classifier", "math_answer", "exact_match", "adapter", "python"]
 # What a source is called by default in the logs (objective/<name>): its kind, or its function's name.
 VERIFIABLE_KINDS = ("math_answer", "exact_match")
 
@@ -180,7 +180,9 @@ class RewardSourceConfig(Section):
     policy's own backbone (no second model); `math_answer`: 1 when the completion's final answer (a
     `#### N` line, a `\\boxed{N}`, else its last number) equals the `answer_column` value as a number,
     else 0; `exact_match`: 1 when the completion equals the `answer_column` value (case and spacing
-    ignored). VADER by default: it needs no download and is the quickstart's task.
+    ignored). VADER by default: it needs no download and is the quickstart's task. `python` is written,
+    never chosen: a run given `PPOTrainer(recipe, reward_fn=f)` with an `f` that has no importable name
+    records it so (with `name`), and commands that score need `f` passed again from Python.
     """
     name: Optional[str] = None
     """What the source is called in the logs (`objective/<name>`); null: its kind (a function: its name)."""
@@ -268,7 +270,9 @@ class RewardConfig(RewardSourceConfig):
     @model_validator(mode="after")
     def _mix(self) -> "RewardConfig":
         if self.sources:
-            beside = sorted(set(self.model_fields_set) - {"sources", "also_log"})
+            # A field written out at its default (a run's resolved recipe.yaml) is not set beside them.
+            beside = sorted(name for name in set(self.model_fields_set) - {"sources", "also_log"}
+                            if getattr(self, name) != RewardSourceConfig.model_fields[name].default)
             if beside:
                 raise ValueError(f"{beside[0]}: with sources, set each source's fields in its entry of sources")
             names = [source.log_name for source in self.sources]

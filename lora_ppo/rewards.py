@@ -131,6 +131,29 @@ def import_function(spec: str) -> RewardFn:
     return fn
 
 
+def importable_name(fn: RewardFn) -> Optional[str]:
+    """`module:function` that imports back to `fn` itself, or None (a lambda, a closure, a method,
+    a function defined in `__main__` or a notebook)."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or not name.isidentifier():
+        return None
+    try:
+        return f"{module}:{name}" if getattr(importlib.import_module(module), name, None) is fn else None
+    except Exception:  # importing it anew failed: it cannot be recorded by name
+        return None
+
+
+def recorded_reward(cfg: RewardConfig, reward_fn: Optional[RewardFn]) -> RewardConfig:
+    """The reward section a run given `reward_fn` from Python trains on: the function by its
+    importable name, else `kind: python` under its name (side metrics kept), so the run's
+    recipe.yaml never names a reward the run did not use."""
+    if reward_fn is None:
+        return cfg
+    spec = importable_name(reward_fn)
+    source = {"kind": "function", "function": spec} if spec else {"kind": "python", "name": _name(reward_fn)}
+    return RewardConfig(**source, also_log=cfg.also_log)
+
+
 def classifier_head_modules(name: str, trust_remote_code: bool = False) -> list[str]:
     """The modules of the sequence classifier `name` that stay unquantized: its head (every
     top-level module outside the base model) and transformers' default. Reads only the config:
@@ -290,6 +313,8 @@ def check_reward_columns(cfg: RewardConfig, columns: Sequence[str], source: str,
                               f"(columns besides the prompt: {available})")
         if s.kind == "function":
             functions.append(import_function(s.function))
+        if s.kind == "python":
+            build_reward(s)  # refused: the object is not here to score with
     for fn in functions:
         missing = missing_columns(fn, columns)
         if missing:
@@ -314,6 +339,10 @@ def build_reward_sources(cfg: RewardConfig, policy_model: ModelConfig, reward_fn
 def build_reward(cfg: RewardSourceConfig, policy_model: Optional[ModelConfig] = None,
                  adapter_scorer: Optional[Callable] = None) -> RewardFn:
     """The reward function one source names."""
+    if cfg.kind == "python":
+        raise RecipeError(f"reward.kind: python: this run trained on a Python reward object ({cfg.name}) given as "
+                          "PPOTrainer(recipe, reward_fn=...); pass it again from Python, or set reward.kind to score "
+                          "with something else")
     if cfg.kind == "vader":
         return vader_reward()
     if cfg.kind == "textblob":

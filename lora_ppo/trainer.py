@@ -23,6 +23,7 @@ from lora_ppo.metrics import step_metrics
 from lora_ppo.model import dequantized_once
 from lora_ppo.parts import build, evaluate_policy
 from lora_ppo.quantization import compute_dtype
+from lora_ppo.rewards import recorded_reward
 from lora_ppo.roles import POLICY, REWARD, VALUE, RoleModel
 from lora_ppo.rollout import Rollout, collect_rollout, gather_rollout, row_seeds
 from lora_ppo.run_dir import write_jsonl
@@ -56,6 +57,9 @@ class PPOTrainer:
         self, recipe: Recipe, reward_fn: Optional[Callable] = None, progress: bool = True,
         resume: Optional[str | Path] = None, world: Optional[World] = None,
     ):
+        # What the run trains on is what its recipe.yaml says: a reward_fn by its importable name,
+        # or `reward.kind: python`, never the recipe's own reward section it replaced.
+        recipe = recipe.model_copy(update={"reward": recorded_reward(recipe.reward, reward_fn)})
         self.recipe = recipe
         self.recipe_yaml = recipe_to_yaml(recipe)
         self.world = world if world is not None else join_world()

@@ -55,6 +55,35 @@ def test_python_reward_callable_overrides_recipe(tmp_path, tiny_model_dir):
     assert calls == [4]
 
 
+def test_a_python_reward_is_what_the_run_records(tmp_path, tiny_model_dir):
+    """recipe.yaml names the reward the run trained on: an importable function by its name (so
+    `lora-ppo eval` scores with it), a local one as `kind: python` (so `eval` refuses, in one line,
+    instead of scoring with the recipe's VADER)."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from lora_ppo.cli import app
+    from tests.reward_fns import count_letter_e
+
+    def local_reward(prompts, completions):
+        return [0.0 for _ in completions]
+
+    base = tiny_recipe_dict(tiny_model_dir, tmp_path / "unused")
+    base["reward"] = {"kind": "vader", "also_log": ["textblob"]}
+    for fn, expected in ((count_letter_e, {"kind": "function", "function": "tests.reward_fns:count_letter_e"}),
+                         (local_reward, {"kind": "python", "name": "local_reward"})):
+        run = tmp_path / fn.__name__
+        recipe = lora_ppo.recipe_from_dict(base, [f"train.output_dir={run}", "train.steps=1", "train.eval=false"])
+        lora_ppo.PPOTrainer(recipe, reward_fn=fn, progress=False).train()
+        written = yaml.safe_load((run / "recipe.yaml").read_text(encoding="utf-8"))["reward"]
+        assert {k: written[k] for k in expected} == expected and written["also_log"] == ["textblob"]
+
+    result = CliRunner().invoke(app, ["eval", str(tmp_path / "local_reward")])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "reward.kind: python" in lines[0] and "local_reward" in lines[0]
+
+
 def test_eval_batch_size_sets_how_many_held_out_prompts_generate_at_once(tmp_path, tiny_model_dir, monkeypatch):
     """data.eval_batch_size changes only the evaluation's generation batch, not training's."""
     from lora_ppo.rollout import Sampler

@@ -22,6 +22,31 @@ def test_shipped_recipe_loads(path):
     load_recipe(path, schema=None)  # a PPO or a reward-model recipe; a RecipeError here is the failure
 
 
+MIXED_SOURCES = """
+reward:
+  sources:
+    - {kind: vader, weight: 1.0, normalize: true}
+    - {kind: math_answer, answer_column: answer, weight: 2.0}
+    - {kind: function, function: tests.reward_fns:count_letter_e, weight: -0.1, name: letters}
+  also_log: [textblob]
+"""
+
+
+@pytest.mark.parametrize("path", [*RECIPES, "mixed-sources"], ids=lambda p: getattr(p, "name", p))
+def test_a_resolved_recipe_written_out_reads_back_equal(path, tmp_path):
+    """A run writes its resolved recipe (every default filled in) to recipe.yaml; eval, generate,
+    merge-and-export and --resume read it back. A mix of sources once failed its own check there."""
+    from lora_ppo.config import recipe_to_yaml
+
+    if path == "mixed-sources":
+        path = tmp_path / "mixed.yaml"
+        path.write_text(MIXED_SOURCES, encoding="utf-8")
+    recipe = load_recipe(path, schema=None)
+    written = tmp_path / "recipe.yaml"
+    written.write_text(recipe_to_yaml(recipe), encoding="utf-8")
+    assert load_recipe(written, schema=None) == recipe
+
+
 def test_quickstart_model_and_prompts_are_builtin():
     # The README promises the quickstart downloads nothing.
     recipe = load_recipe(next(p for p in RECIPES if p.name == "quickstart.yaml"))
