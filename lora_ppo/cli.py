@@ -178,14 +178,17 @@ def _run(command: str, recipe: Path, overrides: Optional[List[str]], start, summ
     from lora_ppo.rewards import RewardError
     from lora_ppo.trainer import TrainingHalted
 
+    trainer = None
     try:
-        summary = start(progress and sys.stderr.isatty()).train()
+        trainer = start(progress and sys.stderr.isatty())
+        summary = trainer.train()
     except RecipeError as err:
         _fail(str(err))
     except (RewardError, TrainingHalted, CheckpointError) as err:
         _fail(str(err), code=1)
     except KeyboardInterrupt:
-        if summarise is not None:
+        # Stopped before its first checkpoint, a run has nothing to resume: rerunning starts over.
+        if summarise is not None and trainer is not None and trainer.run.has_checkpoint():
             again = " ".join([str(recipe), *(overrides or []), *extra_args])
             typer.echo(f"resume with: lora-ppo {command} {again} --resume auto", err=True)
         raise typer.Exit(EXIT_INTERRUPTED)

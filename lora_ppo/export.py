@@ -90,6 +90,11 @@ def check_adapter(checkpoint: Checkpoint, name: str) -> Path:
                 f"checkpoint {checkpoint.folder} has no reward adapter (no reward/ folder); reward-model runs "
                 "(lora-ppo train-reward) and PPO runs with reward.kind: adapter have one"
             )
+        if name == "policy" and checkpoint.adapter_dir("reward").is_dir():
+            raise RecipeError(
+                f"checkpoint {checkpoint.folder} is a reward-model run's (lora-ppo train-reward): it has a reward "
+                "adapter, no policy; export it with --adapter reward --adapter-only"
+            )
         raise RecipeError(f"corrupt checkpoint: {checkpoint.folder} has no {name}/ adapter folder")
     config = _read_json(folder / ADAPTER_CONFIG_FILE) if (folder / ADAPTER_CONFIG_FILE).is_file() else None
     if not isinstance(config, dict) or "peft_type" not in config:
@@ -122,6 +127,10 @@ def _check_out(out: Path, checkpoint: Checkpoint, force: bool) -> Path:
     out = out.parent.resolve() / out.name
     if any(o == checkpoint.folder or o in checkpoint.folder.parents for o in (out, out.resolve())):
         raise RecipeError(f"out: {out} holds the checkpoint being exported; choose another folder")
+    # Inside the run, an export would be copied, moved and resumed with the checkpoints it sits beside.
+    run_root = checkpoint.run.root.resolve()
+    if any(run_root == o or run_root in o.parents for o in (out, out.resolve())):
+        raise RecipeError(f"out: {out} is inside the run folder {run_root}; export to a folder outside it")
     if out.exists() or out.is_symlink():
         if not force:
             raise RecipeError(f"out: {out} already exists; pass --force (force=True) to replace it")

@@ -80,6 +80,11 @@ class RunDir:
         """Whether a run already wrote here (its recipe or metrics)."""
         return self.recipe.exists() or self.metrics.exists()
 
+    def has_checkpoint(self) -> bool:
+        """Whether a run here saved a complete checkpoint (a step's, or final/): something to
+        resume from or keep, where a run stopped before its first one left nothing to lose."""
+        return bool(self.complete_checkpoints()) or is_checkpoint(self.final)
+
     def complete_checkpoints(self) -> list[Path]:
         """Complete checkpoints/step-N folders, oldest first."""
         if not self.checkpoints.is_dir():
@@ -103,8 +108,9 @@ class RunDir:
         return target
 
     def refuse_if_taken(self, overwrite: bool) -> None:
-        """A folder that holds a run is refused unless the recipe says to start over."""
-        if self.holds_run() and not overwrite:
+        """A folder that holds a run with a checkpoint is refused unless the recipe says to start
+        over; one stopped before its first checkpoint is moved aside by `open` instead."""
+        if self.has_checkpoint() and not overwrite:
             raise RecipeError(
                 f"train.output_dir: {str(self.root)!r} already holds a run; choose another folder "
                 "or set train.overwrite=true (the old run is then moved aside, not deleted)"

@@ -296,6 +296,11 @@ def test_the_reward_adapter_exports_with_its_head(reward_run, tmp_path):
     assert {"adapter_model.safetensors", "reward_head.safetensors", "README.md"} <= set(report.files)
     card = (tmp_path / "exported" / "README.md").read_text()
     assert "reward_head.safetensors" in card
+    # Without the option, the refusal names it (it said "corrupt checkpoint").
+    from lora_ppo.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="reward-model run's .* export it with --adapter reward --adapter-only"):
+        merge_and_export(reward_run, tmp_path / "merged")
 
 
 def test_held_out_split_off_the_training_pairs(tiny_tokenizer, tmp_path):

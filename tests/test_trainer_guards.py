@@ -108,6 +108,25 @@ def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(tmp_path, tiny_m
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+def test_a_run_stopped_before_its_first_checkpoint_is_started_over(tmp_path, tiny_model_dir, monkeypatch):
+    """Ctrl-C in the first held-out evaluation: no checkpoint exists, so no resume hint (it could
+    not work), and running the same command again starts over, the old folder moved aside."""
+    def interrupted(self, records_file=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_module.PPOTrainer, "evaluate", interrupted)
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run", steps=1)
+    result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress"])
+    assert result.exit_code == 130 and "resume with" not in result.stderr
+    assert (tmp_path / "run" / "recipe.yaml").is_file() and not (tmp_path / "run" / "final").exists()
+
+    monkeypatch.undo()
+    again = CliRunner().invoke(app, ["train", str(recipe), "--no-progress", "train.eval=false"])
+    assert again.exit_code == 0, again.stderr
+    assert (tmp_path / "run" / "final" / "policy" / "adapter_model.safetensors").is_file()
+    assert [p.name.startswith("run.old-") for p in tmp_path.iterdir() if p.name != "run"].count(True) == 1
+
+
 @pytest.mark.parametrize("function, message", [
     ("tests.reward_fns:raises", "reward function raises raised RuntimeError: reward server is down"),
     ("tests.reward_fns:wrong_count", "reward function wrong_count returned 1 scores for 4 completions"),

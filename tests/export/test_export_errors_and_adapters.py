@@ -132,6 +132,15 @@ def test_out_may_not_hold_the_checkpoint(run_copy):
     assert (run_copy / "final" / "policy" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("inside", ["final/merged", "exports/policy"])
+def test_out_may_not_be_inside_the_run(run_copy, inside):
+    """An export inside final/ wrote hundreds of MB into the checkpoint; anywhere in the run it
+    travels with every copy and resume of it."""
+    with pytest.raises(RecipeError, match="is inside the run folder"):
+        merge_and_export(run_copy, run_copy / inside)
+    assert not (run_copy / inside).exists()
+
+
 @pytest.mark.parametrize("options, expected", [
     ({"dtype": "int4"}, "dtype must be one of bf16, fp16, fp32"),
     ({"base": "quantized"}, "base must be one of original, dequantized"),
