@@ -187,6 +187,8 @@ def open_run(recipe: Recipe | RewardRecipe, resume: Optional[str | Path],
     refuses a folder another run wrote to (unless train.overwrite; `check_taken` False: the
     process that does not write leaves it to the one that does), a resumed one checks its recipe."""
     run = RunDir(recipe.train.output_dir)
+    if check_taken:
+        run.check_writable()
     if resume is not None:
         return run, resolve_resume(run, resume, recipe)
     if check_taken:

@@ -76,6 +76,24 @@ class RunDir:
     def step_checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step-{step}"
 
+    def check_writable(self) -> None:
+        """Refuse, before anything loads, a folder the run could not write: a file of that name, or
+        a folder (or, where it does not exist yet, its nearest existing parent) that refuses a new
+        file (no permission, a read-only file system, a full disk)."""
+        if self.root.exists() and not self.root.is_dir():
+            raise RecipeError(f"train.output_dir: {str(self.root)!r} is a file, not a folder")
+        existing = next(p for p in (self.root, *self.root.absolute().parents) if p.exists())
+        if not existing.is_dir():
+            raise RecipeError(f"train.output_dir: {str(existing)!r} is a file, so {str(self.root)!r} cannot be made")
+        probe = existing / f".lora_ppo-write-test-{os.getpid()}"
+        try:
+            probe.write_bytes(b"lora_ppo")
+        except OSError as err:
+            raise RecipeError(f"train.output_dir: cannot write in {str(existing)!r}: "
+                              f"{err.strerror or first_line(err)}") from None
+        finally:
+            probe.unlink(missing_ok=True)
+
     def holds_run(self) -> bool:
         """Whether a run already wrote here (its recipe or metrics)."""
         return self.recipe.exists() or self.metrics.exists()

@@ -4,6 +4,9 @@ run started over an old one keeps the old one."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from lora_ppo.run_dir import (
     MANIFEST_FILE,
@@ -65,3 +68,39 @@ def test_moving_a_run_aside_keeps_everything_and_picks_a_free_name(tmp_path):
     run.start("recipe\n")
     second = run.move_aside()
     assert second != first and second.exists() and first.exists()
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_before_anything_loads(tmp_path, tiny_model_dir, monkeypatch):
+    """One line and exit 2 from `train`, before the model loads: a file where the folder should
+    be, and a folder that refuses a new file (read-only file system; as root, permissions would
+    not show it here, so the write fails by hand)."""
+    import errno
+
+    from typer.testing import CliRunner
+
+    from lora_ppo import parts
+    from lora_ppo.cli import app
+    from tests.conftest import write_recipe
+
+    monkeypatch.setattr(parts, "load_base_model", lambda cfg: pytest.fail("loaded the model first"))
+    taken = tmp_path / "a-file"
+    taken.write_text("not a folder")
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_model_dir, taken)
+    result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: train.output_dir: {str(taken)!r} is a file, not a folder"
+
+    real_write = Path.write_bytes
+
+    def read_only(self, data):
+        if self.name.startswith(".lora_ppo-write-test"):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_write(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", read_only)
+    recipe = write_recipe(tmp_path / "r2.yaml", tiny_model_dir, tmp_path / "runs" / "new")
+    result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress"])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and lines == [f"error: train.output_dir: cannot write in {str(tmp_path)!r}: "
+                                               "Read-only file system"]
+    assert not (tmp_path / "runs").exists() and not list(tmp_path.glob(".lora_ppo-write-test*"))
