@@ -6,6 +6,7 @@ row's other columns), drop and count unusable rows, and serve them in a seeded, 
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import random
 from dataclasses import dataclass, field
@@ -72,6 +73,8 @@ def load_rows(source: str, split: str, name: Optional[str] = None, revision: Opt
         files = _local_files(source, field_name)
         if files is not None:
             builder = _one_builder(files, field_name)
+            for file in files:
+                check_text_file(Path(file), field_name)
             dataset = datasets.load_dataset(builder, data_files=files, split=split)
             if builder == "text":  # one prompt a line: the column is "text"
                 dataset = dataset.rename_column("text", "prompt")
@@ -125,6 +128,37 @@ def _local_files(source: str, field_name: str) -> Optional[list[str]]:
     if source.startswith((".", "/", "~")) and not path.exists():
         raise RecipeError(f"{field_name}: not found: {source}")
     return None
+
+
+# Text formats read line by line: checked here first, since datasets reports a bad line as "An
+# error occurred while generating the dataset" and an empty file as StopIteration.
+TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".txt")
+
+
+def check_text_file(path: Path, field_name: str) -> None:
+    """Refuse, naming the file and the line, a text data file that is empty, is not UTF-8, or (for
+    `.jsonl`) has a line that is not JSON."""
+    if path.suffix.lower() not in TEXT_SUFFIXES:
+        return
+    blank = True
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise RecipeError(f"{field_name}: {path} line {number}: not UTF-8 text (byte "
+                                  f"0x{raw[err.start]:02x} at column {err.start + 1})") from None
+            if not line.strip():
+                continue
+            blank = False
+            if path.suffix.lower() == ".jsonl":
+                try:
+                    json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as err:
+                    raise RecipeError(f"{field_name}: {path} line {number}: not JSON ({err.msg} at column "
+                                      f"{err.colno})") from None
+    if blank:
+        raise RecipeError(f"{field_name}: {path} is empty")
 
 
 def _one_builder(files: list[str], field_name: str) -> str:

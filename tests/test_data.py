@@ -295,3 +295,19 @@ def test_held_out_prompts_of_a_users_file_come_from_that_file(tmp_path, tiny_tok
 
     shipped = (Path(lora_ppo.builtin_prompts.__file__).parent / "movie_review_openers_heldout.txt").read_text()
     assert [row.prompt for row in builtin_held_out.rows] == shipped.splitlines()[:4]
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"", "is empty"),
+    (b"\n  \n", "is empty"),
+    # 0xe9 (latin-1 e-acute) follows the 15 bytes of `{"prompt": "caf`.
+    (b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n', "line 2: not UTF-8 text (byte 0xe9 at column 16)"),
+    # The line ends after its 29 characters where a comma or a brace was due.
+    (b'{"prompt": "fine"}\n\n{"prompt": "no closing brace"\n', "line 3: not JSON (Expecting ',' delimiter at column 30)"),
+])
+def test_a_broken_data_file_is_one_line_naming_the_file_and_line(tmp_path, content, expected):
+    source = tmp_path / "prompts.jsonl"
+    source.write_bytes(content)
+    with pytest.raises(RecipeError) as raised:
+        load_rows(str(source), "train")
+    assert str(raised.value) == f"data.source: {source} {expected}"
