@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from lora_ppo.bnb_workarounds import dequantized_4bit_bytes, dequantized_4bit_layers, keep_4bit_weights_differentiable
@@ -74,7 +75,7 @@ def load_base_model(cfg: ModelConfig):
             trust_remote_code=cfg.trust_remote_code,
             use_safetensors=_has_safetensors(path),
         )
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:  # a truncated or corrupt weights file too
         raise _load_error(cfg.name, err) from None
     model.requires_grad_(False)
     model.config.use_cache = True

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
+from safetensors import SafetensorError
 
 from lora_ppo.bnb_workarounds import eval_on_training_kernel
 from lora_ppo.config import VERIFIABLE_KINDS, ModelConfig, RewardConfig, RewardSourceConfig
@@ -194,7 +195,7 @@ class ClassifierReward:
                 dtype=compute_dtype(settings), quantization_config=quantization_config(settings, head),
                 device_map=device_map(),
             )
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, SafetensorError) as err:
             raise RecipeError(f"reward.model: cannot load a sequence classifier from {cfg.model!r}: {first_line(err)}") from None
         # bitsandbytes' CPU inference repacking (AVX512-BF16 hosts) breaks on layers narrower than its
         # block size and rounds differently: the classifier stays on the kernel the policy uses.

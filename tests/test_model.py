@@ -59,3 +59,17 @@ def test_model_code_from_a_folder_never_runs_unless_the_recipe_trusts_it(tmp_pat
     assert len(lines) == 1 and lines[0].startswith("error: model.name: "), result.stderr
     assert "model.trust_remote_code: true" in lines[0]
     assert not marker.exists()
+
+
+def test_a_truncated_weights_file_is_one_line_naming_the_model(tmp_path, tiny_model_dir):
+    """A download cut short leaves a .safetensors that safetensors refuses with its own error
+    type: exit 2 and one line, not a traceback."""
+    folder = tmp_path / "truncated"
+    shutil.copytree(tiny_model_dir, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    recipe = write_recipe(tmp_path / "r.yaml", folder, tmp_path / "run")
+    result = CliRunner().invoke(app, ["train", str(recipe)])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: model.name: cannot load {str(folder)!r}: ") and "Traceback" not in result.output
