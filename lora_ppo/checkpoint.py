@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import pickle
 import random
 import shutil
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 import torch
+from safetensors import SafetensorError
 
 from lora_ppo.atomic import STAGING_MARK, atomic_folder
 from lora_ppo.config import Recipe, RewardRecipe, resume_differences
@@ -36,6 +38,11 @@ RNG_FILE = "rng.pt"
 PROCESS_RNG_FILE = "rng-process-{}.pt"  # the random streams of process 1, 2, ... of a data-parallel run
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 FORMAT_VERSION = 3  # 2: trainer_state.json holds the run's state record; 3: with per-source reward moments
+
+
+# What reading a checkpoint's files raises when they are cut short or not what they claim:
+# safetensors and pickle (torch.load) have error types of their own.
+UNREADABLE = (OSError, ValueError, KeyError, RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError)
 
 
 class CheckpointError(RuntimeError):
@@ -140,10 +147,32 @@ def load(folder: Path, parts: Trainables, state_type: type, world: World = World
             rng_tensors, rng = saved["tensors"], saved
     except (CheckpointError, RecipeError):
         raise
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
+    except UNREADABLE as err:
         raise CheckpointError(f"checkpoint {folder} cannot be loaded: {first_line(err)}") from None
     _restore_rng(rng, rng_tensors, parts.generator)
     return state
+
+
+def load_newest(run: RunDir, folder: Path, auto: bool, parts: Trainables, state_type: type,
+                world: World = World()) -> tuple[Path, Any]:
+    """`load` the checkpoint `--resume` chose; with `--resume auto`, one that cannot be loaded (a
+    file cut short by a full disk, a garbage optimizer.pt) gives way to the next older complete
+    checkpoint, with a warning. Returns (the folder loaded, its state)."""
+    older = sorted((f for f in run.complete_checkpoints() + ([run.final] if is_checkpoint(run.final) else [])
+                    if f != folder and _step(f) <= _step(folder)), key=_step, reverse=True) if auto else []
+    candidates = [folder, *older]
+    for i, candidate in enumerate(candidates):
+        try:
+            return candidate, load(candidate, parts, state_type, world)
+        except CheckpointError as err:
+            if i == len(candidates) - 1:
+                raise RecipeError(f"--resume: {err}") from None  # bad input, not a failure of the run
+            log.warning("%s; --resume auto goes back to %s", err, candidates[i + 1])
+    raise AssertionError("not reached: the last candidate returns or raises")
+
+
+def _step(folder: Path) -> int:
+    return int(read_manifest(folder).get("step", -1))
 
 
 def check_processes(folder: Path, manifest: dict, processes: int) -> None:
@@ -174,7 +203,7 @@ def load_adapters(folder: Path, model: Backbone, names: tuple[str, ...]) -> None
                 model.load_head(name, Path(folder) / name / HEAD_FILES[name])
     except CheckpointError:
         raise
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
+    except UNREADABLE as err:
         raise CheckpointError(f"checkpoint {folder} cannot be loaded: {first_line(err)}") from None
 
 

@@ -85,7 +85,8 @@ class RewardTrainer:
         self.generator = torch.Generator().manual_seed(recipe.train.seed)
         self.state = RewardTrainState()
         if self.resume_from is not None:
-            self.state = checkpoint.load(self.resume_from, self._trainables(), RewardTrainState)
+            self.resume_from, self.state = checkpoint.load_newest(self.run, self.resume_from, str(resume) == "auto",
+                                                                  self._trainables(), RewardTrainState)
             log.info("resuming from %s (step %d)", self.resume_from, self.state.step)
 
     @property

@@ -83,7 +83,8 @@ class PPOTrainer:
         self.step_log = StepLog(recipe, self.run, self.progress, tuple(self.parts.rewards.side),
                                 self.logprob_tolerance)
         if self.resume_from is not None:
-            self.state = checkpoint.load(self.resume_from, self._trainables(), TrainState, self.world)
+            self.resume_from, self.state = checkpoint.load_newest(self.run, self.resume_from, str(resume) == "auto",
+                                                                  self._trainables(), TrainState, self.world)
             log.info("resuming from %s (step %d)", self.resume_from, self.state.step)
 
     @property

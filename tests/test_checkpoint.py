@@ -4,6 +4,7 @@ refused unless the change is harmless; saved state is only ever loaded with weig
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -254,3 +255,29 @@ def test_finished_run_continued_with_more_steps_matches_uninterrupted_run(tmp_pa
     assert more.returncode == 0, more.stderr
     assert "from step 2" in more.stderr
     _assert_same_run(reference_run, tmp_path / "run")
+
+
+def test_resume_auto_goes_back_past_a_checkpoint_it_cannot_read(tmp_path, tiny_model_dir, caplog):
+    """final/ cut short (its policy adapter half written: a full disk, a bad copy): --resume auto
+    says so and continues from checkpoints/step-2 instead; a named checkpoint with a garbage
+    optimizer.pt is one line and exit 2."""
+    import logging
+
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run", steps=3, eval=False)
+    assert CliRunner().invoke(app, ["train", str(recipe), "--no-progress"]).exit_code == 0
+    run = tmp_path / "run"
+    weights = run / "final" / "policy" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING, logger="lora_ppo.checkpoint"):
+        result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress", "train.steps=4", "--resume", "auto"])
+    assert result.exit_code == 0, result.stderr
+    assert f"checkpoint {run / 'final'} cannot be loaded" in caplog.text and "goes back to" in caplog.text
+    assert f"from step 2 ({run / 'checkpoints' / 'step-2'})" in result.stderr
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+    (run / "checkpoints" / "step-3" / "optimizer.pt").write_bytes(b"not a pickle at all")
+    result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress", "train.steps=5", "--resume",
+                                 str(run / "checkpoints" / "step-3")])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: --resume: checkpoint {run / 'checkpoints' / 'step-3'} cannot be loaded: ")
