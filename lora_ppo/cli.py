@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from lora_ppo.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, RecipeError, first_line
+from lora_ppo.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, RecipeError, first_line, user_frames
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RLHF with PPO on one 4-bit backbone.")
 
@@ -184,7 +184,15 @@ def _run(command: str, recipe: Path, overrides: Optional[List[str]], start, summ
         summary = trainer.train()
     except RecipeError as err:
         _fail(str(err))
-    except (RewardError, TrainingHalted, CheckpointError) as err:
+    except RewardError as err:
+        # The user's own frames (their file and line) follow the one line, never lora_ppo's.
+        frames = user_frames(err, str(Path(__file__).parent))
+        if frames:
+            typer.echo("error: " + " ".join(str(err).splitlines()), err=True)
+            typer.echo(frames, err=True)
+            raise typer.Exit(1)
+        _fail(str(err), code=1)
+    except (TrainingHalted, CheckpointError) as err:
         _fail(str(err), code=1)
     except KeyboardInterrupt:
         # Stopped before its first checkpoint, a run has nothing to resume: rerunning starts over.

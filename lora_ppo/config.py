@@ -266,6 +266,11 @@ class RewardConfig(RewardSourceConfig):
     """Independent scores logged beside the reward, never optimised (`vader`, `textblob`), so reward hacking
     shows as a gap between the reward and them.
     """
+    timeout_s: Optional[float] = Field(None, gt=0)
+    """Seconds each reward source (and side metric) may take on one batch; past it the run stops with one
+    line naming the function (the last checkpoint stays as it was). null: no limit. A function that calls a
+    server or runs tests should have one: a hung call otherwise hangs the run.
+    """
 
     @model_validator(mode="after")
     def _mix(self) -> "RewardConfig":

@@ -16,3 +16,20 @@ def first_line(err: BaseException) -> str:
     library errors often carry pages of context that would bury a one-line error."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def user_frames(err: BaseException, package_dir: str) -> str:
+    """Where user code raised `err`'s cause (a reward function's own error): its traceback's
+    frames outside `package_dir` (lora_ppo) and the standard library's threading, formatted as
+    Python does. Empty when there is no cause or no such frame."""
+    import traceback
+
+    cause = err.__cause__
+    if cause is None or cause.__traceback__ is None:
+        return ""
+    frames = [f for f in traceback.extract_tb(cause.__traceback__)
+              if not f.filename.startswith(package_dir) and not f.filename.endswith("threading.py")]
+    if not frames:
+        return ""
+    lines = traceback.format_list(frames) + traceback.format_exception_only(type(cause), cause)
+    return "".join(lines).rstrip("\n")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -288,16 +289,18 @@ class RewardSources:
 
     sources: list[WeightedSource]
     side: dict[str, RewardFn] = field(default_factory=dict)
+    timeout_s: Optional[float] = None  # reward.timeout_s: per source and batch
 
     @classmethod
-    def of(cls, fn: RewardFn, side: Optional[dict[str, RewardFn]] = None) -> "RewardSources":
+    def of(cls, fn: RewardFn, side: Optional[dict[str, RewardFn]] = None,
+           timeout_s: Optional[float] = None) -> "RewardSources":
         """One source, with weight 1."""
-        return cls([WeightedSource(_name(fn), fn)], side or {})
+        return cls([WeightedSource(_name(fn), fn)], side or {}, timeout_s)
 
     def score(self, batch: RewardBatch) -> RewardScores:
         """Every source's and side metric's checked scores, and the weighted total."""
-        by_source = {s.name: score_completions(s.fn, batch, s.name) for s in self.sources}
-        side = {name: score_completions(fn, batch, name) for name, fn in self.side.items()}
+        by_source = {s.name: score_completions(s.fn, batch, s.name, self.timeout_s) for s in self.sources}
+        side = {name: score_completions(fn, batch, name, self.timeout_s) for name, fn in self.side.items()}
         total = [sum(s.weight * by_source[s.name][i] for s in self.sources) for i in range(len(batch.completions))]
         return RewardScores(total, by_source, side)
 
@@ -329,12 +332,12 @@ def build_reward_sources(cfg: RewardConfig, policy_model: ModelConfig, reward_fn
     metrics. `adapter_scorer` scores token sequences with the reward adapter, for `kind: adapter`."""
     side = build_side_metrics(cfg)
     if reward_fn is not None:
-        return RewardSources.of(reward_fn, side)
+        return RewardSources.of(reward_fn, side, cfg.timeout_s)
     sources = [
         WeightedSource(s.log_name, build_reward(s, policy_model, adapter_scorer), s.weight, s.normalize)
         for s in cfg.source_list()
     ]
-    return RewardSources(sources, side)
+    return RewardSources(sources, side, cfg.timeout_s)
 
 
 def build_reward(cfg: RewardSourceConfig, policy_model: Optional[ModelConfig] = None,
@@ -407,15 +410,49 @@ def _name(fn: RewardFn) -> str:
     return getattr(fn, "__name__", repr(fn))
 
 
-def score_completions(fn: RewardFn, batch: RewardBatch, name: Optional[str] = None) -> list[float]:
-    """Call a reward source and check what it returns: one finite float per completion."""
+def call_within(fn: RewardFn, batch: RewardBatch, name: str, timeout_s: Optional[float]) -> Any:
+    """`call_reward`, given at most `timeout_s` seconds: past it, RewardError. The call runs in a
+    daemon thread, which a hung function keeps, but which never keeps the process from exiting."""
+    if timeout_s is None:
+        return call_reward(fn, batch)
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call_reward(fn, batch)
+        except BaseException as err:  # handed to the caller's thread below
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, name=f"reward {name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise RewardError(f"reward function {name} did not return within reward.timeout_s ({timeout_s:g} s)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def score_completions(fn: RewardFn, batch: RewardBatch, name: Optional[str] = None,
+                      timeout_s: Optional[float] = None) -> list[float]:
+    """Call a reward source and check what it returns: one finite number per completion (text,
+    even "0.5", is refused: it is a sign of a function returning what it was meant to parse)."""
     name = name or _name(fn)
     try:
-        raw = call_reward(fn, batch)
+        raw = call_within(fn, batch, name, timeout_s)
+    except RewardError:
+        raise
     except Exception as err:
         raise RewardError(f"reward function {name} raised {type(err).__name__}: {err}") from err
     try:
-        scores = [float(x) for x in raw]
+        values = [raw] if isinstance(raw, (str, bytes)) else list(raw)
+    except TypeError as err:
+        raise RewardError(f"reward function {name} must return a list of floats: {err}") from None
+    texts = [x for x in values if isinstance(x, (str, bytes))]
+    if texts:
+        raise RewardError(f"reward function {name} must return a list of numbers, and returned text ({texts[0]!r})")
+    try:
+        scores = [float(x) for x in values]
     except (TypeError, ValueError) as err:
         raise RewardError(f"reward function {name} must return a list of floats: {err}") from None
     if len(scores) != len(batch.completions):

@@ -32,3 +32,18 @@ def needs_solution(prompts, completions, solution):
 def trl_style(completions, **kwargs):
     """As TRL's own reward functions are written: completions, and everything else in kwargs."""
     return [float(len(c[0]["content"] if isinstance(c, list) else c)) for c in completions]
+
+
+def hangs(prompts, completions):
+    """Never returns: waits on an event nobody sets (reward.timeout_s must end the run)."""
+    import threading
+
+    threading.Event().wait()
+
+
+def numeric_strings(prompts, completions):
+    return ["0.5" for _ in completions]
+
+
+def one_string(prompts, completions):
+    return "1" * len(completions)

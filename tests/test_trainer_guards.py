@@ -135,7 +135,31 @@ def test_bad_reward_function_is_named(tmp_path, tiny_model_dir, function, messag
     recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run", eval=False)
     result = CliRunner().invoke(app, ["train", str(recipe), f"reward.function={function}"])
     assert result.exit_code == 1
-    assert result.stderr.strip().splitlines()[-1] == f"error: {message}"
+    lines = result.stderr.strip().splitlines()
+    start = lines.index(f"error: {message}")
+    # After the one line: the user's own frames (their file and line), none of lora_ppo's.
+    frames = lines[start + 1:]
+    if function.endswith(":raises"):
+        assert any("reward_fns.py" in line and "in raises" in line for line in frames), frames
+        assert frames[-1] == "RuntimeError: reward server is down"
+    else:
+        assert frames == []
+    assert not any("lora_ppo" in line for line in frames)
+
+
+@pytest.mark.parametrize("function, message", [
+    ("tests.reward_fns:numeric_strings", "must return a list of numbers, and returned text ('0.5')"),
+    ("tests.reward_fns:one_string", "must return a list of numbers, and returned text ('1111')"),
+    ("tests.reward_fns:hangs", "reward function hangs did not return within reward.timeout_s (0.5 s)"),
+])
+def test_a_reward_returning_text_or_hanging_stops_with_one_line(tmp_path, tiny_model_dir, function, message):
+    """Text is refused even when it reads as a number ("0.5"); a function that never returns is
+    stopped at reward.timeout_s (it waits on an event nobody sets: no race with the clock)."""
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run", eval=False)
+    result = CliRunner().invoke(app, ["train", str(recipe), f"reward.function={function}", "reward.timeout_s=0.5"])
+    assert result.exit_code == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: reward function") and message in last
 
 
 def test_non_finite_reward_names_function_and_prompt_index(tmp_path, tiny_model_dir):
