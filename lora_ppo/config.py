@@ -276,7 +276,7 @@ class RewardConfig(RewardSourceConfig):
     def _mix(self) -> "RewardConfig":
         if self.sources:
             # A field written out at its default (a run's resolved recipe.yaml) is not set beside them.
-            beside = sorted(name for name in set(self.model_fields_set) - {"sources", "also_log"}
+            beside = sorted(name for name in self.model_fields_set & set(RewardSourceConfig.model_fields)
                             if getattr(self, name) != RewardSourceConfig.model_fields[name].default)
             if beside:
                 raise ValueError(f"{beside[0]}: with sources, set each source's fields in its entry of sources")
@@ -929,6 +929,59 @@ def _validates(data: dict[str, Any], overrides: list[str], schema: type[Section]
     except RecipeError:
         return False
     return True
+
+
+# Fields that may name a local file or folder, by path in the recipe ("*": every list entry).
+LOCAL_PATH_FIELDS = (
+    "model.name", "data.source", "data.eval_source", "adapters.policy.init_from", "adapters.value.init_from",
+    "adapters.reference", "adapter.init_from", "reward.adapter", "reward.model", "reward.sources.*.adapter",
+    "reward.sources.*.model",
+)
+# Values of those fields that are words, not paths (a folder of that name does not change them).
+PATH_KEYWORDS = {"", "auto", "disable", "none", "reward"}
+
+
+def with_absolute_paths(recipe: Section) -> Section:
+    """The recipe with every local path it names (relative to the current folder, where it was
+    found) made absolute, and a reward module found as a `.py` file there named by that file, so
+    the run folder's recipe.yaml works from anywhere: `eval`, `generate`, `merge-and-export` and
+    `--resume` from another folder. Hub ids and keywords stay as they are."""
+    import glob
+
+    data = recipe.model_dump(mode="json")
+
+    def absolute(value: Any) -> Any:
+        if (not isinstance(value, str) or value in PATH_KEYWORDS or value.startswith(BUILTIN_PREFIX)
+                or Path(value).is_absolute()):
+            return value
+        if Path(value).expanduser().exists() or (any(c in value for c in "*?[") and glob.glob(value)):
+            return str(Path.cwd() / Path(value).expanduser())  # "~/x" expands to an absolute path as it is
+        return value
+
+    def module_file(spec: Any) -> Any:
+        # A reward module found as a file in the current folder is recorded by its path.
+        module, colon, attr = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+        if colon and module.isidentifier() and Path(f"{module}.py").is_file():
+            return f"{Path.cwd() / module}.py:{attr}"
+        return spec
+
+    def walk(node: Any, keys: list[str], convert) -> None:
+        if node is None or not keys:
+            return
+        key, rest = keys[0], keys[1:]
+        items = list(enumerate(node)) if key == "*" and isinstance(node, list) else \
+            [(key, node.get(key))] if isinstance(node, dict) and key in node else []
+        for k, child in items:
+            if rest:
+                walk(child, rest, convert)
+            else:
+                node[k] = convert(child)
+
+    for field in LOCAL_PATH_FIELDS:
+        walk(data, field.split("."), absolute)
+    for field in ("reward.function", "reward.sources.*.function"):
+        walk(data, field.split("."), module_file)
+    return type(recipe).model_validate(data)
 
 
 def recipe_to_yaml(recipe: Section) -> str:

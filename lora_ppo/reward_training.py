@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from lora_ppo import checkpoint
 from lora_ppo.builtin_model import portable_name
-from lora_ppo.config import RewardRecipe, recipe_to_yaml
+from lora_ppo.config import RewardRecipe, recipe_to_yaml, with_absolute_paths
 from lora_ppo.data import PreferencePair, PromptStream, load_preference_sets
 from lora_ppo.memory import run_peak_gb
 from lora_ppo.model import dequantized_once, load_base_model, load_tokenizer
@@ -66,6 +66,7 @@ class RewardTrainer:
     """
 
     def __init__(self, recipe: RewardRecipe, progress: bool = True, resume: Optional[str | Path] = None):
+        recipe = with_absolute_paths(recipe)  # recipe.yaml works from any folder (eval, export, resume)
         self.recipe = recipe
         self.recipe_yaml = recipe_to_yaml(recipe)
         self.progress = progress

@@ -12,10 +12,14 @@ arrives as a keyword with one value per completion. A function `f(prompts, compl
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 import math
+import os
+import sys
 import threading
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -121,16 +125,47 @@ def exact_match_reward(answer_column: str) -> RewardFn:
 
 
 def import_function(spec: str) -> RewardFn:
-    """Import `package.module:function`; only ever called for the function a recipe names."""
-    module_name, _, attr = spec.partition(":")
+    """Import `package.module:function`, or `path/to/file.py:function` (how a run records a module
+    it found in the current folder); only ever called for the function a recipe names."""
+    module_name, _, attr = spec.rpartition(":")
     try:
-        module = importlib.import_module(module_name)
+        if module_name.endswith(".py"):
+            module = _module_from_file(Path(module_name))
+        else:
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as err:
+                # `lora-ppo` (a console script) does not search the current folder as `python` does;
+                # a module beside the user's recipe and data is what they mean. Installed ones win.
+                if err.name != module_name.partition(".")[0] or os.getcwd() in sys.path:
+                    raise
+                sys.path.append(os.getcwd())
+                module = importlib.import_module(module_name)
     except Exception as err:  # an import error in user code is a recipe problem, not a crash
         raise RecipeError(f"reward.function: cannot import module {module_name!r}: {err}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise RecipeError(f"reward.function: {module_name!r} has no callable named {attr!r}")
     return fn
+
+
+def _module_from_file(path: Path):
+    """The module in the Python file `path`, loaded once per process (by its absolute path)."""
+    import importlib.util
+
+    name = f"lora_ppo_user_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}_{path.stem}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None or not path.is_file():
+            raise ModuleNotFoundError(f"no Python file {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
 
 
 def importable_name(fn: RewardFn) -> Optional[str]:

@@ -14,7 +14,7 @@ import torch
 
 from lora_ppo import checkpoint, ppo_math
 from lora_ppo.alarms import LOGPROB_TOLERANCE, first_step_logprob_error
-from lora_ppo.config import Recipe, recipe_to_yaml
+from lora_ppo.config import Recipe, recipe_to_yaml, with_absolute_paths
 from lora_ppo.data import PromptStream, count_summary
 from lora_ppo.distributed import World, join_world
 from lora_ppo.errors import RecipeError
@@ -60,6 +60,7 @@ class PPOTrainer:
         # What the run trains on is what its recipe.yaml says: a reward_fn by its importable name,
         # or `reward.kind: python`, never the recipe's own reward section it replaced.
         recipe = recipe.model_copy(update={"reward": recorded_reward(recipe.reward, reward_fn)})
+        recipe = with_absolute_paths(recipe)  # recipe.yaml works from any folder (eval, export, resume)
         self.recipe = recipe
         self.recipe_yaml = recipe_to_yaml(recipe)
         self.world = world if world is not None else join_world()

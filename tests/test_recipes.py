@@ -29,6 +29,7 @@ reward:
     - {kind: math_answer, answer_column: answer, weight: 2.0}
     - {kind: function, function: tests.reward_fns:count_letter_e, weight: -0.1, name: letters}
   also_log: [textblob]
+  timeout_s: 30
 """
 
 
