@@ -295,6 +295,24 @@ def resolved_eval_source(cfg: DataConfig) -> Optional[str]:
     return cfg.eval_source
 
 
+def text_prompt_format(tokenizer, cfg: DataConfig, conversational: bool) -> "PromptFormat":
+    """How a text prompt given after training (`generate`, `eval --prompts`, export's parity
+    probes) is formatted to look like the run's prompts: in the chat template when the recipe
+    said so, and whenever the run trained on conversations, which always go through it."""
+    return PromptFormat(tokenizer, cfg.chat_template or conversational, cfg.system_prompt)
+
+
+def trained_on_conversations(cfg: DataConfig) -> bool:
+    """Whether the run's training prompts were conversations (read off its data source's first
+    row; False, with a warning, when the source can no longer be read)."""
+    try:
+        rows, _ = load_rows(cfg.source, cfg.split, cfg.name, cfg.revision)
+    except RecipeError as err:
+        log.warning("%s: text prompts are formatted by data.chat_template alone", err)
+        return False
+    return any(isinstance(row.get(cfg.prompt_column), list) for row in rows[:1])
+
+
 def load_prompt_sets(cfg: DataConfig, tokenizer, seed: int) -> tuple[PromptSet, PromptSet]:
     """(train, held-out) prompt sets for a recipe's data section."""
     fmt = PromptFormat(tokenizer, cfg.chat_template, cfg.system_prompt)

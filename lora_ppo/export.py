@@ -15,6 +15,7 @@ from typing import Literal, Optional
 import torch
 
 from lora_ppo.atomic import atomic_folder
+from lora_ppo.data import trained_on_conversations
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.model_card import MODEL_CARD_FILE, adapter_card, merged_card
 from lora_ppo.parity import (
@@ -300,7 +301,8 @@ def _export_merged(checkpoint: Checkpoint, recipe, adapter_dir: Path, out: Path,
 
     torch_dtype = DTYPES[dtype]
     tokenizer = load_tokenizer(recipe.model)
-    prompts = probe_ids(tokenizer, recipe.data)
+    conversational = trained_on_conversations(recipe.data)
+    prompts = probe_ids(tokenizer, recipe.data, conversational)
     log.info("merging %s into the %s base (%s)", adapter_dir, base, recipe.model.name)
     merged, refs, ref_description, ref_dtype = _merged_model(recipe, adapter_dir, base, prompts, verify)
     merge_parity = None
@@ -324,7 +326,7 @@ def _export_merged(checkpoint: Checkpoint, recipe, adapter_dir: Path, out: Path,
                 # Check the files as written, before they are published: the staging folder is
                 # loaded back exactly as a user would load the export.
                 parity = _check_written(staging, recipe, prompts, refs, dtype,
-                                        tolerance_for(torch_dtype, ref_dtype), ref_description)
+                                        tolerance_for(torch_dtype, ref_dtype), ref_description, conversational)
                 _raise_if_failed(parity, out)
             merged_card(checkpoint, recipe, base, dtype, parity, merge_parity).save(staging / MODEL_CARD_FILE)
     except (OSError, SafetensorError) as err:
@@ -335,7 +337,7 @@ def _export_merged(checkpoint: Checkpoint, recipe, adapter_dir: Path, out: Path,
 
 
 def _check_written(folder: Path, recipe, prompts: list[torch.Tensor], refs: list[ProbeReference], dtype: str,
-                   tolerance: Tolerance, ref_description: str) -> ParityReport:
+                   tolerance: Tolerance, ref_description: str, conversational: bool) -> ParityReport:
     """Load the exported model and tokenizer from `folder` and compare them with the reference."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -349,7 +351,7 @@ def _check_written(folder: Path, recipe, prompts: list[torch.Tensor], refs: list
     )
     exported.eval()
     exported_tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust)
-    same_ids = all(torch.equal(a, b) for a, b in zip(prompts, probe_ids(exported_tok, recipe.data)))
+    same_ids = all(torch.equal(a, b) for a, b in zip(prompts, probe_ids(exported_tok, recipe.data, conversational)))
     parity = compare(exported, refs, tolerance, ref_description, f"exported {dtype} model", same_ids)
     del exported
     _release()

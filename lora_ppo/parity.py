@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from lora_ppo.config import DataConfig
-from lora_ppo.data import PromptFormat
+from lora_ppo.data import text_prompt_format
 
 # Probe prompts for the parity check: short, mixed text any tokenizer can encode. With
 # data.chat_template (and data.system_prompt) they are formatted as the policy saw its prompts.
@@ -125,9 +125,10 @@ class ProbeReference:
     logits: torch.Tensor  # [T, V] float32, on CPU
 
 
-def probe_ids(tokenizer, data: DataConfig) -> list[torch.Tensor]:
-    """The probe prompts as token ids ([T] each), formatted as the run formatted its prompts."""
-    fmt = PromptFormat(tokenizer, data.chat_template, data.system_prompt)
+def probe_ids(tokenizer, data: DataConfig, conversational: bool = False) -> list[torch.Tensor]:
+    """The probe prompts as token ids ([T] each), formatted as the run formatted its prompts
+    (`conversational`: it trained on conversations, so in the chat template)."""
+    fmt = text_prompt_format(tokenizer, data, conversational)
     return [torch.tensor(fmt.render(p)[1]) for p in PROBE_PROMPTS]
 
 

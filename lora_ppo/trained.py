@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from lora_ppo import checkpoint
 from lora_ppo.config import Recipe, load_recipe
-from lora_ppo.data import PromptFormat, PromptRow, load_rows, prepare_rows
+from lora_ppo.data import PromptRow, load_rows, prepare_rows, text_prompt_format
 from lora_ppo.errors import RecipeError
 from lora_ppo.evaluation import Evaluation
 from lora_ppo.model import dequantized_once
@@ -29,6 +29,11 @@ class Trained:
     folder: Path  # the checkpoint the policy adapter came from
     step: Optional[int]
     parts: Parts
+
+    @property
+    def conversational(self) -> bool:
+        """The run trained on conversations: text prompts given now go through the chat template."""
+        return any(isinstance(row.prompt, list) for row in self.parts.train_prompts.rows[:1])
 
 
 def load_trained(source: str | Path) -> Trained:
@@ -48,7 +53,7 @@ def prompts_from_file(trained: Trained, path: str) -> list[PromptRow]:
     column, or one per line in a .txt), formatted as the run formatted its prompts."""
     cfg = trained.recipe.data
     rows, _ = load_rows(path, "train", field_name="--prompts")
-    fmt = PromptFormat(trained.parts.tokenizer, cfg.chat_template, cfg.system_prompt)
+    fmt = text_prompt_format(trained.parts.tokenizer, cfg, trained.conversational)
     prompts = prepare_rows(rows, cfg.prompt_column, fmt, MAX_PROMPT_TOKENS, path)
     if not prompts.rows:
         raise RecipeError(f"--prompts: no usable prompt in {path!r}")
@@ -71,7 +76,7 @@ def generate(trained: Trained, prompts: Sequence[str], compare_reference: bool =
     import torch
 
     recipe, parts = trained.recipe, trained.parts
-    fmt = PromptFormat(parts.tokenizer, recipe.data.chat_template, recipe.data.system_prompt)
+    fmt = text_prompt_format(parts.tokenizer, recipe.data, trained.conversational)
     rows = prepare_rows([{"prompt": p} for p in prompts], "prompt", fmt, MAX_PROMPT_TOKENS, "the command line").rows
     if len(rows) != len(prompts):
         raise RecipeError("generate: a prompt is empty")

@@ -104,3 +104,39 @@ def test_the_builtin_model_is_named_by_its_hub_id():
         assert portable_name(BUILTIN_PREFIX + key) == builtin.hub_id
         assert "/" in builtin.hub_id and not builtin.hub_id.startswith(("/", "."))
     assert portable_name("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_a_run_on_conversations_formats_later_text_prompts_in_its_chat_template(tmp_path, tiny_model_dir,
+                                                                                monkeypatch):
+    """A run trained on `messages` (data.chat_template left false): `generate`'s text prompts and
+    export's parity probes go through the chat template as its training prompts did, not as raw
+    text (which gave empty answers)."""
+    import lora_ppo
+    from lora_ppo.parity import PROBE_PROMPTS, probe_ids
+    from lora_ppo.rollout import Sampler
+    from lora_ppo.trained import generate, load_trained
+    from tests.conftest import tiny_recipe_dict
+
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Ticket {i}"}]}) + "\n"
+                              for i in range(8)), encoding="utf-8")
+    d = tiny_recipe_dict(tiny_model_dir, tmp_path / "run", data={"source": str(source), "prompt_column": "messages",
+                                                                   "eval_size": 2}, train={"steps": 1, "eval": False})
+    lora_ppo.PPOTrainer(lora_ppo.recipe_from_dict(d), progress=False).train()
+
+    trained = load_trained(tmp_path / "run")
+    assert trained.conversational and not trained.recipe.data.chat_template
+    seen = []
+    real = Sampler.sample
+
+    def spy(self, rows, *args, **kwargs):
+        seen.extend(row.text for row in rows)
+        return real(self, rows, *args, **kwargs)
+
+    monkeypatch.setattr(Sampler, "sample", spy)
+    generate(trained, ["Where is my parcel?"], max_new_tokens=2)
+    assert seen == ["<|im_start|>user\nWhere is my parcel?<|im_end|>\n<|im_start|>assistant\n"]
+
+    tokenizer = trained.parts.tokenizer
+    probes = [tokenizer.decode(ids) for ids in probe_ids(tokenizer, trained.recipe.data, conversational=True)]
+    assert probes[0] == f"<|im_start|>user\n{PROBE_PROMPTS[0]}<|im_end|>\n<|im_start|>assistant\n"
