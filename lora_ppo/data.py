@@ -26,6 +26,9 @@ Messages = list[dict[str, str]]
 
 # Why a row was dropped.
 NOT_TEXT = "not_text"  # neither text nor a list of messages
+# Text holding a JSON list of messages (a conversation column saved through CSV): reading it as a
+# prompt would train on JSON; load the file as .jsonl (or parse the column) instead.
+JSON_TEXT = "conversation_as_json_text"
 EMPTY = "empty"
 TOO_LONG = "too_long"
 BAD_MESSAGE = "message_without_role_or_content"
@@ -175,6 +178,18 @@ def _one_builder(files: list[str], field_name: str) -> str:
 # ---- formatting -------------------------------------------------------------------------------
 
 
+def _is_json_conversation(text: str) -> bool:
+    """Whether `text` is a JSON list of `{role, content}` messages."""
+    stripped = text.strip()
+    if not (stripped.startswith("[") and stripped.endswith("]")):
+        return False
+    try:
+        value = json.loads(stripped)
+    except json.JSONDecodeError:
+        return False
+    return bool(value) and isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
 class PromptProblem(ValueError):
     """Why one row cannot be a prompt (one of the reason names above)."""
 
@@ -210,6 +225,8 @@ class PromptFormat:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise PromptProblem(EMPTY)
+            if _is_json_conversation(prompt):
+                raise PromptProblem(JSON_TEXT)
             if not self.chat_template:
                 if self.system_prompt:
                     raise RecipeError("data.system_prompt: text prompts take a system prompt only with "

@@ -311,3 +311,20 @@ def test_a_broken_data_file_is_one_line_naming_the_file_and_line(tmp_path, conte
     with pytest.raises(RecipeError) as raised:
         load_rows(str(source), "train")
     assert str(raised.value) == f"data.source: {source} {expected}"
+
+
+def test_a_conversation_saved_as_json_text_is_refused_not_read_as_a_prompt(tmp_path, tiny_tokenizer):
+    """A `messages` column that went through CSV holds JSON text: used as literal text the policy
+    would learn to continue JSON. Such rows are dropped and counted by their reason."""
+    import csv
+
+    source = tmp_path / "chats.csv"
+    with source.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["messages"])
+        writer.writerow([json.dumps([{"role": "user", "content": "Where is my parcel?"}])])
+        writer.writerow(["[1, 2] is a fine list to ask about"])  # text that merely starts like JSON
+    rows, _ = load_rows(str(source), "train")
+    prompts = prepare_rows(rows, "messages", PromptFormat(tiny_tokenizer, False), 64, str(source))
+    assert [row.prompt for row in prompts.rows] == ["[1, 2] is a fine list to ask about"]
+    assert prompts.dropped == {"conversation_as_json_text": 1}
