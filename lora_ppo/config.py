@@ -367,7 +367,9 @@ class RolloutConfig(Section):
     ppo.grad_accum_steps`.
     """
     max_new_tokens: int = Field(24, gt=0)
-    """The response length limit in tokens."""
+    """The response length limit in tokens; with `data.max_prompt_tokens` it must fit the model's context
+    (checked before the model loads).
+    """
     temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature; old and reference logprobs use the same one, so the PPO ratio starts at 1."""
     top_k: int = Field(0, ge=0)

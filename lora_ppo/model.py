@@ -59,6 +59,23 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
+def check_context(cfg: ModelConfig, prompt_tokens: int, new_tokens: int) -> None:
+    """Refuse sequences longer than the model's context (its position table, from the config
+    alone): past it, positions wrap or fail deep inside a forward. Models without a fixed limit
+    (ALiBi, as Bloom) pass."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(cfg.name), trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _load_error(cfg.name, err) from None
+    text = config.get_text_config()
+    context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if context and prompt_tokens + new_tokens > context:
+        raise RecipeError(f"rollout.max_new_tokens: prompts of up to {prompt_tokens} tokens (data.max_prompt_tokens) "
+                          f"plus {new_tokens} new ones exceed the model's context of {context} tokens")
+
+
 def load_base_model(cfg: ModelConfig):
     """Load the base causal LM once, quantized as the recipe says, every weight frozen."""
     from transformers import AutoModelForCausalLM

@@ -13,7 +13,7 @@ import torch
 from lora_ppo.builtin_model import portable_name
 from lora_ppo.config import PPOConfig, Recipe
 from lora_ppo.data import PromptRow, PromptSet, load_prompt_sets
-from lora_ppo.model import dequantized_once, load_base_model, load_tokenizer
+from lora_ppo.model import check_context, dequantized_once, load_base_model, load_tokenizer
 from lora_ppo.quantization import compute_dtype
 from lora_ppo.rewards import RewardSources, build_reward_sources, check_reward_columns
 from lora_ppo.evaluation import Evaluation, evaluate
@@ -64,6 +64,7 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
     """
     seed_everything(recipe.train.seed)
     tokenizer = load_tokenizer(recipe.model)
+    check_context(recipe.model, recipe.data.max_prompt_tokens, recipe.rollout.max_new_tokens)
     train_prompts, eval_prompts = load_prompt_sets(recipe.data, tokenizer, recipe.train.seed)
     check_reward_columns(recipe.reward, train_prompts.columns, recipe.data.source, reward_fn)
     if not recipe.adapters.reference_enabled:

@@ -73,3 +73,12 @@ def test_a_truncated_weights_file_is_one_line_naming_the_model(tmp_path, tiny_mo
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith(f"error: model.name: cannot load {str(folder)!r}: ") and "Traceback" not in result.output
+
+
+def test_prompt_and_response_longer_than_the_context_are_refused_before_loading(tmp_path, tiny_model_dir):
+    """The tiny Llama has 256 positions: 200 prompt + 100 new tokens cannot fit."""
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_model_dir, tmp_path / "run")
+    result = CliRunner().invoke(app, ["train", str(recipe), "data.max_prompt_tokens=200", "rollout.max_new_tokens=100"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ("error: rollout.max_new_tokens: prompts of up to 200 tokens "
+                                     "(data.max_prompt_tokens) plus 100 new ones exceed the model's context of 256 tokens")

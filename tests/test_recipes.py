@@ -82,7 +82,7 @@ def _dataset_folder(root: Path, splits: dict[str, list[dict]], config: str | Non
 SMALL = ["rollout.batch_size=4", "rollout.samples_per_prompt=2", "ppo.num_minibatches=1", "ppo.grad_accum_steps=2",
          "ppo.num_epochs=1", "rollout.max_new_tokens=8", "rollout.forward_batch_size=2", "data.eval_size=2",
          "data.eval_batch_size=4", "data.eval_split=test", "train.steps=1", "train.save_every=0",
-         "model.gradient_checkpointing=false"]
+         "model.gradient_checkpointing=false", "data.max_prompt_tokens=128"]  # the tiny model has 256 positions
 
 
 def test_gsm8k_recipe_runs_end_to_end_on_a_local_stand_in(tmp_path, tiny_model_dir):
