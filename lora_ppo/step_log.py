@@ -54,14 +54,25 @@ class StepLog:
             self.trackers.log(metrics, state.step)
         every = self.recipe.train.sample_every
         if every and state.step % every == 0:
-            samples = [{"step": state.step, "prompt": row.prompt, "completion": completion, "score": score}
-                       for row, completion, score in zip(rollout.rows, rollout.completions, rollout.scores.tolist())]
-            for sample in samples[:SAMPLES_PER_LOG]:
-                append_jsonl(self.run.samples, sample)
-                state.samples_lines += 1
-            if self.trackers is not None:
-                self.trackers.log_samples(samples[:SAMPLES_PER_LOG], state.step)
+            state.samples_lines += self._write_samples(state.step, rollout)
         self._show(state, metrics)
+
+    def record_last_samples(self, state: TrainState, rollout: Rollout) -> None:
+        """The end of the run's samples, when its last step was not a sampled one. Left out of
+        the line count the final checkpoint saves: a run continued from it drops them and samples
+        as one that never stopped there."""
+        every = self.recipe.train.sample_every
+        if every and state.step % every:
+            self._write_samples(state.step, rollout)
+
+    def _write_samples(self, step: int, rollout: Rollout) -> int:
+        samples = [{"step": step, "prompt": row.prompt, "completion": completion, "score": score}
+                   for row, completion, score in zip(rollout.rows, rollout.completions, rollout.scores.tolist())]
+        for sample in samples[:SAMPLES_PER_LOG]:
+            append_jsonl(self.run.samples, sample)
+        if self.trackers is not None:
+            self.trackers.log_samples(samples[:SAMPLES_PER_LOG], step)
+        return len(samples[:SAMPLES_PER_LOG])
 
     def _alarms(self, metrics: dict) -> None:
         before = {name for name in ALARMS if self.history and self.history[-1].get(f"alarm/{name}")}

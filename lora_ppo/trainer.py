@@ -115,9 +115,12 @@ class PPOTrainer:
         if main:
             self.step_log.open(state)
         try:
+            last_rollout = None
             with stop_on_signals(announce=main) as stop:
                 while state.step < r.train.steps:
-                    self._one_step(stop)
+                    last_rollout = self._one_step(stop)
+            if main and last_rollout is not None:
+                self.step_log.record_last_samples(state, last_rollout)
         finally:
             if main:
                 self.step_log.close()
@@ -255,8 +258,8 @@ class PPOTrainer:
         log.warning("step %d: non-finite %s, update skipped (%d in a row, limit %d)",
                     state.step, bad, state.consecutive_skips, self.recipe.train.max_consecutive_skips)
 
-    def _one_step(self, stop: StopRequest) -> None:
-        """One step with its log, guard and checkpoint."""
+    def _one_step(self, stop: StopRequest) -> Rollout:
+        """One step with its log, guard and checkpoint; returns the step's rollout."""
         r, state = self.recipe, self.state
         metrics, rollout = self.train_step()
         if self.world.is_main:
@@ -282,6 +285,7 @@ class PPOTrainer:
             if self.world.is_main:
                 print(f"interrupted at step {state.step}: checkpoint saved to {folder}", file=sys.stderr)
             raise KeyboardInterrupt
+        return rollout
 
     # ---- evaluation, run folder and checkpoints ---------------------------------------------
 

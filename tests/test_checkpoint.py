@@ -281,3 +281,20 @@ def test_resume_auto_goes_back_past_a_checkpoint_it_cannot_read(tmp_path, tiny_m
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith(f"error: --resume: checkpoint {run / 'checkpoints' / 'step-3'} cannot be loaded: ")
+
+
+def test_samples_are_written_at_the_end_and_a_continued_run_drops_them(tmp_path, tiny_model_dir):
+    """train.sample_every 2 over 3 steps: samples at step 2 and at the end (3). Continued to 4
+    steps from final/, the run samples as one that never stopped at 3: steps 2 and 4."""
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run", steps=3, eval=False,
+                          sample_every=2, save_every=0)
+    samples = tmp_path / "run" / "samples.jsonl"
+
+    def sampled_steps() -> list[int]:
+        return sorted({json.loads(line)["step"] for line in samples.read_text().splitlines()})
+
+    assert CliRunner().invoke(app, ["train", str(recipe), "--no-progress"]).exit_code == 0
+    assert sampled_steps() == [2, 3]
+    result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress", "train.steps=4", "--resume", "auto"])
+    assert result.exit_code == 0, result.stderr
+    assert sampled_steps() == [2, 4]
