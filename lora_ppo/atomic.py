@@ -95,15 +95,21 @@ def _replace(staging: Path, target: Path) -> None:
     if target.is_symlink() or target.is_file():
         target.unlink()
     elif target.exists():
-        aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent)) / "previous"
-        os.replace(target, aside)
+        holder = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        try:
+            os.replace(target, holder / "previous")
+        except OSError:
+            holder.rmdir()  # nothing moved: no empty holder left behind
+            raise
+        aside = holder / "previous"
     try:
         os.replace(staging, target)
     except OSError:
         if aside is not None:
+            # Put the previous folder back; if even that fails it stays aside, never deleted.
             os.replace(aside, target)
+            aside.parent.rmdir()
         raise
-    finally:
-        if aside is not None:
-            shutil.rmtree(aside.parent, ignore_errors=True)
+    if aside is not None:
+        shutil.rmtree(aside.parent, ignore_errors=True)  # the new folder is published: the old one goes
     _fsync(target.parent)

@@ -196,7 +196,13 @@ def load_adapters(folder: Path, model: Backbone, names: tuple[str, ...]) -> None
     try:
         for name in names:
             weights = load_file(str(Path(folder) / name / ADAPTER_WEIGHTS_FILE))
-            result = set_peft_model_state_dict(model.peft, weights, adapter_name=name)
+            try:
+                result = set_peft_model_state_dict(model.peft, weights, adapter_name=name)
+            except RuntimeError as err:  # torch's first line names neither the adapter nor the shapes
+                mismatch = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line),
+                                first_line(err))
+                raise CheckpointError(f"checkpoint {folder}: {name} adapter does not fit this model "
+                                      f"({mismatch})") from None
             if getattr(result, "unexpected_keys", None):
                 raise CheckpointError(f"checkpoint {folder}: {name} adapter does not fit this model")
             if name in model.heads:

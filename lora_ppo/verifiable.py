@@ -12,10 +12,12 @@ from typing import Optional
 # A number as people write it: a sign, digits with optional thousands commas, a decimal part, or a
 # fraction a/b. Digits glued to letters or to more digits are not a separate number.
 _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*-?\d+(?:\.\d+)?)?"
-_NUMBER_RE = re.compile(rf"(?<![\w.,]){_NUMBER}(?![\w])")
+# A LaTeX fraction is one number, not the two inside its braces (a bare `\frac{1}{2}` read as 2).
+_LATEX_FRACTION = r"-?\\[dt]?frac\{-?[\d.,]+\}\{-?[\d.,]+\}"
+_NUMBER_RE = re.compile(rf"{_LATEX_FRACTION}|(?<![\w.,]){_NUMBER}(?![\w])")
 _HASHES_RE = re.compile(r"####\s*(.+)")
 _GROUPED_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?:/-?\d+)?")
-_FRAC_RE = re.compile(r"^\\[dt]?frac\{(-?[\d.,]+)\}\{(-?[\d.,]+)\}$")
+_FRAC_RE = re.compile(r"^(-?)\\[dt]?frac\{(-?[\d.,]+)\}\{(-?[\d.,]+)\}$")
 
 
 def final_answer(text: str) -> Optional[str]:
@@ -51,7 +53,10 @@ def to_number(answer: str) -> Optional[Fraction]:
     text = text.removesuffix("\\%").removesuffix("%").strip()
     frac = _FRAC_RE.match(text)
     if frac:
-        text = f"{frac.group(1)}/{frac.group(2)}"
+        numerator, denominator = to_number(frac.group(2)), to_number(frac.group(3))
+        if numerator is None or denominator is None or denominator == 0:
+            return None
+        return (-1 if frac.group(1) else 1) * numerator / denominator
     if "," in text and not _GROUPED_RE.fullmatch(text.replace(" ", "")):
         return None  # commas that are not thousands separators: not one number
     text = text.replace(",", "").replace(" ", "")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,65 @@ def test_a_file_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         write_file_atomically(target, "newer")
     assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+# ---- a rename that fails while publishing -----------------------------------------------------
+
+
+def _old_folder(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    return target
+
+
+def _failing_replace(monkeypatch, fails):
+    """Make atomic's os.replace raise OSError for the renames `fails(src, dst)` picks."""
+    real = os.replace
+
+    def replace(src, dst):
+        if fails(str(src), str(dst)):
+            raise OSError(5, "Input/output error")
+        return real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", replace)
+
+
+def test_a_failed_publishing_rename_leaves_the_previous_folder_and_nothing_else(tmp_path, monkeypatch):
+    target = _old_folder(tmp_path)
+    staging_prefix = atomic.staging_prefix(target.name)  # staging -> target fails, putting back works
+    _failing_replace(monkeypatch, lambda src, dst: dst == str(target) and Path(src).name.startswith(staging_prefix))
+    with pytest.raises(OSError, match="Input/output error"):
+        with atomic_folder(target) as staging:
+            (staging / "new.txt").write_text("new")
+    assert sorted(p.name for p in target.iterdir()) == ["old.txt"] and (target / "old.txt").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # staging and set-aside folders removed
+
+
+def test_a_failed_rename_of_a_new_target_leaves_nothing(tmp_path, monkeypatch):
+    _failing_replace(monkeypatch, lambda src, dst: True)
+    with pytest.raises(OSError):
+        with atomic_folder(tmp_path / "out") as staging:
+            (staging / "new.txt").write_text("new")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_move_aside_leaves_the_previous_folder_and_nothing_else(tmp_path, monkeypatch):
+    target = _old_folder(tmp_path)
+    _failing_replace(monkeypatch, lambda src, dst: src == str(target))  # target -> aside
+    with pytest.raises(OSError):
+        with atomic_folder(target) as staging:
+            (staging / "new.txt").write_text("new")
+    assert (target / "old.txt").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_failed_put_back_never_deletes_the_previous_folder(tmp_path, monkeypatch):
+    target = _old_folder(tmp_path)
+    # Publishing fails, and so does putting the previous folder back where it was (both rename onto it).
+    _failing_replace(monkeypatch, lambda src, dst: dst == str(target))
+    with pytest.raises(OSError):
+        with atomic_folder(target) as staging:
+            (staging / "new.txt").write_text("new")
+    survivors = [p for p in tmp_path.rglob("old.txt")] + [p for p in tmp_path.rglob("new.txt")]
+    assert survivors, "the previous folder and the new one were both deleted"

@@ -65,3 +65,67 @@ def test_boxed_with_nested_braces_and_format_marks():
     assert last_boxed("\\boxed{unclosed") is None
     assert states_answer_in_format("so #### 12") and states_answer_in_format("\\boxed{3}")
     assert not states_answer_in_format("the answer is 12")
+
+
+# ---- answer forms: LaTeX fractions, numbers glued to text, signs, which answer is final ---------
+
+
+@pytest.mark.parametrize("response, reference", [
+    ("So the answer is \\boxed{\\dfrac{1}{2}}", "0.5"),
+    ("#### \\tfrac{3}{4}", "0.75"),
+    ("\\boxed{\\frac{-1}{2}}", "-0.5"),
+    ("x=42", "42"),  # glued to '=': still a number
+    ("It costs$1,000", "1000"),  # glued to '$'
+    ("It costs$1,000.", "1,000"),
+    ("#### $1,000", "1000"),
+    ("\\boxed{1,000}", "1000.0"),
+    ("The temperature fell to -12 degrees.", "-12"),
+    ("x = -0.5", "-1/2"),
+    ("#### -1,234.5", "-1234.5"),
+    ("It went up by 12.5%", "12.5"),
+])
+def test_answer_forms_that_match(response, reference):
+    assert answers_match(response, reference)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("x=42", "42"),
+    ("I ate 42apples", None),  # digits glued to letters are not a separate number
+    ("42apples and 7 pears", "7"),
+    ("the 42nd time", None),
+    ("It costs$1,000", "1,000"),
+    ("5-3=2", "2"),  # '-3' glued to a digit is a minus, not a sign
+    ("Step 1: 3 apples. Step 2: 4 apples.", "4"),  # the last number wins...
+    ("#### 72\nI also counted 5 ducks.", "72"),  # ...unless a #### line states the answer
+    ("\\boxed{7} because 3 + 4 = 7, not 9", "7"),  # ...or a \boxed{} does
+    ("#### 1\n\\boxed{2}", "1"),  # #### before \boxed
+    ("(42)", "42"),
+    ("[-7]", "-7"),
+])
+def test_final_answer_forms(text, expected):
+    assert final_answer(text) == expected
+
+
+@pytest.mark.parametrize("answer, number", [
+    ("\\dfrac{1}{2}", Fraction(1, 2)), ("\\tfrac{3}{4}", Fraction(3, 4)), ("1,000,000", Fraction(10**6)),
+    ("-1,234.5", Fraction(-2469, 2)), ("$1,000", Fraction(1000)), ("12.5\\%", Fraction(25, 2)),
+])
+def test_to_number_more_forms(answer, number):
+    assert to_number(answer) == number
+
+
+@pytest.mark.parametrize("response, reference", [
+    ("I ate 42apples", "42"),
+    ("The answer is 12", "-12"),
+    ("The answer is -12", "12"),
+    ("It costs $1,000", "100"),
+    ("It costs $1,0000", "1000"),
+])
+def test_answer_forms_that_must_not_match(response, reference):
+    assert not answers_match(response, reference)
+
+
+def test_a_bare_latex_fraction_is_the_last_number():
+    # The module normalises `\frac{a}{b}` as a number, so a response ending in one states that number.
+    assert answers_match("Dividing both sides, x = \\frac{1}{2}", "0.5")
+    assert not answers_match("Dividing both sides, x = \\frac{1}{2}", "2")
