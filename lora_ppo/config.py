@@ -850,10 +850,21 @@ def _format_validation_error(err: ValidationError, schema: type[Section]) -> str
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `section.field=value` overrides; values are parsed as YAML (`3`, `true`, `[a, b]`)."""
+    """Apply `section.field=value` overrides; values are parsed as YAML (`3`, `true`, `[a, b]`).
+    `~section.field` removes a field the recipe sets, so its default applies (e.g. `~reward.kind`
+    before `reward.sources=[...]` turns a one-source recipe into a mix)."""
     for item in overrides:
+        if item.startswith("~") and "=" not in item:
+            parts = item[1:].strip().split(".")
+            node = data
+            for part in parts[:-1]:
+                node = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(node, dict) or parts[-1] not in node:
+                raise RecipeError(f"override {item!r}: the recipe does not set {item[1:]}")
+            del node[parts[-1]]
+            continue
         if "=" not in item:
-            raise RecipeError(f"override {item!r}: expected key.path=value")
+            raise RecipeError(f"override {item!r}: expected key.path=value (or ~key.path to remove one)")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
         if not all(parts):

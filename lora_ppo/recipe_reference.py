@@ -45,8 +45,9 @@ Every field has a default, so a recipe names only what it changes. Unknown keys 
 a misspelt key is named in a one-line error, with the closest known field when there is one.
 
 Any field can be overridden on the command line as `section.field=value`; values are YAML
-(`3`, `true`, `[q_proj, v_proj]`). `lora-ppo validate RECIPE [overrides]` prints the fully
-resolved recipe without loading anything.
+(`3`, `true`, `[q_proj, v_proj]`). `~section.field` removes a field the recipe sets, so its default
+applies: `~reward.kind ~reward.function "reward.sources=[...]"` turns a one-source recipe into a mix.
+`lora-ppo validate RECIPE [overrides]` prints the fully resolved recipe without loading anything.
 
 The column "on resume" says whether a resumed run (`--resume`) may set the field differently
 from the run's `recipe.yaml`: `may change` fields alter how long a run goes, what it logs or

@@ -154,3 +154,16 @@ def test_a_recipe_of_the_other_kind_names_the_command_that_takes_it():
     assert str(reward_as_ppo.value).endswith(": a reward-model recipe; run it with lora-ppo train-reward")
     with pytest.raises(RecipeError, match=r"^train.stpes: unknown field"):  # a typo is still a typo
         load_recipe(recipes / "quickstart.yaml", ["train.stpes=3"])
+
+
+def test_an_override_removes_a_field_so_a_recipe_can_become_a_mix():
+    """`~reward.kind` and `~reward.function` take the one source out; `reward.sources` then mixes.
+    Without the removal the recipe's own source sits beside `sources` and is refused."""
+    data = {"reward": {"kind": "function", "function": "tests.reward_fns:count_letter_e"}}
+    mix = "reward.sources=[{kind: vader}, {kind: textblob, weight: 0.5}]"
+    with pytest.raises(RecipeError, match="with sources, set each source's fields"):
+        recipe_from_dict(data, [mix])
+    recipe = recipe_from_dict(data, ["~reward.kind", "~reward.function", mix])
+    assert [(s.kind, s.weight) for s in recipe.reward.source_list()] == [("vader", 1.0), ("textblob", 0.5)]
+    with pytest.raises(RecipeError, match=r"^override '~reward.model': the recipe does not set reward.model$"):
+        recipe_from_dict(data, ["~reward.model"])
