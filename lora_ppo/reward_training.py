@@ -22,6 +22,7 @@ from lora_ppo.data import PreferencePair, PromptStream, load_preference_sets
 from lora_ppo.memory import run_peak_gb
 from lora_ppo.model import dequantized_once, load_base_model, load_tokenizer
 from lora_ppo.parts import seed_everything
+from lora_ppo.progress import LineProgress
 from lora_ppo.roles import REWARD, RewardModel
 from lora_ppo.run_dir import append_jsonl
 from lora_ppo.signals import stop_on_signals
@@ -194,11 +195,17 @@ class RewardTrainer:
         if not pairs:
             return {}
         chosen, rejected = [], []
-        with dequantized_once(self.model.peft, self.recipe.model):
+        # A bar on a terminal; else a line per tenth, so a log shows the first minute is not a hang.
+        from tqdm.auto import tqdm
+
+        bar = (tqdm(total=len(pairs), desc="held-out", dynamic_ncols=True, file=sys.stderr, leave=False)
+               if self.progress else LineProgress(len(pairs), "held-out", "pairs"))
+        with bar, dequantized_once(self.model.peft, self.recipe.model):
             for start in range(0, len(pairs), EVAL_BATCH_PAIRS):
                 c, r = self._scores(pairs[start : start + EVAL_BATCH_PAIRS])
                 chosen.append(c)
                 rejected.append(r)
+                bar.update(len(c))
         c, r = torch.cat(chosen), torch.cat(rejected)
         margin = torch.tensor([p.margin for p in pairs], device=c.device)
         return {"accuracy": float(pair_wins(c, r).mean()), "margin": float((c - r).mean()),

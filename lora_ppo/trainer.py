@@ -22,6 +22,7 @@ from lora_ppo.memory import PhasePeaks, run_peak_gb
 from lora_ppo.metrics import step_metrics
 from lora_ppo.model import dequantized_once
 from lora_ppo.parts import build, evaluate_policy
+from lora_ppo.progress import LineProgress
 from lora_ppo.quantization import compute_dtype
 from lora_ppo.rewards import recorded_reward
 from lora_ppo.roles import POLICY, REWARD, VALUE, RoleModel
@@ -297,8 +298,10 @@ class PPOTrainer:
 
         if not self.recipe.train.eval:
             return {}
-        with tqdm(total=len(self.parts.eval_prompts.rows), desc="held-out", disable=not self.progress,
-                  dynamic_ncols=True, file=sys.stderr) as bar:
+        rows = len(self.parts.eval_prompts.rows)
+        bar = (tqdm(total=rows, desc="held-out", dynamic_ncols=True, file=sys.stderr) if self.progress
+               else LineProgress(rows, "held-out", "prompts"))
+        with bar:
             evaluation = evaluate_policy(self.parts, self.recipe, progress=bar, with_kl=True)
         if records_file is not None and self.world.is_main:
             write_jsonl(records_file, evaluation.records)
