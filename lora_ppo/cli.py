@@ -21,6 +21,20 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
     raise typer.Exit(code)
 
 
+def _in_moved_run(recipe: Path, overrides: Optional[List[str]], resume: Optional[str]) -> list[str]:
+    """The overrides, plus `train.output_dir` set to the run folder when resuming with a run's own
+    recipe.yaml (a run folder that was moved, or copied to another machine, resumes where it is
+    now, not where its recipe says it was)."""
+    from lora_ppo.run_dir import RECIPE_FILE, RunDir
+
+    overrides = list(overrides or [])
+    folder = recipe.resolve().parent
+    if (resume is not None and recipe.name == RECIPE_FILE and RunDir(folder).has_checkpoint()
+            and not any(o.startswith("train.output_dir=") for o in overrides)):
+        overrides.append(f"train.output_dir={folder}")
+    return overrides
+
+
 def _load_recipe(recipe: Path, overrides: Optional[List[str]], schema="ppo"):
     """The validated recipe (a PPO `Recipe`, the `schema` given, or with None whichever the file
     is), or a one-line error and exit 2."""
@@ -84,7 +98,7 @@ def train(
     """Run PPO as the recipe says."""
     from lora_ppo.distributed import join_world, launched_processes, leave_world
 
-    cfg = _load_recipe(recipe, overrides)
+    cfg = _load_recipe(recipe, _in_moved_run(recipe, overrides, resume))
     if num_processes < 1:
         _fail(f"--num-processes must be >= 1, got {num_processes}")
     if num_processes > 1 and launched_processes() == 1:
@@ -151,7 +165,7 @@ def train_reward(
         _fail(f"train-reward runs in one process; it was launched in {launched_processes()}")
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = _load_recipe(recipe, overrides, RewardRecipe)
+    cfg = _load_recipe(recipe, _in_moved_run(recipe, overrides, resume), RewardRecipe)
     _quiet_libraries()
     from lora_ppo.reward_training import RewardTrainer, format_reward_summary
 

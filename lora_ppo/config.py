@@ -537,8 +537,8 @@ class TrainConfig(Section):
     """Seeds python, numpy and torch, the prompt order and the evaluation samples; below 2^63, as
     torch.manual_seed requires.
     """
-    output_dir: str = "runs/ppo"
-    """The folder everything the run writes goes to."""
+    output_dir: str = Field("runs/ppo", json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """The folder everything the run writes goes to (a run folder moved elsewhere resumes there)."""
     overwrite: bool = Field(False, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """Start over in a folder that already holds a run: the old run is moved aside to
     `NAME.old-<date>-<time>`, never deleted. Off: such a folder is refused, so a run never displaces
@@ -698,8 +698,9 @@ class RewardTrainConfig(Section):
     """Gradient clipping of the adapter and head together."""
     seed: int = Field(0, ge=0, lt=2**63)
     """Seeds the adapter's initial weights, the held-out split and the order of pairs."""
-    output_dir: str = "runs/reward"
-    """The folder everything the run writes goes to; the adapter ends in `final/reward`."""
+    output_dir: str = Field("runs/reward", json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """The folder everything the run writes goes to; the adapter ends in `final/reward` (a run folder moved
+    elsewhere resumes there)."""
     overwrite: bool = Field(False, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """Start over in a folder that already holds a run (the old run is moved aside, never deleted)."""
     eval_every: int = Field(50, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)

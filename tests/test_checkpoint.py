@@ -298,3 +298,19 @@ def test_samples_are_written_at_the_end_and_a_continued_run_drops_them(tmp_path,
     result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress", "train.steps=4", "--resume", "auto"])
     assert result.exit_code == 0, result.stderr
     assert sampled_steps() == [2, 4]
+
+
+def test_a_moved_run_resumes_where_it_is_now(tmp_path, tiny_model_dir):
+    """A run folder moved (or copied to another machine) resumes from its own recipe.yaml: the
+    run is where that file is, whatever train.output_dir it recorded."""
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "first" / "run", steps=2, eval=False)
+    assert CliRunner().invoke(app, ["train", str(recipe), "--no-progress"]).exit_code == 0
+    moved = tmp_path / "moved" / "run"
+    moved.parent.mkdir()
+    shutil.move(str(tmp_path / "first" / "run"), moved)
+    result = CliRunner().invoke(app, ["train", str(moved / "recipe.yaml"), "--no-progress", "train.steps=3",
+                                      "--resume", "auto"])
+    assert result.exit_code == 0, result.stderr
+    assert f"from step 2 ({moved / 'final'})" in result.stderr
+    assert [json.loads(line)["step"] for line in (moved / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert not (tmp_path / "first" / "run").exists()
