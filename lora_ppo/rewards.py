@@ -19,8 +19,8 @@ import math
 import os
 import sys
 import threading
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -188,7 +188,7 @@ def recorded_reward(cfg: RewardConfig, reward_fn: Optional[RewardFn]) -> RewardC
         return cfg
     spec = importable_name(reward_fn)
     source = {"kind": "function", "function": spec} if spec else {"kind": "python", "name": _name(reward_fn)}
-    return RewardConfig(**source, also_log=cfg.also_log)
+    return RewardConfig(**source, also_log=cfg.also_log, timeout_s=cfg.timeout_s)
 
 
 def classifier_head_modules(name: str, trust_remote_code: bool = False) -> list[str]:
