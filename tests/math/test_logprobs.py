@@ -116,3 +116,45 @@ def test_empty_response():
     lp, ent = token_logprobs(lm_head, hidden[:, :0], targets[:, :0], temperature=0.7)
     assert lp.shape == ent.shape == (B, 0)
     assert lp.dtype == ent.dtype == torch.float32
+
+
+def test_logit_transform_by_hand():
+    """Granite divides by logits_scaling (scale 1/4 here), Cohere multiplies, Gemma soft-caps:
+    c * tanh(x / c); with both, the scale comes first (checked element by element with math)."""
+    import math
+
+    from lora_ppo.logprobs import IDENTITY, LogitTransform
+
+    x = torch.tensor([-9.0, -1.5, 0.0, 0.75, 6.0], dtype=torch.float64)
+    expect = {
+        LogitTransform(scale=0.25): [v * 0.25 for v in x.tolist()],
+        LogitTransform(softcap=2.0): [2.0 * math.tanh(v / 2.0) for v in x.tolist()],
+        LogitTransform(scale=3.0, softcap=5.0): [5.0 * math.tanh(3.0 * v / 5.0) for v in x.tolist()],
+    }
+    for transform, values in expect.items():
+        assert not transform.is_identity
+        torch.testing.assert_close(transform(x), torch.tensor(values, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert IDENTITY.is_identity and IDENTITY(x) is x
+    assert not LogitTransform(scale=1.0, softcap=30.0).is_identity and not LogitTransform(scale=2.0).is_identity
+
+
+def test_token_logprobs_apply_the_transform_before_the_softmax():
+    """Logprobs and entropy of the transformed logits, against a plain log-softmax written here,
+    in chunks of one position and of all: the transform is the model's, so a ratio of 1 depends on it."""
+    from lora_ppo.logprobs import LogitTransform, token_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    head = torch.nn.Linear(4, 6, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(6, 4, generator=g, dtype=torch.float64) * 3)
+    hidden = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    targets = torch.tensor([[0, 5, 2], [3, 3, 1]])
+    transform = LogitTransform(scale=0.5, softcap=1.5)
+    logits = 1.5 * torch.tanh(0.5 * head(hidden) / 1.5) / 0.7  # temperature 0.7 after the transform
+    log_p = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    expected = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    expected_entropy = -(log_p.exp() * log_p).sum(-1)
+    for chunk in (1, 64):
+        got, entropy = token_logprobs(lambda h: transform(head(h)), hidden, targets, 0.7, chunk_tokens=chunk)
+        torch.testing.assert_close(got, expected.float(), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(entropy, expected_entropy.float(), atol=1e-6, rtol=1e-5)
