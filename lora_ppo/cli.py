@@ -96,9 +96,10 @@ def train(
     ),
 ) -> None:
     """Run PPO as the recipe says."""
+    from lora_ppo.config import with_absolute_paths
     from lora_ppo.distributed import join_world, launched_processes, leave_world
 
-    cfg = _load_recipe(recipe, _in_moved_run(recipe, overrides, resume))
+    cfg = with_absolute_paths(_load_recipe(recipe, _in_moved_run(recipe, overrides, resume)), recipe.resolve().parent)
     if num_processes < 1:
         _fail(f"--num-processes must be >= 1, got {num_processes}")
     if num_processes > 1 and launched_processes() == 1:
@@ -158,14 +159,15 @@ def train_reward(
     ),
 ) -> None:
     """Train a reward adapter on preference pairs, on the base model PPO will use."""
-    from lora_ppo.config import RewardRecipe
+    from lora_ppo.config import RewardRecipe, with_absolute_paths
     from lora_ppo.distributed import launched_processes
 
     if launched_processes() > 1:  # every process would write the same run folder
         _fail(f"train-reward runs in one process; it was launched in {launched_processes()}")
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = _load_recipe(recipe, _in_moved_run(recipe, overrides, resume), RewardRecipe)
+    cfg = with_absolute_paths(_load_recipe(recipe, _in_moved_run(recipe, overrides, resume), RewardRecipe),
+                              recipe.resolve().parent)
     _quiet_libraries()
     from lora_ppo.reward_training import RewardTrainer, format_reward_summary
 

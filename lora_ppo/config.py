@@ -955,11 +955,12 @@ LOCAL_PATH_FIELDS = (
 PATH_KEYWORDS = {"", "auto", "disable", "none", "reward"}
 
 
-def with_absolute_paths(recipe: Section) -> Section:
+def with_absolute_paths(recipe: Section, recipe_dir: Optional[Path] = None) -> Section:
     """The recipe with every local path it names (relative to the current folder, where it was
     found) made absolute, and a reward module found as a `.py` file there named by that file, so
     the run folder's recipe.yaml works from anywhere: `eval`, `generate`, `merge-and-export` and
-    `--resume` from another folder. Hub ids and keywords stay as they are."""
+    `--resume` from another folder. A reward module is also looked for beside the recipe file
+    (`recipe_dir`). Hub ids and keywords stay as they are."""
     import glob
 
     data = recipe.model_dump(mode="json")
@@ -973,10 +974,13 @@ def with_absolute_paths(recipe: Section) -> Section:
         return value
 
     def module_file(spec: Any) -> Any:
-        # A reward module found as a file in the current folder is recorded by its path.
+        # A reward module found as a file in the current folder (or beside the recipe) is
+        # recorded by its path.
         module, colon, attr = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
-        if colon and module.isidentifier() and Path(f"{module}.py").is_file():
-            return f"{Path.cwd() / module}.py:{attr}"
+        if colon and module.isidentifier():
+            for folder in (Path.cwd(), recipe_dir):
+                if folder is not None and (Path(folder) / f"{module}.py").is_file():
+                    return f"{Path(folder).absolute() / module}.py:{attr}"
         return spec
 
     def walk(node: Any, keys: list[str], convert) -> None:

@@ -64,3 +64,11 @@ def test_a_users_project_trains_and_its_run_is_used_from_elsewhere(tmp_path, tin
     exported = _lora_ppo(["merge-and-export", str(run), "--out", str(elsewhere / "model")], elsewhere)
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert (elsewhere / "model" / "config.json").is_file()
+
+    # Started from another folder, the reward module is found beside the recipe.
+    again = _lora_ppo(["train", str(project / "recipe.yaml"), "--no-progress", "train.eval=false",
+                       f"train.output_dir={elsewhere / 'run2'}", f"data.source={project / 'data' / 'tickets.jsonl'}"],
+                      elsewhere)
+    assert again.returncode == 0, again.stderr[-3000:]
+    written = yaml.safe_load((elsewhere / "run2" / "recipe.yaml").read_text(encoding="utf-8"))
+    assert written["reward"]["function"] == f"{project / 'my_rewards.py'}:polite"
