@@ -4,6 +4,7 @@ value losses on the trainable adapters, with the NaN/inf guard, returning an `Up
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -157,7 +158,9 @@ class LogprobCheck:
     def add(self, new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
         diff = (new_logprobs.detach() - old_logprobs).abs()[mask]  # [real tokens]
         if diff.numel():
-            self.max_diff = max(self.max_diff, float(diff.max()))
+            largest = float(diff.max())
+            # NaN stays NaN (Python's max would drop it): the alarm and the first-step stop see it.
+            self.max_diff = largest if math.isnan(largest) or largest > self.max_diff else self.max_diff
             self.diff_sum += float(diff.sum())
             self.tokens += diff.numel()
 

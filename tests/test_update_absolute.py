@@ -836,3 +836,13 @@ def test_update_stats_metric_names():
         "loss/value": 2.0, "guard/skipped_minibatches": 1.0, "policy/grad_norm": 3.0,
         "check/logprob_max_diff": 1e-3,
     }
+
+
+def test_the_self_check_reports_nan_logprobs():
+    """A NaN among the new logprobs is the check's to report: Python's max() would drop it."""
+    check = LogprobCheck()
+    mask = torch.tensor([[True, True, False]])
+    check.add(torch.tensor([[-1.0, float("nan"), -2.0]]), torch.tensor([[-1.5, -1.0, 0.0]]), mask)
+    check.add(torch.tensor([[-1.0, -1.0, -1.0]]), torch.tensor([[-4.0, -1.0, 0.0]]), mask)
+    largest, mean = check.over(World())
+    assert math.isnan(largest) and math.isnan(mean)
