@@ -145,20 +145,45 @@ def worker(launcher: subprocess.Popen, rank: int):
     return None
 
 
+# Loaded into each training process through PYTHONPATH: process 1 writes a marker at the start
+# of step 3 (after step 2's checkpoint) and waits there to be killed, so the kill lands in the
+# run however slow the machine is (process 0 waits for it in the step's first collective).
+HOLD_RANK_1_IN_STEP_3 = """
+import os, pathlib, time
+from lora_ppo import trainer
+_train_step = trainer.PPOTrainer.train_step
+def _held(self):
+    if self.state.step == 2 and self.world.rank == 1:
+        pathlib.Path(os.environ["LORA_PPO_TEST_MARKER"]).write_text("in step 3")
+        while True:
+            time.sleep(1)
+    return _train_step(self)
+trainer.PPOTrainer.train_step = _held
+"""
+
+
 def test_a_killed_process_fails_the_run_and_its_last_checkpoint_resumes(tmp_path, tiny_model_dir):
     from lora_ppo.run_dir import RunDir
 
     out = tmp_path / "run"
     path = write(tmp_path / "recipe.yaml", tiny_recipe_dict(
         tiny_model_dir, out, rollout={"max_new_tokens": 12}, train={"steps": 8, "save_every": 1, "eval": False}))
+    hook, marker = tmp_path / "hook", tmp_path / "in-step-3"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOLD_RANK_1_IN_STEP_3, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}", "LORA_PPO_TEST_MARKER": str(marker)}
     launcher = subprocess.Popen(
         [sys.executable, "-m", "lora_ppo", "train", str(path), "--num-processes", "2", "--no-progress"], cwd=REPO,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
     try:
-        deadline = time.monotonic() + 240
-        while not (out / "checkpoints" / "step-2" / "manifest.json").exists():
-            assert launcher.poll() is None and time.monotonic() < deadline, "no checkpoint came"
-            time.sleep(0.2)
+        deadline = time.monotonic() + 240  # a hung run fails instead of hanging the suite
+        while not marker.exists():
+            assert time.monotonic() < deadline, "process 1 never reached step 3"
+            try:
+                launcher.wait(timeout=0.2)
+                raise AssertionError("the run ended before process 1 reached step 3")
+            except subprocess.TimeoutExpired:
+                pass
         victim = worker(launcher, 1)
         assert victim is not None
         victim.send_signal(signal.SIGKILL)
@@ -169,7 +194,7 @@ def test_a_killed_process_fails_the_run_and_its_last_checkpoint_resumes(tmp_path
 
     run = RunDir(out)
     newest = run.complete_checkpoints()[-1]
-    assert not (out / "final").exists() and int(newest.name.split("-")[1]) < 8
+    assert not (out / "final").exists() and newest.name == "step-2"  # killed in step 3
     # A checkpoint of 2 processes resumes only with 2.
     refused = lora_ppo("train", str(path), "--resume", "auto")
     assert refused.returncode == 2
