@@ -55,8 +55,11 @@ RESULTS_MD_HEADER = """# Mutation testing results
 
 Written by `python bench/mutation.py --update-results` (see bench/README.md, section mutation.py).
 One section per target: its score, then each surviving mutant with its stable id. The verdict
-column is either `equivalent: <why, in one line>` (the mutant computes the same thing; the score
-leaves it out) or `not killed yet` (a test should notice it). Verdicts are kept by id across runs.
+column is either `equivalent: <why, in one line>` (no finite input tells the mutant apart in what
+the package computes; differences only in NaN handling the trainer never reaches, in log lines,
+or in memory count as equivalent; the score leaves it out) or `not killed yet: <an input or check
+that would tell it apart>`. Verdicts are kept by id across runs; `--only-survivors` reruns the
+open ones.
 """
 
 # Fast tests per target file, fastest first (-x stops at the first failure). Files that do not
@@ -367,8 +370,8 @@ def _replace_child(parent: ast.AST, old: ast.AST, new: ast.AST) -> None:
     raise ValueError("child not found")
 
 
-def _expected_dump(tree: ast.AST, cand: _Candidate) -> str:
-    """The mutated module's AST, made by changing the AST itself: what the text edit must parse to."""
+def _mutated_tree(tree: ast.AST, cand: _Candidate) -> tuple[ast.AST, ast.AST]:
+    """A copy of the module with the change made to the AST itself, and the changed node."""
     mutated = copy.deepcopy(tree)
     nodes = list(ast.walk(mutated))
     node = nodes[cand.node_index]
@@ -376,7 +379,7 @@ def _expected_dump(tree: ast.AST, cand: _Candidate) -> str:
     replacement = cand.mutate(node, parent)
     if replacement is not None:
         _replace_child(parent, node, replacement)
-    return ast.dump(mutated)
+    return mutated, replacement or node
 
 
 def _apply(text: str, edits: list[tuple[int, int, str]]) -> str:
@@ -417,10 +420,11 @@ def find_mutants(target: Target, root: Path = REPO) -> tuple[list[Mutant], int]:
     for node, parent, function in _walk_in_scope(tree, target, src):
         for cand in _candidates(node, parent, index_of[id(node)], src):
             mutated = _apply(text, cand.edits)
-            expected = _expected_dump(tree, cand)
-            if _parses_to(mutated, expected) is False:
+            mutated_tree, changed = _mutated_tree(tree, cand)
+            expected = ast.dump(mutated_tree)  # what the text edit must parse to
+            if not _parses_to(mutated, expected):
                 # Precedence changed (`a / b**2` -> `a / b*2`): parenthesise the node instead.
-                mutated = _parenthesised(text, tree, src, cand)
+                mutated = _parenthesised(text, tree, src, cand.node_index, changed)
                 if mutated is None or not _parses_to(mutated, expected):
                     discarded += 1
                     continue
@@ -448,17 +452,13 @@ def _parses_to(text: str, expected: str) -> bool:
         return False
 
 
-def _parenthesised(text: str, tree: ast.AST, src: _Source, cand: _Candidate) -> Optional[str]:
-    mutated = copy.deepcopy(tree)
-    nodes = list(ast.walk(mutated))
-    node = nodes[cand.node_index]
-    parent = next(p for p in nodes if any(c is node for c in ast.iter_child_nodes(p)))
-    replacement = cand.mutate(node, parent) or node
-    original = list(ast.walk(tree))[cand.node_index]
+def _parenthesised(text: str, tree: ast.AST, src: _Source, node_index: int, changed: ast.AST) -> Optional[str]:
+    """The source with the original node replaced by the changed one, unparsed in parentheses."""
+    original = list(ast.walk(tree))[node_index]
     if not isinstance(original, ast.expr):
         return None
     start, end = src.span(original)
-    return text[:start] + "(" + ast.unparse(replacement) + ")" + text[end:]
+    return text[:start] + "(" + ast.unparse(changed) + ")" + text[end:]
 
 
 def sample(mutants: list[Mutant], n: Optional[int], seed: int = SAMPLE_SEED) -> list[Mutant]:
@@ -670,6 +670,8 @@ def main() -> None:
         return
     # SIGTERM unwinds like Ctrl-C, so the running tests are killed and the temp copy removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("mutation.py: terminated"))
+    if args.list:
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a listing piped into `head` ends quietly
 
     targets = [Target.parse(spec) for spec in (args.target or DEFAULT_TARGETS)]
     for target in targets:
