@@ -61,14 +61,13 @@ def reference_run(tmp_path_factory, tiny_model_dir) -> Path:
 # checkpoint) the run writes a marker and waits to be killed, so the kill lands in step 3 however
 # slow the machine is.
 HOLD_IN_STEP_3 = """
-import os, pathlib, time
+import os, pathlib, threading
 from lora_ppo import trainer
 _train_step = trainer.PPOTrainer.train_step
 def _held(self):
     if self.state.step == 2:
         pathlib.Path(os.environ["LORA_PPO_TEST_MARKER"]).write_text("in step 3")
-        while True:
-            time.sleep(1)
+        threading.Event().wait()  # until the test kills this process
     return _train_step(self)
 trainer.PPOTrainer.train_step = _held
 """

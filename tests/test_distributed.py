@@ -149,14 +149,13 @@ def worker(launcher: subprocess.Popen, rank: int):
 # of step 3 (after step 2's checkpoint) and waits there to be killed, so the kill lands in the
 # run however slow the machine is (process 0 waits for it in the step's first collective).
 HOLD_RANK_1_IN_STEP_3 = """
-import os, pathlib, time
+import os, pathlib, threading
 from lora_ppo import trainer
 _train_step = trainer.PPOTrainer.train_step
 def _held(self):
     if self.state.step == 2 and self.world.rank == 1:
         pathlib.Path(os.environ["LORA_PPO_TEST_MARKER"]).write_text("in step 3")
-        while True:
-            time.sleep(1)
+        threading.Event().wait()  # until the test kills this process
     return _train_step(self)
 trainer.PPOTrainer.train_step = _held
 """
