@@ -158,9 +158,10 @@ def load_newest(run: RunDir, folder: Path, auto: bool, parts: Trainables, state_
     """`load` the checkpoint `--resume` chose; with `--resume auto`, one that cannot be loaded (a
     file cut short by a full disk, a garbage optimizer.pt) gives way to the next older complete
     checkpoint, with a warning. Returns (the folder loaded, its state)."""
-    older = sorted((f for f in run.complete_checkpoints() + ([run.final] if is_checkpoint(run.final) else [])
-                    if f != folder and _step(f) <= _step(folder)), key=_step, reverse=True) if auto else []
-    candidates = [folder, *older]
+    candidates = [folder]
+    if auto:
+        older = [f for f in run.resumable() if f != folder and _step(f) <= _step(folder)]
+        candidates += sorted(older, key=_step, reverse=True)
     for i, candidate in enumerate(candidates):
         try:
             return candidate, load(candidate, parts, state_type, world)
@@ -236,7 +237,7 @@ def resolve_resume(run: RunDir, resume: str | Path, recipe: Recipe | RewardRecip
     included, so a finished run continues with more steps), after checking that the recipe
     changes nothing a step computes (model, adapters, sizes...)."""
     if str(resume) == "auto":
-        found = run.complete_checkpoints() + ([run.final] if is_checkpoint(run.final) else [])
+        found = run.resumable()
         if not found:
             raise RecipeError(f"--resume auto: no complete checkpoint under {run.root}")
         folder = max(found, key=lambda f: (int(read_manifest(f).get("step", -1)), f == run.final))

@@ -98,10 +98,15 @@ class RunDir:
         """Whether a run already wrote here (its recipe or metrics)."""
         return self.recipe.exists() or self.metrics.exists()
 
+    def resumable(self) -> list[Path]:
+        """Every complete checkpoint a run here can resume from: checkpoints/step-N oldest first,
+        then final/."""
+        return self.complete_checkpoints() + ([self.final] if is_checkpoint(self.final) else [])
+
     def has_checkpoint(self) -> bool:
         """Whether a run here saved a complete checkpoint (a step's, or final/): something to
         resume from or keep, where a run stopped before its first one left nothing to lose."""
-        return bool(self.complete_checkpoints()) or is_checkpoint(self.final)
+        return bool(self.resumable())
 
     def complete_checkpoints(self) -> list[Path]:
         """Complete checkpoints/step-N folders, oldest first."""
