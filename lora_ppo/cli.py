@@ -15,9 +15,12 @@ from lora_ppo.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, RecipeError, first
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RLHF with PPO on one 4-bit backbone.")
 
 
-def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
-    # One line whatever the message holds (a user's value may carry a line break).
+def _fail(message: str, code: int = EXIT_BAD_INPUT, frames: str = "") -> None:
+    # One line whatever the message holds (a user's value may carry a line break); `frames`, the
+    # user's own traceback lines, follow it.
     typer.echo("error: " + (" ".join(message.splitlines()) or message), err=True)
+    if frames:
+        typer.echo(frames, err=True)
     raise typer.Exit(code)
 
 
@@ -202,12 +205,7 @@ def _run(command: str, recipe: Path, overrides: Optional[List[str]], start, summ
         _fail(str(err))
     except RewardError as err:
         # The user's own frames (their file and line) follow the one line, never lora_ppo's.
-        frames = user_frames(err, str(Path(__file__).parent))
-        if frames:
-            typer.echo("error: " + " ".join(str(err).splitlines()), err=True)
-            typer.echo(frames, err=True)
-            raise typer.Exit(1)
-        _fail(str(err), code=1)
+        _fail(str(err), code=1, frames=user_frames(err, str(Path(__file__).parent)))
     except (TrainingHalted, CheckpointError) as err:
         _fail(str(err), code=1)
     except KeyboardInterrupt:
