@@ -141,3 +141,97 @@ def test_a_failed_put_back_never_deletes_the_previous_folder(tmp_path, monkeypat
             (staging / "new.txt").write_text("new")
     survivors = [p for p in tmp_path.rglob("old.txt")] + [p for p in tmp_path.rglob("new.txt")]
     assert survivors, "the previous folder and the new one were both deleted"
+
+
+def test_publishes_below_folders_that_do_not_exist_yet(tmp_path):
+    with atomic_folder(tmp_path / "a" / "b" / "out") as staging:
+        (staging / "x.txt").write_text("x")
+    write_file_atomically(tmp_path / "c" / "d" / "summary.json", "{}")
+    assert (tmp_path / "a" / "b" / "out" / "x.txt").read_text() == "x"
+    assert (tmp_path / "c" / "d" / "summary.json").read_text() == "{}"
+
+
+def test_a_dangling_link_at_the_target_is_replaced(tmp_path):
+    (tmp_path / "out").symlink_to(tmp_path / "missing")
+    with atomic_folder(tmp_path / "out") as staging:
+        (staging / "a.txt").write_text("a")
+    assert not (tmp_path / "out").is_symlink() and (tmp_path / "out" / "a.txt").read_text() == "a"
+    assert not (tmp_path / "missing").exists()
+
+
+def test_the_process_umask_and_file_descriptors_are_left_as_they_were(tmp_path):
+    """Both writers read the umask by setting it; they must put it back (a umask of 0 would
+    make every later file world-writable) and close every descriptor they open to fsync."""
+    old = os.umask(0o027)
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+        with atomic_folder(tmp_path / "out") as staging:
+            (staging / "sub").mkdir()
+            (staging / "sub" / "a.txt").write_text("a")
+        write_file_atomically(tmp_path / "f.txt", "f")
+        assert len(os.listdir("/proc/self/fd")) == fds
+        assert os.umask(0o027) == 0o027
+    finally:
+        os.umask(old)
+
+
+@pytest.fixture
+def fsyncs(monkeypatch):
+    """Every os.fsync as (path, size in bytes, or None for a folder) at the moment it ran."""
+    calls = []
+    real_fsync = os.fsync
+
+    def spy(fd):
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        calls.append((path, None if path.is_dir() else path.stat().st_size))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return calls
+
+
+def test_a_published_folder_is_on_disk_before_and_after_its_rename(tmp_path, fsyncs):
+    """Durability (a power cut cannot be tested): every file is fsynced whole, every folder after
+    the files in it, the staging folder last before the rename, and the parent after it."""
+    with atomic_folder(tmp_path / "out") as staging:
+        (staging / "sub").mkdir()
+        (staging / "sub" / "a.txt").write_text("aaaa")
+        (staging / "b.txt").write_text("bb")
+    order = [(path.relative_to(staging) if path.is_relative_to(staging) else path, size) for path, size in fsyncs]
+    assert sorted(order[:3], key=str) == [(Path("b.txt"), 2), (Path("sub"), None), (Path("sub/a.txt"), 4)]
+    assert order.index((Path("sub/a.txt"), 4)) < order.index((Path("sub"), None))
+    assert order[3:] == [(Path("."), None), (tmp_path, None)]
+
+
+def test_a_written_file_is_fsynced_whole(tmp_path, fsyncs):
+    write_file_atomically(tmp_path / "summary.json", "0123456789")
+    assert len(fsyncs) == 1 and fsyncs[0][1] == 10
+
+
+def test_a_failing_cleanup_never_hides_the_error_that_caused_it(tmp_path, monkeypatch):
+    """The staging folder cannot be removed (a busy network mount): the user still sees the
+    error raised inside the block, not the cleanup's."""
+    def refuse(*args, **kwargs):
+        raise OSError("device or resource busy")
+
+    with pytest.raises(ValueError, match="the writer failed"):
+        with atomic_folder(tmp_path / "out") as staging:
+            (staging / "a.txt").write_text("a")
+            monkeypatch.setattr(os, "rmdir", refuse)
+            raise ValueError("the writer failed")
+
+
+def test_an_old_folder_that_cannot_be_removed_does_not_undo_the_publish(tmp_path, monkeypatch):
+    """Once the new folder is published, failing to delete the previous one (moved aside) is
+    not an error: the new folder is in place."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.txt").write_text("old")
+
+    def refuse(*args, **kwargs):
+        raise OSError("device or resource busy")
+
+    with atomic_folder(tmp_path / "out") as staging:
+        (staging / "new.txt").write_text("new")
+        monkeypatch.setattr(os, "rmdir", refuse)
+        monkeypatch.setattr(os, "unlink", refuse)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["new.txt"]

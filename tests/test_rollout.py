@@ -74,3 +74,13 @@ def test_no_row_stops():
     assert torch.equal(out, raw)
     assert torch.equal(mask, torch.ones(2, 3, dtype=torch.bool))
     assert torch.equal(stopped, masks([0, 0]))
+
+
+def test_empty_batches_keep_no_column():
+    """No rows: nothing to keep (not one column of padding), for the truncation and the prompts."""
+    from lora_ppo.rollout import left_pad
+
+    out, mask, stopped = truncate_at_stop(torch.zeros(0, 4, dtype=torch.long), STOP, PAD)
+    assert out.shape == mask.shape == (0, 0) and stopped.shape == (0,)
+    ids, attention = left_pad([], PAD, "cpu")
+    assert ids.shape == attention.shape == (0, 0)

@@ -142,6 +142,7 @@ class TableRoles:
         self.with_value = with_value
         self.mixed_batches = {False: True, True: True}
         self.checkpointing: list[bool] = []
+        self.stacked_forwards = 0
         self._role: Optional[str] = None
         self._row_roles: Optional[list[str]] = None
 
@@ -190,6 +191,7 @@ class TableRoles:
     def stacked_hidden_states(self, ids, attention_mask, copies: int):
         rows = ids.shape[0]
         assert self._row_roles is not None and len(self._row_roles) == copies * rows
+        self.stacked_forwards += 1
         return [self._hidden(self._row_roles[k * rows], rows, ids.shape[1]) for k in range(copies)]
 
     def logprobs_from_hidden(self, hidden, input_ids, response_start: int, temperature: float):
@@ -338,6 +340,7 @@ def hand_update(h: Hand, cfg: PPOConfig, kl_coef: float, minibatches: list[list[
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
     actions = []
+    ratios = []
     first = minibatches[0]
     diffs = [abs(h.old[i][t] - initial_logprob(i, t)) for i in first for t in REAL[i]]
     for rows in minibatches:
@@ -350,6 +353,7 @@ def hand_update(h: Hand, cfg: PPOConfig, kl_coef: float, minibatches: list[list[
         if cfg.ratio_threshold is not None and stats["ratio"] > cfg.ratio_threshold:
             action = cfg.ratio_threshold_action
         actions.append(action)
+        ratios.append(stats["ratio"])
         if action == "skip":
             g_policy = [torch.zeros_like(g) for g in g_policy]
         elif action == "scale":
@@ -365,6 +369,7 @@ def hand_update(h: Hand, cfg: PPOConfig, kl_coef: float, minibatches: list[list[
     expected["value_grad_norm"] = value_norm
     expected["logprob_max_diff"] = max(diffs)
     expected["logprob_mean_diff"] = sum(diffs) / len(diffs)
+    expected["minibatch_ratios"] = ratios  # not a stat: for tests that pick a threshold between them
     if cfg.ratio_threshold is not None:
         expected["skipped_minibatch_frac"] = actions.count("skip") / len(actions)
         expected["scaled_minibatch_frac"] = actions.count("scale") / len(actions)
@@ -846,3 +851,122 @@ def test_the_self_check_reports_nan_logprobs():
     check.add(torch.tensor([[-1.0, -1.0, -1.0]]), torch.tensor([[-4.0, -1.0, 0.0]]), mask)
     largest, mean = check.over(World())
     assert math.isnan(largest) and math.isnan(mean)
+
+
+# ---- what only some inputs reach ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("action", ["skip", "scale"])
+def test_ratio_threshold_fractions_are_shares_of_the_minibatches(action):
+    """Two minibatches and a threshold between their mean ratios: one of the two acts, so the
+    logged fraction is 1/2 and the other minibatch steps as usual."""
+    settings = {**BASE, "num_minibatches": 2, "entropy_coef": 0.3}
+    ratios = hand_update(Hand.start(), PPOConfig(**settings), 0.0, seeded_minibatches(2))["minibatch_ratios"]
+    cfg = PPOConfig(**settings, ratio_threshold=sum(ratios) / 2, ratio_threshold_action=action)
+    h = Hand.start()
+    expected = hand_update(h, cfg, cfg.kl_coef, seeded_minibatches(2))
+    assert expected[f"{'skipped' if action == 'skip' else 'scaled'}_minibatch_frac"] == 0.5
+
+    roles = TableRoles()
+    stats = run_update(roles, make_rollout(), make_advantages(), cfg, cfg.kl_coef, micro=1)
+
+    assert_matches_hand(roles, stats, h, expected)
+
+
+def test_gradients_left_on_the_parameters_do_not_leak_into_the_step():
+    """A caller (or an earlier evaluation) that left gradients on the adapters: the update's
+    first step is still -lr x the hand gradient."""
+    cfg = PPOConfig(**BASE)
+    roles = TableRoles()
+    for p in roles.policy_parameters() + roles.value_parameters():
+        p.grad = torch.full_like(p, 5.0)
+    h = Hand.start()
+    expected = hand_update(h, cfg, cfg.kl_coef, seeded_minibatches(1))
+
+    stats = run_update(roles, make_rollout(), make_advantages(), cfg, cfg.kl_coef)
+
+    assert_matches_hand(roles, stats, h, expected)
+
+
+@pytest.mark.parametrize("probes,stacked", [
+    ({False: True, True: True}, True),
+    ({False: True, True: False}, False),  # mixed batches work without autograd only: one pass per role
+    ({False: False, True: True}, True),
+], ids=["both", "no-grad-only", "grad-only"])
+def test_roles_share_a_forward_only_where_the_probe_with_autograd_passed(probes, stacked):
+    """ppo.update_roles_together stacks the policy and value rows in one forward only when the
+    load-time probe found mixed-adapter batches right with autograd (the update's case); the
+    step is the hand one either way."""
+    cfg = PPOConfig(**BASE)
+    roles = TableRoles()
+    roles.mixed_batches = probes
+    h = Hand.start()
+    expected = hand_update(h, cfg, cfg.kl_coef, seeded_minibatches(1))
+
+    stats = run_update(roles, make_rollout(), make_advantages(), cfg, cfg.kl_coef, micro=2, together=True)
+
+    assert_matches_hand(roles, stats, h, expected)
+    assert (roles.stacked_forwards > 0) == stacked
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["one-pass-per-role", "together"])
+@pytest.mark.parametrize("broken,name", [("returns", "loss/value"), ("advantages", "loss/policy")])
+def test_a_nonfinite_loss_is_named_and_its_minibatch_dropped(broken, name, together):
+    """A NaN return makes the value loss NaN, a NaN advantage the policy loss: the guard names
+    that loss, skips the minibatch's step and leaves every parameter where it was."""
+    returns = [row[:] for row in RETURNS]
+    advantages = [row[:] for row in ADVANTAGES]
+    {"returns": returns, "advantages": advantages}[broken][2][1] = float("nan")
+    roles = TableRoles()
+
+    stats = run_update(roles, make_rollout(), make_advantages(advantages, returns), PPOConfig(**BASE), 0.0,
+                       micro=2, together=together)
+
+    assert stats.nonfinite == name and stats.skipped_minibatches == 1
+    torch.testing.assert_close(roles.theta.detach(), torch.tensor(THETA0, dtype=DT), atol=0, rtol=0)
+    torch.testing.assert_close(roles.w.detach(), torch.tensor(W0, dtype=DT), atol=0, rtol=0)
+
+
+@dataclass(frozen=True)
+class RankZeroOfTwo(World):
+    """Process 0 of a two-process run whose process 1 contributed `peer_tensor` to sums and
+    `peer_object` to gathers (the collectives without a process group)."""
+
+    peer_tensor: Optional[torch.Tensor] = None
+    peer_object: object = None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        return values + self.peer_tensor
+
+    def gather(self, obj):
+        return [obj, self.peer_object]
+
+
+def test_logged_means_add_up_both_processes_sums_and_weights():
+    """Per key: (own sum + peer sum) / (own weight + peer weight); keys travel in sorted order,
+    sums first, then weights."""
+    means = _TokenWeightedMeans()
+    means.add({"ratio": 1.5, "loss/policy": -0.25}, 4.0)  # sums 6.0 and -1.0, weights 4 and 4
+    means.add({"loss/policy": 0.5}, 2.0)  # loss/policy: sum 0.0, weight 6
+    # process 1, in sorted key order (loss/policy, ratio): sums 3.0, 1.0; weights 2.0, 1.0
+    world = RankZeroOfTwo(rank=0, size=2, peer_tensor=torch.tensor([3.0, 1.0, 2.0, 1.0], dtype=torch.float64))
+
+    total = means.summed_over(world)
+
+    assert total.mean("loss/policy") == pytest.approx(3.0 / 8.0, rel=1e-12)
+    assert total.mean("ratio") == pytest.approx(7.0 / 5.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("own,peer,want", [
+    ((0.5, 0.75, 3.0), (0.9, 0.1, 1.0), (0.9, 0.85 / 4)),
+    ((0.0, 0.0, 0.0), (0.3, 0.3, 1.0), (0.3, 0.3)),  # one real token in the whole run
+    ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0)),  # none at all
+], ids=["both", "one-token", "none"])
+def test_the_self_check_is_over_both_processes(own, peer, want):
+    """The largest difference of either process, and the mean over all their real tokens."""
+    check = LogprobCheck(*own)
+    assert check.over(RankZeroOfTwo(rank=0, size=2, peer_object=peer)) == pytest.approx(want, rel=1e-12)

@@ -129,3 +129,17 @@ def test_a_bare_latex_fraction_is_the_last_number():
     # The module normalises `\frac{a}{b}` as a number, so a response ending in one states that number.
     assert answers_match("Dividing both sides, x = \\frac{1}{2}", "0.5")
     assert not answers_match("Dividing both sides, x = \\frac{1}{2}", "2")
+
+
+@pytest.mark.parametrize("answer, number", [
+    ("-\\frac{3}{4}", Fraction(-3, 4)), ("\\frac{3}{1}", Fraction(3)), ("\\frac{3}{0}", None),
+    ("\\frac{1,2}{3}", None), ("\\frac{3}{x}", None),
+])
+def test_latex_fractions_signs_and_bad_parts(answer, number):
+    assert to_number(answer) == number
+
+
+def test_an_answer_that_is_a_number_on_one_side_only_is_compared_as_text():
+    # A tab inside "1\t000" keeps it from parsing as a number; as text (runs of white space
+    # ignored) it is still "1 000".
+    assert answers_match("#### 1\t000", "1 000")

@@ -175,8 +175,8 @@ def test_kl_estimate_k3_matches_its_formula():
 
 
 def test_kl_estimate_k2_matches_its_formula():
-    # k2 = (log r)^2 / 2 with r = p_ref / p: here log r = -0.5 - (-1.5) = 1.0 -> 0.5
-    torch.testing.assert_close(kl_estimate(t64([-1.5]), t64([-0.5]), "k2"), t64([0.5]), **TOL)
+    # k2 = (log r)^2 / 2 with r = p_ref / p: log r = -0.5 - (-1.5) = 1.0 -> 0.5; log r = -2 -> 2.0
+    torch.testing.assert_close(kl_estimate(t64([-1.5, -0.5]), t64([-0.5, -2.5]), "k2"), t64([0.5, 2.0]), **TOL)
 
 
 def test_kl_estimate_unknown_estimator_raises():
