@@ -84,7 +84,8 @@ def test_reward_function_with_wrong_count_names_the_function(tmp_path, tiny_mode
     assert "wrong_count returned 1 scores for 4 completions" in result.stderr
 
 
-def test_train_end_to_end_writes_every_output(tmp_path, tiny_model_dir, caplog):
+def test_smoke_train_end_to_end_writes_every_output(tmp_path, tiny_model_dir, caplog):
+    """Smoke test: `lora-ppo train` runs two steps in a subprocess and writes every file and metric key a user reads."""
     out = tmp_path / "run"
     recipe = _write(tmp_path / "tiny.yaml", tiny_recipe_dict(tiny_model_dir, out))
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from lora_ppo import atomic, checkpoint
 from lora_ppo.cli import app
-from lora_ppo.config import Recipe, RewardRecipe, recipe_from_dict, recipe_to_yaml
+from lora_ppo.config import RewardRecipe, recipe_from_dict, recipe_to_yaml
 from lora_ppo.errors import RecipeError
 from lora_ppo.ppo_math import WHITEN_EPS, group_advantages, masked_var, masked_whiten
 from lora_ppo.roles import POLICY, VALUE
@@ -194,14 +194,16 @@ def test_reward_recipe_batch_size_must_divide_by_grad_accum_steps():
     assert message == "train.batch_size (8) must be divisible by grad_accum_steps (3)"
 
 
-@pytest.mark.parametrize("sections", [
-    {"rollout": {"batch_size": 12, "samples_per_prompt": 3}, "ppo": {"num_minibatches": 2, "grad_accum_steps": 2}},
-    {"rollout": {"batch_size": 8, "samples_per_prompt": 2}, "ppo": {"advantage_estimator": "grpo",
-                                                                    "num_minibatches": 8}},
+@pytest.mark.parametrize("sections, minibatch, micro_batch", [
+    # 12 rows in 2 minibatches of 6, each in 2 micro-batches of 3.
+    ({"rollout": {"batch_size": 12, "samples_per_prompt": 3}, "ppo": {"num_minibatches": 2, "grad_accum_steps": 2}},
+     6, 3),
+    # 8 rows in 8 minibatches of one row each.
+    ({"rollout": {"batch_size": 8, "samples_per_prompt": 2}, "ppo": {"advantage_estimator": "grpo",
+                                                                     "num_minibatches": 8}}, 1, 1),
 ])
-def test_recipes_that_divide_are_accepted(sections):
+def test_recipes_that_divide_are_accepted(sections, minibatch, micro_batch):
     recipe = recipe_from_dict(sections)
-    assert isinstance(recipe, Recipe)
-    assert recipe.micro_batch_size * recipe.ppo.grad_accum_steps * recipe.ppo.num_minibatches == \
-        recipe.rollout.batch_size
-    assert recipe_from_dict({"train": {"batch_size": 12, "grad_accum_steps": 4}}, schema=RewardRecipe)
+    assert (recipe.minibatch_size, recipe.micro_batch_size) == (minibatch, micro_batch)
+    reward = recipe_from_dict({"train": {"batch_size": 12, "grad_accum_steps": 4}}, schema=RewardRecipe)
+    assert (reward.train.batch_size, reward.train.grad_accum_steps) == (12, 4)

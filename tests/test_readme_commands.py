@@ -73,10 +73,20 @@ def test_a_recipe_command_resolves_and_names_only_files_a_fresh_clone_has(words,
 
 
 @pytest.mark.parametrize("words", [w for w in readme_commands() if w[0] == "estimate"], ids=shlex.join)
-def test_an_estimate_command_runs(words, monkeypatch):
+def test_an_estimate_command_prints_a_peak_and_exits_as_its_verdict_says(words, monkeypatch):
+    """With --gpu-gb the verdict line and the exit code agree (0: fits, 1: does NOT fit, an answer
+    too); without it there is no verdict and the exit code is 0."""
     monkeypatch.chdir(REPO)
     result = CliRunner().invoke(app, words)
-    assert result.exit_code in (0, 1), result.output  # 1: "does NOT fit", an answer too
+    lines = result.output.splitlines()
+    verdicts = [line for line in lines if line.startswith(("fits in ", "does NOT fit in "))]
+    if "--gpu-gb" in words:
+        budget = f"{float(words[words.index('--gpu-gb') + 1]):g} GB"
+        expected = {0: f"fits in {budget}", 1: f"does NOT fit in {budget}"}.get(result.exit_code)
+        assert verdicts == [expected], result.output
+    else:
+        assert result.exit_code == 0 and verdicts == [], result.output
+    assert any(line.startswith("peak: ") and line.endswith(" GB") for line in lines), result.output
 
 
 @pytest.mark.parametrize("words", [w for w in readme_commands() if w[0] in RUN_COMMANDS], ids=shlex.join)

@@ -85,9 +85,10 @@ SMALL = ["rollout.batch_size=4", "rollout.samples_per_prompt=2", "ppo.num_miniba
          "model.gradient_checkpointing=false", "data.max_prompt_tokens=128"]  # the tiny model has 256 positions
 
 
-def test_gsm8k_recipe_runs_end_to_end_on_a_local_stand_in(tmp_path, tiny_model_dir):
-    """recipes/qwen2.5-0.5b_gsm8k.yaml with a tiny model and a dataset in GSM8K's format: config
-    `main`, `question` prompts, worked `answer`s ending in `#### N`."""
+def test_smoke_gsm8k_recipe_runs_end_to_end_on_a_local_stand_in(tmp_path, tiny_model_dir):
+    """Smoke test: the GSM8K recipe trains a step; its held-out score is in the reward's range, its adapter saved."""
+    # recipes/qwen2.5-0.5b_gsm8k.yaml with a tiny model and a dataset in GSM8K's format: config
+    # `main`, `question` prompts, worked `answer`s ending in `#### N`.
     import lora_ppo
 
     def rows(start):
@@ -104,9 +105,10 @@ def test_gsm8k_recipe_runs_end_to_end_on_a_local_stand_in(tmp_path, tiny_model_d
     assert (tmp_path / "run" / "final" / "policy" / "adapter_model.safetensors").is_file()
 
 
-def test_conversational_recipe_runs_end_to_end_on_a_local_stand_in(tmp_path, tiny_model_dir, tiny_classifier_dir):
-    """recipes/qwen2.5-1.5b_ultrafeedback.yaml with a tiny model and classifier and a dataset in
-    TRL's prompt-only conversational format."""
+def test_smoke_conversational_recipe_runs_end_to_end_on_a_local_stand_in(tmp_path, tiny_model_dir, tiny_classifier_dir):
+    """Smoke test: the UltraFeedback recipe trains a step and logs a held-out score and a training score."""
+    # recipes/qwen2.5-1.5b_ultrafeedback.yaml with a tiny model and classifier and a dataset in
+    # TRL's prompt-only conversational format.
     import lora_ppo
 
     def rows(start):

@@ -217,16 +217,22 @@ def test_ppo_with_the_reward_adapter_holds_one_base_model(tmp_path, tiny_model_d
     adapter never gets a gradient nor changes, and the run folder keeps a copy of it."""
     import lora_ppo
     import lora_ppo.parts as parts_module
-    from lora_ppo.roles import REWARD
+    from lora_ppo.roles import REWARD, RoleModel
 
-    loads = []
-    real_load = parts_module.load_base_model
+    loads, given = [], []
+    real_load, real_scores = parts_module.load_base_model, RoleModel.reward_scores
 
     def counted(cfg):
         loads.append(cfg.name)
         return real_load(cfg)
 
+    def recorded(self, input_ids, attention_mask):
+        scores = real_scores(self, input_ids, attention_mask)
+        given.extend(scores.tolist())
+        return scores
+
     monkeypatch.setattr(parts_module, "load_base_model", counted)
+    monkeypatch.setattr(RoleModel, "reward_scores", recorded)
     adapter = reward_run / "final" / "reward"
     recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(
         tiny_model_dir, tmp_path / "run", reward={"kind": "adapter", "adapter": str(adapter), "function": None},
@@ -248,7 +254,12 @@ def test_ppo_with_the_reward_adapter_holds_one_base_model(tmp_path, tiny_model_d
     saved = adapter_tensors(tmp_path / "run" / "final" / "reward")
     assert all(torch.equal(saved[k], t) for k, t in adapter_tensors(adapter).items())
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert all(isinstance(m["objective/scores"], float) for m in metrics)
+    # Each step's logged score is the mean of what the reward adapter gave that step's responses
+    # (test_reward_adapter_scores_equal_a_direct_forward checks those against a direct forward).
+    batch = recipe.rollout.batch_size
+    assert len(given) == len(metrics) * batch == 2 * batch
+    for step, m in enumerate(metrics):
+        assert m["objective/scores"] == pytest.approx(sum(given[step * batch : (step + 1) * batch]) / batch, abs=1e-6)
 
 
 def test_reward_adapter_scores_equal_a_direct_forward(tiny_model_dir, reward_run, tiny_tokenizer):

@@ -267,8 +267,12 @@ def test_classifier_loads_in_4bit_like_the_policy(tiny_classifier_dir):
 
     fn = build_reward(RewardConfig(kind="classifier", model=str(tiny_classifier_dir)), ModelConfig(quantization="4bit"))
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in fn.model.modules())
-    scores = score_completions(fn, RewardBatch(["the film", "a film"], [" good great", " bad"]))
-    assert len(scores) == 2 and all(math.isfinite(s) for s in scores)
+    prompts, completions = ["the film", "a film"], [" good great", " bad"]
+    scores = score_completions(fn, RewardBatch(prompts, completions))
+    with torch.no_grad():  # the loaded 4-bit model's own forward on each text alone, label 1's logit
+        expected = [fn.model(**fn.tokenizer(p + c, return_tensors="pt")).logits[0, 1].item()
+                    for p, c in zip(prompts, completions)]
+    assert scores == pytest.approx(expected, abs=1e-5)
     plain = build_reward(RewardConfig(kind="classifier", model=str(tiny_classifier_dir), quantization="none"),
                          ModelConfig(quantization="4bit"))
     assert not any(isinstance(m, bnb.nn.Linear4bit) for m in plain.model.modules())

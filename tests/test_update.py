@@ -61,7 +61,8 @@ def test_ppo_update_moves_adapters_but_not_base_or_reference(roles, tokenizer):
     with torch.no_grad(), roles.as_role(REFERENCE):
         ref_after, _ = roles.response_logprobs(rollout.input_ids, rollout.attention_mask, rollout.response_start, 1.0)
     torch.testing.assert_close(ref_before, ref_after, atol=0, rtol=0)
-    assert all(torch.isfinite(torch.tensor(v)) for v in stats.as_metrics().values())
+    # Both minibatches were applied: the NaN/inf guard dropped none, so the moves above are the update's.
+    assert stats.skipped_minibatches == 0 and stats.nonfinite is None
 
 
 @pytest.mark.parametrize("grad_accum_steps", [1, 2, 4])

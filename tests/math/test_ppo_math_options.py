@@ -72,6 +72,8 @@ def test_dual_clip_leaves_positive_advantages_and_small_ratios_alone():
     adv = t([[1.0, -1.0]])  # positive advantage with a big ratio; negative with a ratio near 1
     plain, _ = policy_loss(new, old, adv, mask, clip_eps=0.2)
     capped, stats = policy_loss(new, old, adv, mask, clip_eps=0.2, dual_clip=3.0)
+    # Token 1: A = 1, ratio e^2 clipped to 1.2 -> -1.2; token 2: A = -1, ratio e^0.1 < 1.2 -> e^0.1.
+    assert capped.item() == pytest.approx((-1.2 + math.exp(0.1)) / 2)
     torch.testing.assert_close(capped, plain, **TOL)
     assert stats["dual_clipfrac"].item() == 0.0
 
@@ -96,10 +98,11 @@ def test_kl_loss_k3_hand_case():
     mask = torch.tensor([[True, True]])
     expected = 0.5 * (math.e - 2.0)
     assert kl_loss(new, ref, mask, 0.5, "k3").item() == pytest.approx(expected)
-    # its gradient pushes the policy toward the reference
+    # its gradient pushes the policy toward the reference: d/d new of 0.5 * mean(e^(ref - new) - 1 - (ref - new))
+    # is 0.5 / 2 * (1 - e^1) per token, negative.
     new.requires_grad_(True)
     kl_loss(new, ref, mask, 0.5, "k3").backward()
-    assert (new.grad < 0).all()
+    torch.testing.assert_close(new.grad, t([[0.25 * (1 - math.e), 0.25 * (1 - math.e)]]), **TOL)
 
 
 def test_adaptive_kl_controller():
