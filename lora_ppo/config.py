@@ -166,7 +166,8 @@ class AdaptersConfig(Section):
         return self.reference
 
 
-RewardKind = Literal["vader", "textblob", "function", "classifier", "math_answer", "exact_match", "adapter", "python"]
+RewardKind = Literal["vader", "textblob", "function", "classifier", "math_answer", "exact_match", "adapter", "python",
+                     "none"]
 # What a source is called by default in the logs (objective/<name>): its kind, or its function's name.
 VERIFIABLE_KINDS = ("math_answer", "exact_match")
 
@@ -180,7 +181,8 @@ class RewardSourceConfig(Section):
     policy's own backbone (no second model); `math_answer`: 1 when the completion's final answer (a
     `#### N` line, a `\\boxed{N}`, else its last number) equals the `answer_column` value as a number,
     else 0; `exact_match`: 1 when the completion equals the `answer_column` value (case and spacing
-    ignored). VADER by default: it needs no download and is the quickstart's task. `python` is written,
+    ignored); `none`: 0 for every completion (an episode's rewards then come from its environment alone,
+    `rollout.environment`). VADER by default: it needs no download and is the quickstart's task. `python` is written,
     never chosen: a run given `PPOTrainer(recipe, reward_fn=f)` with an `f` that has no importable name
     records it so (with `name`), and commands that score need `f` passed again from Python.
     """
@@ -412,6 +414,42 @@ class RolloutConfig(Section):
     responses whatever the number of processes (`--num-processes`) or the batch layout. Off: one stream
     (the run's seed), as most trainers do.
     """
+    environment: Optional[str] = None
+    """Multi-turn episodes: `module:Factory` (or `path/file.py:Factory`), created per episode with the
+    dataset row's columns; `reset()` gives the first messages, `step(assistant_message)` the next ones, a
+    reward and whether the episode is done (docs/agents.md). null: one completion per prompt.
+    """
+    tools: list[str] = []
+    """Python functions the policy may call, each `module:function` with type hints and a docstring: their
+    JSON schemas go to the chat template (`tools=`), calls are parsed from its completions and answered as
+    `tool` messages. They run with your permissions (no sandbox).
+    """
+    max_turns: int = Field(1, gt=0)
+    """Turns of the policy per episode (with `environment` or `tools`); an episode still going after them
+    is counted as truncated (`episode/truncated_frac`).
+    """
+    max_episode_tokens: Optional[int] = Field(None, gt=0)
+    """The budget of an episode in tokens after the prompt (actions and observations); each turn writes at
+    most `max_new_tokens`. null: `max_turns * max_new_tokens` plus what observations add, unbounded.
+    """
+    tool_timeout_s: Optional[float] = Field(10.0, gt=0.0)
+    """Seconds a tool call may take before the model is told it timed out (the call is left running in the
+    background); null: no limit.
+    """
+
+    @property
+    def episodic(self) -> bool:
+        """Whether a step plays multi-turn episodes (an environment or tools) instead of one completion."""
+        return self.environment is not None or bool(self.tools)
+
+    @model_validator(mode="after")
+    def _episodes(self) -> "RolloutConfig":
+        if self.max_turns > 1 and not self.episodic:
+            raise ValueError(f"max_turns is {self.max_turns}, but nothing answers a turn: set rollout.environment "
+                             "or rollout.tools")
+        if self.max_episode_tokens is not None and not self.episodic:
+            raise ValueError("max_episode_tokens needs rollout.environment or rollout.tools")
+        return self
 
 
 class PPOConfig(Section):
@@ -997,7 +1035,7 @@ def with_absolute_paths(recipe: Section, recipe_dir: Optional[Path] = None) -> S
 
     for field in LOCAL_PATH_FIELDS:
         walk(data, field.split("."), absolute)
-    for field in ("reward.function", "reward.sources.*.function"):
+    for field in ("reward.function", "reward.sources.*.function", "rollout.environment", "rollout.tools.*"):
         walk(data, field.split("."), module_file)
     return type(recipe).model_validate(data)
 

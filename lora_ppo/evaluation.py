@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from lora_ppo.agents.episodes import EpisodeSettings, run_episodes
 from lora_ppo.data import PromptRow
 from lora_ppo.devices import fork_rng_args
 from lora_ppo.rewards import RewardBatch, RewardSources
@@ -50,6 +51,7 @@ def evaluate(
     with_text_stats: bool = False,
     with_kl: bool = False,
     progress: Optional[object] = None,
+    episodes: Optional[EpisodeSettings] = None,
 ) -> Evaluation:
     """Sample each prompt `samples_per_prompt` times with a fixed seed, inside a forked RNG (the
     same policy gets the same completions; the training RNG stream is left untouched), and score
@@ -59,6 +61,9 @@ def evaluate(
         with_text_stats: also response length (tokens) and distinct-1/2 of the completions' tokens.
         with_kl: also the KL of the policy to the reference per response (sum of k1 over its tokens).
         progress: a tqdm-like bar, advanced by the prompts done.
+        episodes: play multi-turn episodes with the recipe's environment or tools; a score is then
+            the reward sources' plus every reward the environment gave, and a record keeps the
+            episode's messages as `transcript`.
     """
     roles = sampler.roles
     device = roles.lm_head.weight.device
@@ -70,10 +75,18 @@ def evaluate(
         torch.manual_seed(seed)
         for start in range(0, len(rows), sampler.cfg.batch_size):
             batch = rows[start : start + sampler.cfg.batch_size]
-            samples = sampler.sample(batch)
-            ids = samples.completion_ids()
-            said = rewards.score(RewardBatch.from_rows(batch, samples.completions, ids, samples.model_input()))
-            columns["score"] += said.total
+            if episodes is None:
+                samples = sampler.sample(batch)
+                ids = samples.completion_ids()
+                said = rewards.score(RewardBatch.from_rows(batch, samples.completions, ids, samples.model_input()))
+                columns["score"] += said.total
+            else:
+                samples = run_episodes(sampler, batch, episodes)
+                ids = samples.completion_ids
+                reward_batch = RewardBatch.from_rows(batch, samples.completions, ids, samples.model_input())
+                reward_batch.columns["messages"] = samples.transcripts
+                said = rewards.score(reward_batch)
+                columns["score"] += [s + r for s, r in zip(said.total, samples.turn_rewards.sum(dim=1).tolist())]
             for name, values in {**said.by_source, **said.side}.items():
                 if name in columns:
                     columns[name] += values
@@ -88,7 +101,8 @@ def evaluate(
                 index = start + i
                 records.append({"prompt": row.prompt, "sample": index % samples_per_prompt,
                                 "completion": samples.completions[i],
-                                **{name: values[index] for name, values in columns.items()}})
+                                **{name: values[index] for name, values in columns.items()},
+                                **({"transcript": samples.transcripts[i]} if episodes is not None else {})})
             if progress is not None:
                 progress.update(len(batch) / samples_per_prompt)
     if not prompts:

@@ -52,6 +52,7 @@ def step_metrics(
         "memory/peak_gb": run_peak_gb(),
         # Per phase: GPU max_memory_allocated, or the CPU process's peak resident memory.
         **{f"memory/{name}_gb": gb for name, gb in phase_peaks_gb.items()},
+        **rollout.episode_metrics,
     }
     if adv.returns is not None:
         metrics["value/explained_var"] = ppo_math.explained_variance(rollout.values, adv.returns, mask).item()

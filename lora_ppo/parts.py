@@ -10,8 +10,11 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from lora_ppo.agents.environment import load_environment
+from lora_ppo.agents.episodes import EpisodeSettings
+from lora_ppo.agents.tools import load_tools, tool_schemas
 from lora_ppo.builtin_model import portable_name
-from lora_ppo.config import PPOConfig, Recipe
+from lora_ppo.config import PPOConfig, Recipe, RolloutConfig
 from lora_ppo.data import PromptRow, PromptSet, load_prompt_sets
 from lora_ppo.model import check_context, dequantized_once, load_base_model, load_tokenizer
 from lora_ppo.quantization import compute_dtype
@@ -36,6 +39,7 @@ class Parts:
     roles: RoleModel
     optimizer: torch.optim.Optimizer
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler]
+    episodes: Optional[EpisodeSettings] = None  # multi-turn: rollout.environment / rollout.tools
 
     def sampler(self, recipe: Recipe) -> Sampler:
         """How the policy samples in this run (`logprobs_from_generation: auto` decided by the
@@ -66,7 +70,9 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
     tokenizer = load_tokenizer(recipe.model)
     check_context(recipe.model, recipe.data.max_prompt_tokens, recipe.rollout.max_new_tokens)
     train_prompts, eval_prompts = load_prompt_sets(recipe.data, tokenizer, recipe.train.seed)
-    check_reward_columns(recipe.reward, train_prompts.columns, recipe.data.source, reward_fn)
+    check_reward_columns(recipe.reward, train_prompts.columns + (["messages"] if recipe.rollout.episodic else []),
+                         recipe.data.source, reward_fn)
+    episodes = episode_settings(recipe.rollout)  # imported before the weights load: a typo fails fast
     if not recipe.adapters.reference_enabled:
         log.warning("adapters.reference is 'none': no KL penalty; the policy may drift far from the base model")
     reward_adapter = None if reward_fn is not None else recipe.reward.adapter_path
@@ -75,7 +81,20 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
     # After the roles: a reward adapter lives on their backbone, and a classifier loads its weights.
     rewards = build_reward_sources(recipe.reward, recipe.model, reward_fn, roles.reward_scores if reward_adapter else None)
     optimizer, scheduler = build_optimizer(roles, recipe.ppo, recipe.train.steps)
-    return Parts(tokenizer, train_prompts, eval_prompts, rewards, roles, optimizer, scheduler)
+    return Parts(tokenizer, train_prompts, eval_prompts, rewards, roles, optimizer, scheduler, episodes)
+
+
+def episode_settings(cfg: RolloutConfig) -> Optional[EpisodeSettings]:
+    """What multi-turn episodes talk to (the environment and the tools, imported), or None."""
+    if not cfg.episodic:
+        return None
+    tools = load_tools(cfg.tools)
+    return EpisodeSettings(
+        max_turns=cfg.max_turns, max_episode_tokens=cfg.max_episode_tokens,
+        environment=load_environment(cfg.environment) if cfg.environment else None,
+        environment_name=cfg.environment or "", tools=tools,
+        tool_schemas=tool_schemas(list(tools.values())) if tools else None, tool_timeout_s=cfg.tool_timeout_s,
+    )
 
 
 def build_optimizer(
@@ -111,4 +130,4 @@ def evaluate_policy(parts: Parts, recipe: Recipe, prompts: Optional[Sequence[Pro
         return evaluate(sampler, rows, parts.rewards, seed=recipe.train.seed,
                         samples_per_prompt=samples_per_prompt or recipe.data.eval_samples_per_prompt,
                         with_text_stats=detailed, with_kl=(detailed or with_kl) and recipe.adapters.reference_enabled,
-                        progress=progress)
+                        progress=progress, episodes=parts.episodes)

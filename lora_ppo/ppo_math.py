@@ -7,6 +7,8 @@ included), False on padding after it.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 # A whitening over fewer than this many valid entries has no variance to divide by.
@@ -72,8 +74,10 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
 
 
 def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last real response token per row, [B]; -1 for an empty response."""
-    return response_mask.long().sum(dim=1) - 1
+    """Index of the last real response token (action token) per row, [B]; -1 for an empty
+    response. In an episode the mask has gaps (observation tokens), so not its count - 1."""
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device).expand_as(response_mask)
+    return torch.where(response_mask, positions, torch.full_like(positions, -1)).amax(dim=1)
 
 
 def kl_shaped_rewards(
@@ -83,6 +87,7 @@ def kl_shaped_rewards(
     response_mask: torch.Tensor,
     kl_coef: float,
     estimator: str = "k1",
+    turn_rewards: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards: -kl_coef * KL at each real token, plus the score at the last one.
 
@@ -92,13 +97,17 @@ def kl_shaped_rewards(
     Args:
         scores: [B] sequence-level reward.
         old_logprobs, ref_logprobs: [B, T_resp] logprobs of the sampled tokens.
-        response_mask: [B, T_resp] True on real response tokens.
+        response_mask: [B, T_resp] True on real response tokens (in an episode: action tokens).
+        turn_rewards: [B, T_resp] rewards an environment gave during an episode, each on its
+            turn's last action token (0 elsewhere), added as they are.
     Returns:
         (rewards [B, T_resp], kl [B, T_resp]), both 0 on padding.
     """
     kl = kl_estimate(old_logprobs, ref_logprobs, estimator)
     kl = torch.where(response_mask, kl, torch.zeros_like(kl))
     rewards = -kl_coef * kl
+    if turn_rewards is not None:
+        rewards = rewards + torch.where(response_mask, turn_rewards.to(rewards.dtype), torch.zeros_like(rewards))
     last = last_token_index(response_mask)  # [B]
     has_tokens = last >= 0
     rows = torch.arange(scores.shape[0], device=scores.device)[has_tokens]
@@ -117,7 +126,9 @@ def gae(
     """Generalised advantage estimation (Schulman et al. 2016, eq. 16).
 
     delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}, with
-    V and A taken as 0 past the last real token (the episode ends there).
+    V and A taken as 0 past the last real token (the episode ends there). Steps where
+    `response_mask` is False inside a row (an episode's observation tokens) are skipped: the
+    action before them bootstraps from the value of the action after them.
 
     Args:
         values: [B, T_resp] value of the state before each response token.
@@ -138,9 +149,11 @@ def gae(
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         advantage = (delta + gamma * lam * next_advantage) * mask[:, t]
         advantages[:, t] = advantage
-        # A padded step passes nothing back: the episode already ended before it.
-        next_value = values[:, t]
-        next_advantage = advantage
+        # A step that is not an action passes the next action's value and advantage back unchanged:
+        # gamma and lam count action tokens only, so an episode's observation tokens are skipped,
+        # and padding after the last action passes back the zeros the episode ended with.
+        next_value = torch.where(response_mask[:, t], values[:, t], next_value)
+        next_advantage = torch.where(response_mask[:, t], advantage, next_advantage)
     returns = (advantages + values) * mask
     return advantages, returns
 

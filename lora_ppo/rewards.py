@@ -80,6 +80,11 @@ class RewardBatch:
         )
 
 
+def no_reward(prompts: Sequence[Any], completions: Sequence[Completion], **_: Any) -> list[float]:
+    """0 for every completion (`reward.kind: none`: an environment gives the rewards)."""
+    return [0.0] * len(completions)
+
+
 def vader_reward() -> RewardFn:
     """VADER compound sentiment of the completion, in [-1, 1] (the lexicon ships with the package)."""
     from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
@@ -382,6 +387,8 @@ def build_reward(cfg: RewardSourceConfig, policy_model: Optional[ModelConfig] = 
         raise RecipeError(f"reward.kind: python: this run trained on a Python reward object ({cfg.name}) given as "
                           "PPOTrainer(recipe, reward_fn=...); pass it again from Python, or set reward.kind to score "
                           "with something else")
+    if cfg.kind == "none":
+        return no_reward
     if cfg.kind == "vader":
         return vader_reward()
     if cfg.kind == "textblob":

@@ -51,14 +51,27 @@ class Rollout:
     side_scores: dict[str, list[float]] = field(default_factory=dict)
     source_scores: dict[str, list[float]] = field(default_factory=dict)  # each reward source's own
     timings: dict[str, float] = field(default_factory=dict)
+    # Multi-turn episodes (lora_ppo.agents): `response_mask` is True on action tokens only, and
+    # these on the observation tokens between turns (context: attended to, never an action).
+    observation_mask: Optional[torch.Tensor] = None  # [B, T_resp] bool
+    turn_rewards: Optional[torch.Tensor] = None  # [B, T_resp] environment rewards on turns' last actions
+    transcripts: Optional[list[list[dict]]] = None  # each episode's messages
+    episode_metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def input_ids(self) -> torch.Tensor:
-        return join_prompt_response(self.query_ids, self.query_mask, self.response_ids, self.response_mask)[0]
+        return join_prompt_response(self.query_ids, self.query_mask, self.response_ids, self.context_mask)[0]
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        return join_prompt_response(self.query_ids, self.query_mask, self.response_ids, self.response_mask)[1]
+        return join_prompt_response(self.query_ids, self.query_mask, self.response_ids, self.context_mask)[1]
+
+    @property
+    def context_mask(self) -> torch.Tensor:
+        """[B, T_resp] True on every real token after the prompt: actions and observations."""
+        if self.observation_mask is None:
+            return self.response_mask
+        return self.response_mask | self.observation_mask
 
     @property
     def response_start(self) -> int:
@@ -249,6 +262,10 @@ class Samples:
         """Each response's real tokens (the stop token included), for reward functions."""
         return [ids[mask].tolist() for ids, mask in zip(self.response_ids, self.response_mask)]
 
+    def queries(self) -> list[list[int]]:
+        """Each prompt's tokens without its left padding, as `PPOTrainer.step` takes them."""
+        return [ids[mask.bool()].tolist() for ids, mask in zip(self.query_ids, self.query_mask)]
+
 
 @dataclass(frozen=True)
 class Sampler:
@@ -397,11 +414,12 @@ def gather_rollout(world: World, rollout: Rollout, pad_id: int) -> Rollout:
         return rollout
     device = rollout.response_ids.device
     tensors = ("query_ids", "query_mask", "response_ids", "response_mask", "old_logprobs", "ref_logprobs",
-               "values", "raw_scores", "scores", "stopped")
+               "values", "raw_scores", "scores", "stopped", "observation_mask", "turn_rewards")
     shares = world.gather({
         **{name: None if getattr(rollout, name) is None else getattr(rollout, name).cpu() for name in tensors},
         "rows": rollout.rows, "completions": rollout.completions, "side_scores": rollout.side_scores,
-        "source_scores": rollout.source_scores, "timings": rollout.timings,
+        "source_scores": rollout.source_scores, "timings": rollout.timings, "transcripts": rollout.transcripts,
+        "episode_metrics": rollout.episode_metrics,
     })
     prompt_width = max(s["query_ids"].shape[1] for s in shares)
     response_width = max(s["response_ids"].shape[1] for s in shares)
@@ -433,4 +451,9 @@ def gather_rollout(world: World, rollout: Rollout, pad_id: int) -> Rollout:
         values=joined("values", response_width), raw_scores=joined("raw_scores"), scores=joined("scores"),
         stopped=joined("stopped"), side_scores=concatenated("side_scores"), source_scores=concatenated("source_scores"),
         timings={key: max(share["timings"][key] for share in shares) for key in rollout.timings},
+        observation_mask=joined("observation_mask", response_width), turn_rewards=joined("turn_rewards", response_width),
+        transcripts=None if rollout.transcripts is None else concatenated("transcripts"),
+        # every process plays the same number of episodes: their means average
+        episode_metrics={key: sum(s["episode_metrics"][key] for s in shares) / len(shares)
+                         for key in rollout.episode_metrics},
     )

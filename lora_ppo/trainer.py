@@ -8,14 +8,14 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
 from lora_ppo import checkpoint, ppo_math
 from lora_ppo.alarms import LOGPROB_TOLERANCE, first_step_logprob_error
 from lora_ppo.config import Recipe, recipe_to_yaml, with_absolute_paths
-from lora_ppo.data import PromptStream, count_summary
+from lora_ppo.data import PromptFormat, PromptProblem, PromptRow, PromptStream, count_summary
 from lora_ppo.distributed import World, join_world
 from lora_ppo.errors import RecipeError
 from lora_ppo.memory import PhasePeaks, run_peak_gb
@@ -26,7 +26,9 @@ from lora_ppo.progress import LineProgress
 from lora_ppo.quantization import compute_dtype
 from lora_ppo.rewards import recorded_reward
 from lora_ppo.roles import POLICY, REWARD, VALUE, RoleModel
-from lora_ppo.rollout import Rollout, collect_rollout, gather_rollout, row_seeds
+from lora_ppo.agents.episodes import collect_episode_rollout
+from lora_ppo.agents.given import rollout_from_tokens
+from lora_ppo.rollout import Rollout, Samples, collect_rollout, gather_rollout, row_seeds
 from lora_ppo.run_dir import write_jsonl
 from lora_ppo.signals import StopRequest, stop_on_signals
 from lora_ppo.state import TrainState
@@ -82,6 +84,7 @@ class PPOTrainer:
         self.state = TrainState(kl_coef=recipe.ppo.kl_coef)
         self.logprob_tolerance = LOGPROB_TOLERANCE[str(compute_dtype(recipe.model)).removeprefix("torch.")]
         self.logprobs_checked = False  # the first step this process runs stops the run on a failed self-check
+        self._opened = False  # the run folder and step log, opened by train() or the first step()
         self.step_log = StepLog(recipe, self.run, self.progress, tuple(self.parts.rewards.side),
                                 self.logprob_tolerance)
         if self.resume_from is not None:
@@ -95,7 +98,8 @@ class PPOTrainer:
         return self.parts.roles
 
     @property
-    def step(self) -> int:
+    def steps_done(self) -> int:
+        """PPO steps taken so far (a resumed run counts its earlier ones)."""
         return self.state.step
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -105,6 +109,7 @@ class PPOTrainer:
         r, state, main = self.recipe, self.state, self.world.is_main
         if main:
             self._open_run_dir()
+        self._opened = True
         self.world.barrier()  # the folder is ready (an old run moved away) before anyone goes on
         t0 = time.perf_counter()
         dropped = count_summary(self.parts.train_prompts)
@@ -154,11 +159,24 @@ class PPOTrainer:
         seeds = None
         if r.rollout.seed_per_row:
             seeds = row_seeds(r.train.seed, position, range(world.rank * len(rows), (world.rank + 1) * len(rows)))
-        rollout = collect_rollout(
-            self.sampler, rows, parts.rewards, with_values=r.uses_critic,
-            with_reference=r.adapters.reference_enabled, peaks=peaks, seeds=seeds,
-        )
+        if parts.episodes is None:
+            rollout = collect_rollout(
+                self.sampler, rows, parts.rewards, with_values=r.uses_critic,
+                with_reference=r.adapters.reference_enabled, peaks=peaks, seeds=seeds,
+            )
+        else:  # multi-turn: the policy's turns and the environment's (or tools') answers
+            rollout = collect_episode_rollout(
+                self.sampler, rows, parts.rewards, parts.episodes, with_values=r.uses_critic,
+                with_reference=r.adapters.reference_enabled, peaks=peaks, seeds=seeds,
+                first_index=world.rank * len(rows),
+            )
         rollout = gather_rollout(world, rollout, parts.tokenizer.pad_token_id)
+        return self._learn(rollout, peaks, t_start), rollout
+
+    def _learn(self, rollout: Rollout, peaks: PhasePeaks, t_start: float) -> dict[str, float]:
+        """Steps 2-7 of a PPO iteration on a scored rollout; returns the step's metrics."""
+        r, state, parts, world = self.recipe, self.state, self.parts, self.world
+        k = r.rollout.samples_per_prompt
         # 2. Scores as the optimiser sees them: running normalisation, clipping, length penalty.
         moments_before = (state.score_moments, dict(state.source_moments))
         scores = self._shape_scores(rollout)
@@ -194,7 +212,7 @@ class PPOTrainer:
         )
         if world.size > 1:
             metrics["dist/adapter_spread"] = self._adapter_spread()
-        return metrics, rollout
+        return metrics
 
     def _adapter_spread(self) -> float:
         """How far apart the processes' trained weights are (max - min of a float64 checksum):
@@ -229,8 +247,8 @@ class PPOTrainer:
         sources with each such source scaled by its running mean and standard deviation
         (missing_eos_penalty kept). [B]"""
         sources, state = self.parts.rewards.sources, self.state
-        if not any(s.normalize for s in sources):
-            return rollout.scores
+        if not any(s.normalize for s in sources) or not rollout.source_scores:
+            return rollout.scores  # (scores given to step() have no sources to normalise)
         total = torch.zeros_like(rollout.scores)
         for source in sources:
             values = torch.tensor(rollout.source_scores[source.name], dtype=total.dtype, device=total.device)
@@ -261,8 +279,14 @@ class PPOTrainer:
 
     def _one_step(self, stop: StopRequest) -> Rollout:
         """One step with its log, guard and checkpoint; returns the step's rollout."""
-        r, state = self.recipe, self.state
         metrics, rollout = self.train_step()
+        self._after_step(metrics, rollout, stop.requested)
+        return rollout
+
+    def _after_step(self, metrics: dict[str, float], rollout: Rollout, stop_requested: bool) -> None:
+        """The step's log, the first-step self-check, the NaN halt, the periodic checkpoint, and the
+        checkpoint of a run asked to stop."""
+        r, state = self.recipe, self.state
         if self.world.is_main:
             self.step_log.record(state, metrics, rollout)
         else:
@@ -281,12 +305,62 @@ class PPOTrainer:
             )
         if r.train.save_every and state.step % r.train.save_every == 0 and state.step < r.train.steps:
             self.save_checkpoint()
-        if self.world.any(stop.requested):  # every process stops after the same step
+        if self.world.any(stop_requested):  # every process stops after the same step
             folder = self.save_checkpoint()
             if self.world.is_main:
                 print(f"interrupted at step {state.step}: checkpoint saved to {folder}", file=sys.stderr)
             raise KeyboardInterrupt
-        return rollout
+
+    # ---- rollouts made by the caller -----------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Union[str, list[dict]]], **settings: Any) -> Samples:
+        """Sample completions with the policy for `prompts` (text, or conversations, rendered as the
+        recipe's data are: chat template, system prompt). `settings` change the recipe's rollout
+        sampling for this call (`max_new_tokens`, `temperature`, `top_k`, `top_p`, `stop_token`).
+        Returns `Samples`: `query_ids`, `response_ids`, `response_mask`, `completions` (text), ...;
+        `trainer.step` takes `samples.queries()` and `samples.completion_ids()` back."""
+        fmt = PromptFormat(self.parts.tokenizer, self.recipe.data.chat_template, self.recipe.data.system_prompt)
+        try:
+            rows = [PromptRow(prompt, *fmt.render(prompt)) for prompt in prompts]
+        except PromptProblem as problem:
+            raise ValueError(f"generate: a prompt cannot be used: {problem}") from None
+        sampler = self.sampler.with_settings(**settings) if settings else self.sampler
+        with dequantized_once(self.roles.peft, self.recipe.model):
+            return sampler.sample(rows)
+
+    def step(self, queries: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+             scores: Sequence[float], action_mask: Optional[Sequence[Sequence[bool]]] = None) -> dict[str, float]:
+        """One PPO iteration on rollouts made by the caller (TRL's classic `ppo_trainer.step`):
+        `queries` the prompts' token ids, `responses` what followed them, `scores` one number per
+        response. `action_mask` (one list of booleans per response) marks the policy's own tokens;
+        False marks observation tokens (a tool result, a user's reply) in a multi-turn response.
+
+        The responses are scored as a `train()` rollout is (old and reference logprobs, values),
+        then the same shaping, advantages, update, alarms, logging, trackers and checkpoints run.
+        Returns the step's metrics (also written to metrics.jsonl)."""
+        if not self._opened:
+            self._open_for_steps()
+        t_start = time.perf_counter()
+        peaks = PhasePeaks()
+        with dequantized_once(self.roles.peft, self.recipe.model):
+            rollout = rollout_from_tokens(self.sampler, queries, responses, scores, action_mask,
+                                          with_values=self.recipe.uses_critic,
+                                          with_reference=self.recipe.adapters.reference_enabled, peaks=peaks)
+            metrics = self._learn(rollout, peaks, t_start)
+        self._after_step(metrics, rollout, False)
+        return metrics
+
+    def _open_for_steps(self) -> None:
+        if self.world.is_main:
+            self._open_run_dir()
+            self.step_log.open(self.state)
+        self._opened = True
+
+    def close(self) -> None:
+        """After the last `step()`: the final checkpoint (final/) and the log closed."""
+        if self._opened and self.world.is_main:
+            self.step_log.close()
+        self.save_checkpoint(self.run.final)
 
     # ---- evaluation, run folder and checkpoints ---------------------------------------------
 

@@ -43,15 +43,19 @@ def compute_advantages(
     # With the penalty as a loss term the reward carries the score alone.
     reward_kl_coef = kl_coef if cfg.kl_penalty == "reward" else 0.0
     rewards, kl = ppo_math.kl_shaped_rewards(
-        scores, rollout.old_logprobs, rollout.ref_logprobs, mask, reward_kl_coef, cfg.kl_estimator
+        scores, rollout.old_logprobs, rollout.ref_logprobs, mask, reward_kl_coef, cfg.kl_estimator,
+        rollout.turn_rewards,
     )
     if cfg.advantage_estimator == "gae":
         if cfg.whiten_rewards:
             rewards = ppo_math.masked_whiten(rewards, mask, shift_mean=False)
         advantages, returns = ppo_math.gae(rollout.values, rewards, mask, cfg.gamma, cfg.lam)
     else:
-        # A sequence's return is its score minus its KL penalty; every token shares the advantage.
+        # A sequence's return is its score (and an episode's turn rewards) minus its KL penalty;
+        # every action token shares the advantage.
         sequence_rewards = scores - reward_kl_coef * kl.sum(dim=1)
+        if rollout.turn_rewards is not None:
+            sequence_rewards = sequence_rewards + torch.where(mask, rollout.turn_rewards, 0.0).sum(dim=1)
         per_sequence = ppo_math.group_advantages(sequence_rewards, group_size, cfg.advantage_estimator)
         advantages = torch.where(mask, per_sequence[:, None].expand_as(mask), torch.zeros_like(rewards))
         returns = None
@@ -65,6 +69,8 @@ def first_nonfinite(rollout: Rollout, adv: Advantages) -> Optional[str]:
     (padding may hold anything), or None when all are finite."""
     mask = rollout.response_mask
     per_sequence = {"rewards/scores": rollout.scores, "rewards/shaped_scores": adv.scores}
+    if rollout.turn_rewards is not None:
+        per_sequence["rewards/turns"] = rollout.turn_rewards.sum(dim=1)
     per_token = {
         "logprobs/old": rollout.old_logprobs, "logprobs/ref": rollout.ref_logprobs, "values": rollout.values,
         "rewards/per_token": adv.rewards, "advantages": adv.advantages, "returns": adv.returns,

@@ -176,7 +176,7 @@ def test_disk_full_while_saving_is_one_clear_error_and_previous_checkpoint_intac
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-1"]
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
     trainer = lora_ppo.PPOTrainer(lora_ppo.load_recipe(recipe), progress=False, resume="auto")
-    assert trainer.step == 1
+    assert trainer.steps_done == 1
 
 
 def test_changed_recipe_is_refused_with_the_differences_and_harmless_changes_allowed(tmp_path, tiny_model_dir):

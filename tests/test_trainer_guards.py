@@ -94,7 +94,7 @@ def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(tmp_path, tiny_m
 
     def step_then_term(self):
         out = real_step(self)
-        if self.step == 2:
+        if self.steps_done == 2:
             os.kill(os.getpid(), signal.SIGTERM)
         return out
 

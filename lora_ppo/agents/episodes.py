@@ -1,0 +1,308 @@
+"""Multi-turn episodes: the policy writes a turn, an environment (or a tool) answers, and so on,
+all in one token sequence per episode, scored like a single-turn rollout into a `Rollout`.
+
+    | [PAD] prompt | action action [EOS] | observation observation | action [EOS] | [PAD] |
+                   |<- response_mask: True on action tokens only; observation_mask on the others ->|
+
+Action tokens are the policy's samples: they get logprobs, KL, values and the losses.
+Observation tokens (tool results, environment or user replies, in the chat template's roles)
+are context: the model reads them (they are in the attention mask) but they are never actions.
+
+Each turn re-reads the whole context (no KV cache is kept between turns; see docs/agents.md).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from lora_ppo.agents.environment import EnvironmentSession, EpisodeError, Messages, Observation
+from lora_ppo.agents.tools import parse_tool_calls, run_tool, tool_message
+from lora_ppo.data import PromptRow
+from lora_ppo.memory import PhasePeaks
+from lora_ppo.rewards import RewardBatch, RewardSources
+from lora_ppo.rollout import Rollout, Sampler, left_pad, row_seeds, score_passes
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """The recipe's episode limits and what the policy talks to."""
+
+    max_turns: int
+    max_episode_tokens: Optional[int]  # actions + observations after the prompt; None: no budget
+    environment: Optional[Callable[..., Any]] = None  # the factory of `rollout.environment`
+    environment_name: str = ""
+    tools: dict[str, Callable] = field(default_factory=dict)  # name -> function (`rollout.tools`)
+    tool_schemas: Optional[list[dict]] = None
+    tool_timeout_s: Optional[float] = None
+
+
+@dataclass
+class _Episode:
+    row: PromptRow
+    messages: Messages  # the conversation so far, as text
+    context: list[int]  # the prompt's tokens
+    tokens: list[int] = field(default_factory=list)  # everything after the prompt
+    is_action: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # recorded at sampling (0 on observations)
+    turn_rewards: dict[int, float] = field(default_factory=dict)  # token index -> reward
+    turns: int = 0
+    done: bool = False  # the environment (or the end of tool calls) ended it
+    truncated: bool = False  # the budget or the turn limit ended it first
+    stopped: bool = False  # the last turn ended with the stop token
+    last_completion: str = ""
+    last_action_ids: list[int] = field(default_factory=list)
+    tool_calls: int = 0
+    tool_errors: int = 0
+    session: Optional[EnvironmentSession] = None
+
+    def budget_left(self, limit: Optional[int]) -> Optional[int]:
+        return None if limit is None else limit - len(self.tokens)
+
+
+@dataclass(frozen=True)
+class EpisodeBatch:
+    """Finished episodes, as the tensors a `Rollout` holds (per-token [B, T_resp])."""
+
+    rows: list[PromptRow]
+    query_ids: torch.Tensor
+    query_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor  # action tokens
+    observation_mask: torch.Tensor
+    old_logprobs: Optional[torch.Tensor]  # recorded at sampling, 0 elsewhere; None when not recorded
+    turn_rewards: torch.Tensor
+    stopped: torch.Tensor
+    completions: list[str]  # each episode's last assistant message
+    completion_ids: list[list[int]]  # its action tokens
+    transcripts: list[Messages]
+    metrics: dict[str, float]
+
+    def model_input(self) -> tuple[torch.Tensor, torch.Tensor]:
+        real = (self.response_mask | self.observation_mask).to(self.query_mask.dtype)
+        return torch.cat([self.query_ids, self.response_ids], dim=1), torch.cat([self.query_mask, real], dim=1)
+
+
+class ChatRenderer:
+    """The token ids the chat template gives the first messages and each observation."""
+
+    def __init__(self, tokenizer, tool_schemas: Optional[list[dict]]):
+        self.tokenizer, self.tools = tokenizer, tool_schemas
+
+    def render(self, messages: Messages, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def observation_ids(self, history: Messages, new: Messages, action_ids: list[int]) -> list[int]:
+        """The tokens between the policy's last action and its next turn: what the template writes
+        after the assistant's text (its end-of-turn marker, unless the action already ended with
+        it), the new messages, and the next assistant header."""
+        before = self.render(history, add_generation_prompt=False)
+        after = self.render(history + new, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise EpisodeError("the chat template renders earlier turns differently once messages follow them; "
+                               "multi-turn episodes need a template that only appends")
+        content = history[-1]["content"]
+        at = before.rfind(content) if content else -1
+        tail = before[at + len(content):] if at >= 0 else ""
+        written = self.tokenizer.decode(action_ids[-1:]) if action_ids else ""
+        if written and tail.startswith(written):
+            tail = tail[len(written):]  # the action's own stop token already closed the turn
+        return self.encode(tail + after[len(before):])
+
+
+def run_episodes(
+    sampler: Sampler,
+    rows: Sequence[PromptRow],
+    settings: EpisodeSettings,
+    record_logprobs: bool = False,
+    seeds: Optional[Sequence[int]] = None,
+    first_index: int = 0,
+) -> EpisodeBatch:
+    """Play one episode per row, all turns of the batch's live episodes sampled together.
+
+    `seeds`: one per row (`rollout.seed_per_row`); turn k > 0 of a row samples from a stream
+    derived from its seed and k. `first_index`: the rows' place in the step's batch (errors name it).
+    """
+    tokenizer = sampler.tokenizer
+    renderer = ChatRenderer(tokenizer, settings.tool_schemas)
+    episodes = [_start(row, settings, renderer, first_index + i) for i, row in enumerate(rows)]
+    per_turn = sampler.cfg.max_new_tokens
+    for turn in range(settings.max_turns):
+        live = [i for i, e in enumerate(episodes) if not (e.done or e.truncated)]
+        if not live:
+            break
+        budget = [episodes[i].budget_left(settings.max_episode_tokens) for i in live]
+        new_tokens = per_turn if budget[0] is None else max(1, min(per_turn, max(budget)))
+        contexts = [replace(episodes[i].row, ids=tuple(episodes[i].context + episodes[i].tokens)) for i in live]
+        turn_seeds = None
+        if seeds is not None:
+            turn_seeds = [seeds[i] if turn == 0 else row_seeds(seeds[i], ("turn", turn), range(1))[0] for i in live]
+        samples = sampler.with_settings(max_new_tokens=new_tokens).sample(
+            contexts, record_logprobs=record_logprobs, seeds=turn_seeds)
+        for j, i in enumerate(live):
+            e = episodes[i]
+            ids = samples.response_ids[j][samples.response_mask[j]].tolist()
+            logprobs = samples.logprobs[j][samples.response_mask[j]].tolist() if samples.logprobs is not None else []
+            stopped = bool(samples.stopped[j])
+            left = e.budget_left(settings.max_episode_tokens)
+            if left is not None and len(ids) > left:
+                ids, logprobs, stopped, e.truncated = ids[:left], logprobs[:left], False, True
+            text = samples.completions[j] if len(ids) == int(samples.response_mask[j].sum()) else \
+                tokenizer.decode(ids, skip_special_tokens=True)
+            _act(e, ids, logprobs, text, stopped)
+            if not e.truncated:
+                _observe(e, settings, renderer, turn + 1 == settings.max_turns)
+    return _batch(episodes, tokenizer.pad_token_id, sampler.roles.lm_head.weight.device, record_logprobs,
+                  bool(settings.tools))
+
+
+def _start(row: PromptRow, settings: EpisodeSettings, renderer: ChatRenderer, index: int) -> _Episode:
+    session = None
+    first = None
+    if settings.environment is not None:
+        session = EnvironmentSession(settings.environment, settings.environment_name, row, index)
+        first = session.reset()
+    if first is None:
+        first = list(row.prompt) if row.is_conversation else [{"role": "user", "content": row.prompt}]
+        if settings.tool_schemas is None:
+            # Today's single-turn prompt exactly: the row's own tokens (system prompt and all).
+            return _Episode(row, [dict(m) for m in first], list(row.ids), session=session)
+    text = renderer.render(first, add_generation_prompt=True)
+    return _Episode(row, [dict(m) for m in first], renderer.encode(text), session=session)
+
+
+def _act(e: _Episode, ids: list[int], logprobs: list[float], text: str, stopped: bool) -> None:
+    e.tokens += ids
+    e.is_action += [True] * len(ids)
+    e.logprobs += logprobs if logprobs else [0.0] * len(ids)
+    e.turns += 1
+    e.stopped = stopped
+    e.last_completion, e.last_action_ids = text, ids
+    e.messages.append({"role": "assistant", "content": text})
+
+
+def _observe(e: _Episode, settings: EpisodeSettings, renderer: ChatRenderer, last_turn: bool) -> None:
+    """The answer to the turn just written: tool results, the environment's step, or the end."""
+    calls = parse_tool_calls(e.last_completion, renderer.tokenizer, settings.tool_schemas) if settings.tools else []
+    if calls:
+        results = [run_tool(call, settings.tools, settings.tool_timeout_s) for call in calls]
+        e.tool_calls += len(calls)
+        e.tool_errors += sum(r.startswith("error:") for r in results)
+        answer = Observation([tool_message(c, r) for c, r in zip(calls, results)])
+    elif e.session is not None:
+        answer = e.session.step(e.last_completion)
+    else:
+        answer = Observation(done=True)
+    if answer.reward is not None and e.last_action_ids:
+        e.turn_rewards[len(e.tokens) - 1] = e.turn_rewards.get(len(e.tokens) - 1, 0.0) + float(answer.reward)
+    if answer.done:
+        e.done = True
+        return
+    if last_turn:
+        e.truncated = True  # the environment wanted more turns than rollout.max_turns
+        return
+    ids = renderer.observation_ids(e.messages, answer.messages, e.last_action_ids)
+    left = e.budget_left(settings.max_episode_tokens)
+    if left is not None and len(ids) >= left:
+        e.truncated = True  # no room for the observation and a next action
+        return
+    e.messages += answer.messages
+    e.tokens += ids
+    e.is_action += [False] * len(ids)
+    e.logprobs += [0.0] * len(ids)
+
+
+def _batch(episodes: list[_Episode], pad_id: int, device, record_logprobs: bool, with_tools: bool) -> EpisodeBatch:
+    query_ids, query_mask = left_pad([replace(e.row, ids=tuple(e.context)) for e in episodes], pad_id, device)
+    width = max((len(e.tokens) for e in episodes), default=0)
+    B = len(episodes)
+    response_ids = torch.full((B, width), pad_id, dtype=torch.long)
+    action = torch.zeros((B, width), dtype=torch.bool)
+    observation = torch.zeros((B, width), dtype=torch.bool)
+    logprobs = torch.zeros((B, width), dtype=torch.float32)
+    turn_rewards = torch.zeros((B, width), dtype=torch.float32)
+    for i, e in enumerate(episodes):
+        n = len(e.tokens)
+        response_ids[i, :n] = torch.tensor(e.tokens, dtype=torch.long)
+        action[i, :n] = torch.tensor(e.is_action, dtype=torch.bool)
+        observation[i, :n] = ~action[i, :n]
+        logprobs[i, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
+        for position, reward in e.turn_rewards.items():
+            turn_rewards[i, position] = reward
+    metrics = {
+        "episode/turns": sum(e.turns for e in episodes) / max(B, 1),
+        "episode/truncated_frac": sum(e.truncated for e in episodes) / max(B, 1),
+        "episode/observation_tokens": float(observation.sum()) / max(B, 1),
+        "episode/env_reward": float(turn_rewards.sum()) / max(B, 1),
+    }
+    if with_tools:
+        metrics["episode/tool_calls"] = sum(e.tool_calls for e in episodes) / max(B, 1)
+        metrics["episode/tool_errors"] = sum(e.tool_errors for e in episodes) / max(B, 1)
+    return EpisodeBatch(
+        rows=[e.row for e in episodes], query_ids=query_ids, query_mask=query_mask,
+        response_ids=response_ids.to(device), response_mask=action.to(device), observation_mask=observation.to(device),
+        old_logprobs=logprobs.to(device) if record_logprobs else None, turn_rewards=turn_rewards.to(device),
+        stopped=torch.tensor([e.stopped and not e.truncated for e in episodes], dtype=torch.bool, device=device),
+        completions=[e.last_completion for e in episodes], completion_ids=[e.last_action_ids for e in episodes],
+        transcripts=[e.messages for e in episodes], metrics=metrics,
+    )
+
+
+def collect_episode_rollout(
+    sampler: Sampler,
+    rows: Sequence[PromptRow],
+    rewards: RewardSources,
+    settings: EpisodeSettings,
+    with_values: bool = True,
+    with_reference: bool = True,
+    peaks: Optional[PhasePeaks] = None,
+    seeds: Optional[Sequence[int]] = None,
+    first_index: int = 0,
+) -> Rollout:
+    """`collect_rollout` for episodes: play them, then score every action token under no_grad
+    (old and reference logprobs, values) with the observations as context, and score the
+    episodes with the reward sources (which also get `messages`, the whole episode)."""
+    roles, cfg = sampler.roles, sampler.cfg
+    peaks = peaks if peaks is not None else PhasePeaks()
+    timings: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    with peaks.phase("generate"):
+        batch = run_episodes(sampler, rows, settings, cfg.logprobs_from_generation is True, seeds, first_index)
+    timings["generate"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    input_ids, attention_mask = batch.model_input()
+    with peaks.phase("score"):
+        old_logprobs, ref_logprobs, values = score_passes(
+            roles, input_ids, attention_mask, batch.query_ids.shape[1], cfg.temperature, cfg.forward_batch_size,
+            with_values=with_values, with_reference=with_reference, old_logprobs=batch.old_logprobs,
+            together=cfg.score_roles_together,
+        )
+    timings["score_forward"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    with peaks.phase("reward"):
+        reward_batch = RewardBatch.from_rows(rows, batch.completions, batch.completion_ids, (input_ids, attention_mask))
+        reward_batch.columns["messages"] = batch.transcripts
+        said = rewards.score(reward_batch)
+        raw_scores = torch.tensor(said.total, dtype=torch.float32, device=batch.response_ids.device)
+    scores = raw_scores
+    if cfg.missing_eos_penalty is not None and cfg.stop_token is not None:
+        scores = raw_scores - cfg.missing_eos_penalty * (~batch.stopped).float()
+    timings["reward"] = time.perf_counter() - t0
+
+    return Rollout(
+        rows=list(rows), completions=batch.completions, query_ids=batch.query_ids, query_mask=batch.query_mask,
+        response_ids=batch.response_ids, response_mask=batch.response_mask, old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs, values=values, raw_scores=raw_scores, scores=scores, stopped=batch.stopped,
+        side_scores=said.side, source_scores=said.by_source, timings=timings,
+        observation_mask=batch.observation_mask, turn_rewards=batch.turn_rewards, transcripts=batch.transcripts,
+        episode_metrics=batch.metrics,
+    )

@@ -1,0 +1,242 @@
+"""Multi-turn episodes (lora_ppo.agents): a one-turn episode is today's step, observation tokens
+are never actions, the limits truncate and count, an environment that raises stops the run in one
+line, `step()` on a train() rollout's tokens takes the same update, and resume is exact."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+import lora_ppo
+from lora_ppo.cli import app
+from lora_ppo.config import recipe_from_dict
+from lora_ppo.ppo_math import gae, kl_shaped_rewards
+from lora_ppo.roles import POLICY, VALUE
+from tests import agent_envs
+from tests.conftest import TIMING_PREFIXES, adapter_tensors, tiny_recipe_dict
+
+EPISODES = {"chat_template": True}
+
+
+def trainer(tmp_path, tiny_model_dir, rollout=None, name="run", **sections):
+    sections = {"data": EPISODES, "train": {"eval": False, "steps": 2, "save_every": 0}, **sections}
+    recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / name, **sections)
+    recipe["rollout"].update(rollout or {})
+    return lora_ppo.PPOTrainer(recipe_from_dict(recipe), progress=False)
+
+
+def trained_tensors(t) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in t.roles.policy_parameters() + t.roles.value_parameters()]
+
+
+# ---- the math: observation tokens are skipped, never actions ----------------------------------
+
+
+def test_gae_over_an_episode_equals_gae_over_its_actions_alone():
+    """Columns that are not actions (observations) are skipped: the advantages of the action
+    tokens are those of the same episode with the observation columns removed."""
+    g = torch.Generator().manual_seed(0)
+    values, rewards = torch.randn(2, 7, generator=g, dtype=torch.float64), torch.randn(2, 7, generator=g,
+                                                                                      dtype=torch.float64)
+    actions = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 1, 0, 0, 1, 1]], dtype=torch.bool)
+    advantages, returns = gae(values, rewards, actions, gamma=0.9, lam=0.8)
+    for i in range(2):
+        kept = actions[i]
+        alone_adv, alone_ret = gae(values[i : i + 1, kept], rewards[i : i + 1, kept],
+                                   torch.ones(1, int(kept.sum()), dtype=torch.bool), gamma=0.9, lam=0.8)
+        torch.testing.assert_close(advantages[i, kept], alone_adv[0], atol=1e-12, rtol=0)
+        torch.testing.assert_close(returns[i, kept], alone_ret[0], atol=1e-12, rtol=0)
+        assert advantages[i, ~kept].abs().max() == 0 and returns[i, ~kept].abs().max() == 0
+
+
+def test_the_score_sits_on_the_last_action_token_and_turn_rewards_on_theirs():
+    # row: action action | obs obs | action | pad ; the score 2.0 lands on column 4, not 3 (count - 1)
+    actions = torch.tensor([[True, True, False, False, True, False]])
+    turns = torch.tensor([[0.0, 0.5, 9.0, 9.0, 0.25, 9.0]])  # 9.0 where no action is: never counted
+    zeros = torch.zeros(1, 6)
+    rewards, kl = kl_shaped_rewards(torch.tensor([2.0]), zeros, zeros, actions, 0.1, "k1", turns)
+    torch.testing.assert_close(rewards, torch.tensor([[0.0, 0.5, 0.0, 0.0, 2.25, 0.0]]))
+
+
+def test_logits_at_observation_positions_change_neither_the_loss_nor_the_gradients():
+    """The stand-in policy of the absolute update tests, with one observation token inside row 0:
+    whatever logprobs the model gives there, the update (parameters and every stat) is the same."""
+    from tests import test_update_absolute as absolute
+
+    class NoisyAtObservations(absolute.TableRoles):
+        def __init__(self, noise: float):
+            super().__init__()
+            self.noise = noise
+
+        def logprobs_from_hidden(self, hidden, input_ids, response_start, temperature):
+            lp, ent = super().logprobs_from_hidden(hidden, input_ids, response_start, temperature)
+            at_observation = torch.zeros_like(lp)
+            # rollout row 0 (its response tokens [0, 1, 2]) wherever the micro-batch holds it
+            is_row_0 = (input_ids[:, response_start:] == torch.tensor(absolute.TOKENS[0])).all(dim=1)
+            at_observation[is_row_0, 1] = 1.0
+            # a value and a gradient path (through theta) that only the observation position has
+            return lp + self.noise * at_observation * self.theta.sum(), ent + self.noise * at_observation * self.theta[0, 0]
+
+    rollout = absolute.make_rollout()
+    actions = rollout.response_mask.clone()
+    actions[0, 1] = False
+    observation = torch.zeros_like(actions)
+    observation[0, 1] = True
+    rollout = dataclasses.replace(rollout, response_mask=actions, observation_mask=observation)
+    cfg = absolute.PPOConfig(**{**absolute.BASE, "entropy_coef": 0.3, "kl_penalty": "loss", "kl_coef": 0.2,
+                                "dual_clip": 3.0})
+    results = []
+    for noise in (0.0, 7.0):
+        roles = NoisyAtObservations(noise)
+        stats = absolute.run_update(roles, rollout, absolute.make_advantages(), cfg, cfg.kl_coef, micro=2)
+        results.append((roles.theta.detach().clone(), roles.w.detach().clone(), stats))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=0, rtol=0)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=0, rtol=0)
+    assert results[0][2] == results[1][2]
+    # and the observation token is really inside the sequence the model reads
+    assert rollout.attention_mask[0].tolist() == [1, 1, 1, 1]
+
+
+# ---- episodes on the tiny model ---------------------------------------------------------------
+
+
+def test_a_one_turn_environment_is_todays_single_turn_step_bit_for_bit(tmp_path, tiny_model_dir):
+    single = trainer(tmp_path, tiny_model_dir, name="single")
+    metrics_single, rollout_single = single.train_step()
+    episodic = trainer(tmp_path, tiny_model_dir, {"environment": "tests.agent_envs:OneTurn"}, name="episodic")
+    metrics_episodic, rollout_episodic = episodic.train_step()
+
+    for name in ("query_ids", "response_ids", "response_mask", "old_logprobs", "ref_logprobs", "values", "scores"):
+        assert torch.equal(getattr(rollout_single, name), getattr(rollout_episodic, name)), name
+    assert not rollout_episodic.observation_mask.any()
+    for a, b in zip(trained_tensors(single), trained_tensors(episodic)):
+        assert torch.equal(a, b)
+    same = {k: v for k, v in metrics_single.items() if not k.startswith(TIMING_PREFIXES)}
+    assert same == {k: metrics_episodic[k] for k in same}
+    assert metrics_episodic["episode/turns"] == 1.0 and metrics_episodic["episode/truncated_frac"] == 0.0
+
+
+def test_turns_observations_and_turn_rewards_of_an_episode(tmp_path, tiny_model_dir):
+    """Three turns, each answered "again" with a reward of 0.5: the observation tokens decode to
+    the template's user turn, each turn's reward sits on its last action token, and the episode
+    reads as a transcript."""
+    t = trainer(tmp_path, tiny_model_dir, {"environment": "tests.agent_envs:Again", "max_turns": 3})
+    metrics, rollout = t.train_step()
+    tokenizer = t.parts.tokenizer
+    assert metrics["episode/turns"] == 3.0 and metrics["episode/truncated_frac"] == 0.0
+    assert metrics["episode/env_reward"] == pytest.approx(1.5)
+    for i in range(rollout.response_ids.shape[0]):
+        ids, actions, observation = rollout.response_ids[i], rollout.response_mask[i], rollout.observation_mask[i]
+        assert not (actions & observation).any()
+        # the two observations, between three runs of action tokens
+        runs = torch.diff(actions.int(), prepend=torch.tensor([0])).eq(1).sum()
+        assert int(runs) == 3
+        text = tokenizer.decode(ids[observation])
+        assert text.count("<|im_start|>user\nagain<|im_end|>") == 2 and text.count("<|im_start|>assistant\n") == 2
+        last_of_turn = actions & ~torch.cat([actions[1:], torch.tensor([False])])
+        torch.testing.assert_close(rollout.turn_rewards[i][last_of_turn], torch.full((3,), 0.5))
+        assert rollout.turn_rewards[i][~last_of_turn].abs().sum() == 0
+        roles = [m["role"] for m in rollout.transcripts[i]]
+        assert roles == ["user", "assistant", "user", "assistant", "user", "assistant"]
+
+
+def test_the_budget_truncates_an_episode_and_counts_it(tmp_path, tiny_model_dir):
+    t = trainer(tmp_path, tiny_model_dir, {"environment": "tests.agent_envs:Endless", "max_turns": 4,
+                                            "max_episode_tokens": 20})
+    metrics, rollout = t.train_step()
+    assert metrics["episode/truncated_frac"] == 1.0
+    assert int(rollout.context_mask.sum(dim=1).max()) <= 20
+    assert metrics["episode/turns"] < 4  # the budget, not the turn limit, ended them
+
+
+def test_the_turn_limit_truncates_an_episode_and_counts_it(tmp_path, tiny_model_dir):
+    t = trainer(tmp_path, tiny_model_dir, {"environment": "tests.agent_envs:Endless", "max_turns": 2})
+    metrics, _ = t.train_step()
+    assert metrics["episode/turns"] == 2.0 and metrics["episode/truncated_frac"] == 1.0
+
+
+def test_an_environment_that_raises_stops_the_run_in_one_line_and_keeps_the_checkpoint(tmp_path, tiny_model_dir):
+    agent_envs.CREATED.clear()
+    recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "run", data=EPISODES,
+                              rollout={"environment": "tests.agent_envs:BreaksAtEpisode5"},
+                              train={"eval": False, "steps": 3, "save_every": 1})
+    path = tmp_path / "agent.yaml"
+    path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    result = CliRunner().invoke(app, ["train", str(path), "--no-progress"])
+    assert result.exit_code == 1
+    line = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert len(line) == 1
+    assert line[0].startswith("error: environment tests.agent_envs:BreaksAtEpisode5 raised ValueError while "
+                              "stepping for row 0 (prompt ")
+    assert line[0].endswith("): the game server is down")
+    assert "Traceback" not in result.output
+    assert (tmp_path / "run" / "checkpoints" / "step-1" / "manifest.json").is_file()
+    assert not (tmp_path / "run" / "checkpoints" / "step-2").exists()
+
+
+def test_resume_mid_run_with_an_environment_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
+    """Environments are made per episode, so a run keeps no environment state between steps:
+    the checkpoint's prompt position and random streams are all a resume needs."""
+    rollout = {"environment": "tests.agent_envs:Again", "max_turns": 2}
+    whole = trainer(tmp_path, tiny_model_dir, rollout, name="whole", train={"eval": False, "steps": 3, "save_every": 0})
+    whole.train()
+    first = trainer(tmp_path, tiny_model_dir, rollout, name="parts", train={"eval": False, "steps": 2, "save_every": 0})
+    first.train()
+    recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "parts", data=EPISODES, rollout=rollout,
+                              train={"eval": False, "steps": 3, "save_every": 0})
+    lora_ppo.PPOTrainer(recipe_from_dict(recipe), progress=False, resume="auto").train()
+    for role in (POLICY, VALUE):
+        a, b = adapter_tensors(tmp_path / "whole" / "final" / role), adapter_tensors(tmp_path / "parts" / "final" / role)
+        assert all(torch.equal(a[k], b[k]) for k in a), role
+
+
+# ---- step(): rollouts the caller made ---------------------------------------------------------
+
+
+def test_step_on_the_tokens_of_a_train_rollout_takes_the_same_update(tmp_path, tiny_model_dir):
+    """The same recipe and seed: `train_step()` samples and updates; a fresh trainer's `step()` on
+    that rollout's tokens and scores lands on the same adapters. Old logprobs from a scoring pass
+    on both sides (`logprobs_from_generation: false`): recorded at sampling they differ by ~1e-6,
+    which Adam's first step turns into ~3e-5 on a weight whose gradient is near 0."""
+    scored = {"logprobs_from_generation": False}
+    sampled = trainer(tmp_path, tiny_model_dir, scored, name="sampled")
+    metrics_sampled, rollout = sampled.train_step()
+    given = trainer(tmp_path, tiny_model_dir, scored, name="given")
+    queries = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.query_ids, rollout.query_mask)]
+    responses = [ids[mask].tolist() for ids, mask in zip(rollout.response_ids, rollout.response_mask)]
+    metrics_given = given.step(queries, responses, rollout.raw_scores.tolist())
+
+    for a, b in zip(trained_tensors(sampled), trained_tensors(given)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    moved = [not torch.equal(a, b) for a, b in zip(trained_tensors(given), trained_tensors(trainer(
+        tmp_path, tiny_model_dir, name="untouched")))]
+    assert any(moved)
+    for key in ("objective/scores", "objective/kl", "loss/value", "policy/clipfrac"):
+        assert metrics_given[key] == pytest.approx(metrics_sampled[key], rel=1e-5, abs=1e-7), key
+    assert (tmp_path / "given" / "metrics.jsonl").read_text(encoding="utf-8").count("\n") == 1
+
+
+def test_step_with_an_action_mask_trains_only_on_the_marked_tokens(tmp_path, tiny_model_dir):
+    """A two-token observation in the middle of each response: it is attended to, but carries no
+    logprob, KL or value in the step's metrics (response/length counts action tokens)."""
+    t = trainer(tmp_path, tiny_model_dir)
+    queries = [[5, 6, 7], [8, 9]]
+    responses = [[10, 11, 12, 13, 14], [15, 16, 17, 18]]
+    mask = [[True, False, False, True, True], [True, True, False, False]]
+    metrics = t.step(queries, responses, [1.0, -1.0], action_mask=mask)
+    assert metrics["response/length"] == pytest.approx((3 + 2) / 2)
+    with pytest.raises(ValueError, match="action_mask row 1 has 3 entries for a response of 4 tokens"):
+        t.step(queries, responses, [1.0, 0.0], action_mask=[mask[0], [True] * 3])
+
+
+def test_generate_returns_the_policys_samples_for_text_and_conversations(tmp_path, tiny_model_dir):
+    t = trainer(tmp_path, tiny_model_dir)
+    samples = t.generate(["The film was", [{"role": "user", "content": "Tell me about the plot."}]],
+                         max_new_tokens=5)
+    assert len(samples.completions) == 2 and samples.response_ids.shape[1] <= 5
+    assert samples.completions == t.parts.tokenizer.batch_decode(samples.response_ids, skip_special_tokens=True)
+    assert t.parts.tokenizer.decode(samples.queries()[1]).endswith("<|im_start|>assistant\n")
