@@ -5,6 +5,7 @@ Markdown table; run alone (it is CPU-heavy: about 12 minutes per seed on a 2-cor
 
     python bench/arithmetic_check.py [--seeds 0 1 2] [key.path=value ...]
     python bench/arithmetic_check.py --seeds 0 data.name=add2        # a harder variant
+    python bench/arithmetic_check.py --recipe recipes/agent.yaml      # the multi-turn task
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def main() -> None:
             "heldout_accuracy_after": round(summary["heldout_score_after"], 3),
             "heldout_se_after": round(summary["heldout_score_se_after"], 3),
             "final_kl": round(summary["final_kl"], 2),
-            "batch_accuracy": [round(m["objective/raw_scores"], 2) for m in steps],
+            # an environment's reward (recipes/agent.yaml) where the episode gives it
+            "batch_accuracy": [round(m.get("episode/env_reward", m["objective/raw_scores"]), 2) for m in steps],
+            **({"turns": [round(m["episode/turns"], 2) for m in steps]} if "episode/turns" in steps[0] else {}),
             "seconds_per_step": round(sum(m["time/step"] for m in steps) / len(steps), 1),
             "wall_time_s": round(wall, 1),
             "peak_memory_gb": round(summary["peak_memory_gb"], 2),

@@ -67,7 +67,7 @@ open ones.
 # arguments (a -k filter) apply to the whole run of that target.
 TESTS: dict[str, tuple[list[str], list[str]]] = {
     "lora_ppo/ppo_math.py": (["tests/math/test_ppo_math.py", "tests/math/test_ppo_math_options.py",
-                              "tests/test_edge_cases.py"], []),
+                              "tests/math/test_ppo_math_edges.py", "tests/test_edge_cases.py"], []),
     "lora_ppo/logprobs.py": (["tests/math/test_logprobs.py", "tests/test_model_checks.py", "tests/test_roles.py",
                               "tests/test_rollout_generation_logprobs.py"], []),
     "lora_ppo/update.py": (["tests/test_update_absolute.py", "tests/test_update.py",
