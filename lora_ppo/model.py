@@ -59,7 +59,7 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
-def check_context(cfg: ModelConfig, prompt_tokens: int, new_tokens: int) -> None:
+def check_context(cfg: ModelConfig, prompt_tokens: int, new_tokens: int, field: str = "rollout.max_new_tokens") -> None:
     """Refuse sequences longer than the model's context (its position table, from the config
     alone): past it, positions wrap or fail deep inside a forward. Models without a fixed limit
     (ALiBi, as Bloom) pass."""
@@ -72,7 +72,7 @@ def check_context(cfg: ModelConfig, prompt_tokens: int, new_tokens: int) -> None
     text = config.get_text_config()
     context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     if context and prompt_tokens + new_tokens > context:
-        raise RecipeError(f"rollout.max_new_tokens: prompts of up to {prompt_tokens} tokens (data.max_prompt_tokens) "
+        raise RecipeError(f"{field}: prompts of up to {prompt_tokens} tokens (data.max_prompt_tokens) "
                           f"plus {new_tokens} new ones exceed the model's context of {context} tokens")
 
 

@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from lora_ppo import checkpoint, ppo_math
+from lora_ppo.agents.episodes import collect_episode_rollout
+from lora_ppo.agents.given import rollout_from_tokens
 from lora_ppo.alarms import LOGPROB_TOLERANCE, first_step_logprob_error
 from lora_ppo.config import Recipe, recipe_to_yaml, with_absolute_paths
 from lora_ppo.data import PromptFormat, PromptProblem, PromptRow, PromptStream, count_summary
@@ -26,8 +28,6 @@ from lora_ppo.progress import LineProgress
 from lora_ppo.quantization import compute_dtype
 from lora_ppo.rewards import recorded_reward
 from lora_ppo.roles import POLICY, REWARD, VALUE, RoleModel
-from lora_ppo.agents.episodes import collect_episode_rollout
-from lora_ppo.agents.given import rollout_from_tokens
 from lora_ppo.rollout import Rollout, Samples, collect_rollout, gather_rollout, row_seeds
 from lora_ppo.run_dir import write_jsonl
 from lora_ppo.signals import StopRequest, stop_on_signals
@@ -337,7 +337,10 @@ class PPOTrainer:
 
         The responses are scored as a `train()` rollout is (old and reference logprobs, values),
         then the same shaping, advantages, update, alarms, logging, trackers and checkpoints run.
-        Returns the step's metrics (also written to metrics.jsonl)."""
+        Returns the step's metrics (also written to metrics.jsonl). One process only."""
+        if self.world.size > 1:
+            raise RecipeError("step(): rollouts given from Python train in one process; use train() with "
+                              "--num-processes")
         if not self._opened:
             self._open_for_steps()
         t_start = time.perf_counter()

@@ -240,3 +240,20 @@ def test_generate_returns_the_policys_samples_for_text_and_conversations(tmp_pat
     assert len(samples.completions) == 2 and samples.response_ids.shape[1] <= 5
     assert samples.completions == t.parts.tokenizer.batch_decode(samples.response_ids, skip_special_tokens=True)
     assert t.parts.tokenizer.decode(samples.queries()[1]).endswith("<|im_start|>assistant\n")
+
+
+def test_an_episode_budget_past_the_models_context_is_refused_before_loading(tmp_path, tiny_model_dir):
+    recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "run", data=EPISODES,
+                              rollout={"environment": "tests.agent_envs:Again", "max_turns": 3,
+                                       "max_episode_tokens": 250})
+    with pytest.raises(lora_ppo.RecipeError, match=r"^rollout.max_episode_tokens: prompts of up to 64 tokens .* "
+                                                   r"plus 250 new ones exceed the model's context of 256 tokens"):
+        lora_ppo.PPOTrainer(recipe_from_dict(recipe), progress=False)
+
+
+def test_step_refuses_mismatched_inputs_in_one_line(tmp_path, tiny_model_dir):
+    t = trainer(tmp_path, tiny_model_dir)
+    with pytest.raises(ValueError, match="step: got 2 queries, 1 responses and 2 scores"):
+        t.step([[5], [6]], [[7]], [1.0, 2.0])
+    with pytest.raises(ValueError, match="step: response 0 must be a non-empty sequence of token ids"):
+        t.step([[5]], [[]], [1.0])
