@@ -452,27 +452,40 @@ def _name(fn: RewardFn) -> str:
     return getattr(fn, "__name__", repr(fn))
 
 
-def call_within(fn: RewardFn, batch: RewardBatch, name: str, timeout_s: Optional[float]) -> Any:
-    """`call_reward`, given at most `timeout_s` seconds: past it, RewardError. The call runs in a
-    daemon thread, which a hung function keeps, but which never keeps the process from exiting."""
+# What `run_within` returns for a call still running at its timeout.
+STILL_RUNNING = object()
+
+
+def run_within(fn: Callable[[], Any], timeout_s: Optional[float], thread_name: str) -> Any:
+    """`fn()`, or STILL_RUNNING when it has not returned within `timeout_s` seconds (None: no
+    limit). The call runs in a daemon thread, which a hung function keeps, but which never keeps
+    the process from exiting; an exception inside is raised here."""
     if timeout_s is None:
-        return call_reward(fn, batch)
+        return fn()
     outcome: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            outcome["value"] = call_reward(fn, batch)
+            outcome["value"] = fn()
         except BaseException as err:  # handed to the caller's thread below
             outcome["error"] = err
 
-    thread = threading.Thread(target=run, name=f"reward {name}", daemon=True)
+    thread = threading.Thread(target=run, name=thread_name, daemon=True)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise RewardError(f"reward function {name} did not return within reward.timeout_s ({timeout_s:g} s)")
+        return STILL_RUNNING
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def call_within(fn: RewardFn, batch: RewardBatch, name: str, timeout_s: Optional[float]) -> Any:
+    """`call_reward`, given at most `timeout_s` seconds: past it, RewardError."""
+    value = run_within(lambda: call_reward(fn, batch), timeout_s, f"reward {name}")
+    if value is STILL_RUNNING:
+        raise RewardError(f"reward function {name} did not return within reward.timeout_s ({timeout_s:g} s)")
+    return value
 
 
 def score_completions(fn: RewardFn, batch: RewardBatch, name: Optional[str] = None,

@@ -363,8 +363,7 @@ def collect_rollout(
     For k samples per prompt, pass each prompt k times in a row (group methods rely on it).
     `seeds`: one per row, to sample each from its own stream (`rollout.seed_per_row`).
     """
-    roles, cfg = sampler.roles, sampler.cfg
-    device = roles.lm_head.weight.device
+    cfg = sampler.cfg
     timings: dict[str, float] = {}
     peaks = peaks if peaks is not None else PhasePeaks()
 
@@ -375,35 +374,65 @@ def collect_rollout(
         samples = sampler.sample(rows, record_logprobs=cfg.logprobs_from_generation is True, seeds=seeds)
     timings["generate"] = time.perf_counter() - t0
 
-    # 3. Old logprobs (unless sampling recorded them), reference logprobs and values on the
-    # exact tokens sampled.
+    # 3-4. Old logprobs (unless sampling recorded them), reference logprobs and values on the
+    # exact tokens sampled; then the reward sources' scores.
+    scored = score_and_reward(sampler, rows, rewards, samples.query_ids.shape[1], samples.model_input(),
+                              samples.logprobs, samples.completions, samples.completion_ids(), samples.stopped,
+                              with_values, with_reference, peaks, timings)
+    return Rollout(
+        rows=list(rows), completions=samples.completions, query_ids=samples.query_ids,
+        query_mask=samples.query_mask, response_ids=samples.response_ids, response_mask=samples.response_mask,
+        stopped=samples.stopped, timings=timings, **scored.as_fields(),
+    )
+
+
+@dataclass(frozen=True)
+class Scored:
+    """What scoring adds to sampled tokens: the roles' logprobs and values, and the scores."""
+
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: Optional[torch.Tensor]
+    raw_scores: torch.Tensor
+    scores: torch.Tensor
+    side_scores: dict[str, list[float]]
+    source_scores: dict[str, list[float]]
+
+    def as_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def score_and_reward(
+    sampler: Sampler, rows: Sequence[PromptRow], rewards: RewardSources, response_start: int,
+    model_input: tuple[torch.Tensor, torch.Tensor], recorded_logprobs: Optional[torch.Tensor],
+    completions: list[str], completion_ids: list[list[int]], stopped: torch.Tensor, with_values: bool,
+    with_reference: bool, peaks: PhasePeaks, timings: dict[str, float], columns: Optional[dict[str, list]] = None,
+) -> Scored:
+    """Old logprobs (unless recorded at sampling), reference logprobs and values on the sampled
+    tokens, then the reward sources on the decoded completions (`columns` added to what they
+    get), and `rollout.missing_eos_penalty` on the responses that did not stop."""
+    roles, cfg = sampler.roles, sampler.cfg
+    input_ids, attention_mask = model_input
     t0 = time.perf_counter()
-    input_ids, attention_mask = samples.model_input()
     with peaks.phase("score"):
         old_logprobs, ref_logprobs, values = score_passes(
-            roles, input_ids, attention_mask, samples.query_ids.shape[1], cfg.temperature, cfg.forward_batch_size,
-            with_values=with_values, with_reference=with_reference, old_logprobs=samples.logprobs,
+            roles, input_ids, attention_mask, response_start, cfg.temperature, cfg.forward_batch_size,
+            with_values=with_values, with_reference=with_reference, old_logprobs=recorded_logprobs,
             together=cfg.score_roles_together,
         )
     timings["score_forward"] = time.perf_counter() - t0
 
-    # 4. Scores from the reward source, on the decoded text.
     t0 = time.perf_counter()
     with peaks.phase("reward"):
-        batch = RewardBatch.from_rows(rows, samples.completions, samples.completion_ids(), (input_ids, attention_mask))
+        batch = RewardBatch.from_rows(rows, completions, completion_ids, model_input)
+        batch.columns.update(columns or {})
         said = rewards.score(batch)
-        raw_scores = torch.tensor(said.total, dtype=torch.float32, device=device)
+        raw_scores = torch.tensor(said.total, dtype=torch.float32, device=input_ids.device)
     scores = raw_scores
     if cfg.missing_eos_penalty is not None and cfg.stop_token is not None:
-        scores = raw_scores - cfg.missing_eos_penalty * (~samples.stopped).float()
+        scores = raw_scores - cfg.missing_eos_penalty * (~stopped).float()
     timings["reward"] = time.perf_counter() - t0
-
-    return Rollout(
-        rows=list(rows), completions=samples.completions, query_ids=samples.query_ids,
-        query_mask=samples.query_mask, response_ids=samples.response_ids, response_mask=samples.response_mask,
-        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values, raw_scores=raw_scores,
-        scores=scores, stopped=samples.stopped, side_scores=said.side, source_scores=said.by_source, timings=timings,
-    )
+    return Scored(old_logprobs, ref_logprobs, values, raw_scores, scores, said.side, said.by_source)
 
 
 def gather_rollout(world: World, rollout: Rollout, pad_id: int) -> Rollout:

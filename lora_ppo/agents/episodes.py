@@ -23,8 +23,8 @@ from lora_ppo.agents.environment import EnvironmentSession, EpisodeError, Messag
 from lora_ppo.agents.tools import parse_tool_calls, run_tool, tool_message
 from lora_ppo.data import PromptRow
 from lora_ppo.memory import PhasePeaks
-from lora_ppo.rewards import RewardBatch, RewardSources
-from lora_ppo.rollout import Rollout, Sampler, left_pad, row_seeds, score_passes
+from lora_ppo.rewards import RewardSources
+from lora_ppo.rollout import Rollout, Sampler, left_pad, row_seeds, score_and_reward
 
 @dataclass(frozen=True)
 class EpisodeSettings:
@@ -268,7 +268,7 @@ def collect_episode_rollout(
     """`collect_rollout` for episodes: play them, then score every action token under no_grad
     (old and reference logprobs, values) with the observations as context, and score the
     episodes with the reward sources (which also get `messages`, the whole episode)."""
-    roles, cfg = sampler.roles, sampler.cfg
+    cfg = sampler.cfg
     peaks = peaks if peaks is not None else PhasePeaks()
     timings: dict[str, float] = {}
 
@@ -277,32 +277,12 @@ def collect_episode_rollout(
         batch = run_episodes(sampler, rows, settings, cfg.logprobs_from_generation is True, seeds, first_index)
     timings["generate"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    input_ids, attention_mask = batch.model_input()
-    with peaks.phase("score"):
-        old_logprobs, ref_logprobs, values = score_passes(
-            roles, input_ids, attention_mask, batch.query_ids.shape[1], cfg.temperature, cfg.forward_batch_size,
-            with_values=with_values, with_reference=with_reference, old_logprobs=batch.old_logprobs,
-            together=cfg.score_roles_together,
-        )
-    timings["score_forward"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    with peaks.phase("reward"):
-        reward_batch = RewardBatch.from_rows(rows, batch.completions, batch.completion_ids, (input_ids, attention_mask))
-        reward_batch.columns["messages"] = batch.transcripts
-        said = rewards.score(reward_batch)
-        raw_scores = torch.tensor(said.total, dtype=torch.float32, device=batch.response_ids.device)
-    scores = raw_scores
-    if cfg.missing_eos_penalty is not None and cfg.stop_token is not None:
-        scores = raw_scores - cfg.missing_eos_penalty * (~batch.stopped).float()
-    timings["reward"] = time.perf_counter() - t0
-
+    scored = score_and_reward(sampler, rows, rewards, batch.query_ids.shape[1], batch.model_input(),
+                              batch.old_logprobs, batch.completions, batch.completion_ids, batch.stopped,
+                              with_values, with_reference, peaks, timings, {"messages": batch.transcripts})
     return Rollout(
         rows=list(rows), completions=batch.completions, query_ids=batch.query_ids, query_mask=batch.query_mask,
-        response_ids=batch.response_ids, response_mask=batch.response_mask, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, values=values, raw_scores=raw_scores, scores=scores, stopped=batch.stopped,
-        side_scores=said.side, source_scores=said.by_source, timings=timings,
+        response_ids=batch.response_ids, response_mask=batch.response_mask, stopped=batch.stopped, timings=timings,
         observation_mask=batch.observation_mask, turn_rewards=batch.turn_rewards, transcripts=batch.transcripts,
-        episode_metrics=batch.metrics,
+        episode_metrics=batch.metrics, **scored.as_fields(),
     )

@@ -21,7 +21,6 @@ from __future__ import annotations
 import inspect
 import json
 import re
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -29,7 +28,7 @@ from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
 from lora_ppo.errors import RecipeError, first_line
-from lora_ppo.rewards import import_function
+from lora_ppo.rewards import STILL_RUNNING, import_function, run_within
 
 # The one key of a call's arguments when the call could not be read: why, in words for the model.
 PARSE_ERROR_KEY = "__error__"
@@ -39,8 +38,6 @@ HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 MISTRAL_MARKER = "[TOOL_CALLS]"
 LLAMA_PYTHON_TAG = "<|python_tag|>"
 JSON_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
-# What _call_within returns for a tool still running at its timeout.
-_STILL_RUNNING = object()
 # The name in a call whose JSON is broken, so that the error can say which tool the model meant.
 NAME_IN_BROKEN_JSON = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
@@ -176,7 +173,7 @@ def run_tool(call: ToolCall, functions: Mapping[str, Callable], timeout_s: Optio
     except Exception as err:
         detail = f": {first_line(err)}" if str(err).strip() else ""
         return f"error: {call.name} raised {type(err).__name__}{detail}"
-    if result is _STILL_RUNNING:
+    if result is STILL_RUNNING:
         return f"error: {call.name} did not return within {timeout_s:g} s"
     if isinstance(result, str):
         return result
@@ -187,27 +184,9 @@ def run_tool(call: ToolCall, functions: Mapping[str, Callable], timeout_s: Optio
 
 
 def _call_within(fn: Callable, arguments: dict, name: str, timeout_s: Optional[float]) -> Any:
-    """`fn(**arguments)`, or _STILL_RUNNING past `timeout_s` seconds (as rewards.call_within does
-    it). The call runs in a daemon thread, which a hung tool keeps, but which never blocks the
-    episode or the process's exit."""
-    if timeout_s is None:
-        return fn(**arguments)
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = fn(**arguments)
-        except BaseException as err:  # handed to the caller's thread below
-            outcome["error"] = err
-
-    thread = threading.Thread(target=run, name=f"tool {name}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        return _STILL_RUNNING
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    """`fn(**arguments)`, or STILL_RUNNING past `timeout_s` seconds (in a daemon thread a hung
+    tool keeps, which never blocks the episode or the process's exit)."""
+    return run_within(lambda: fn(**arguments), timeout_s, f"tool {name}")
 
 
 def tool_message(call: ToolCall, content: str) -> dict:
