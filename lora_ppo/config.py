@@ -438,6 +438,14 @@ class RolloutConfig(Section):
     """
 
     @property
+    def response_tokens(self) -> int:
+        """The most tokens after the prompt: a response's `max_new_tokens`, or an episode's budget
+        (without one, every turn's new tokens; observations come on top)."""
+        if not self.episodic:
+            return self.max_new_tokens
+        return self.max_episode_tokens or self.max_turns * self.max_new_tokens
+
+    @property
     def episodic(self) -> bool:
         """Whether a step plays multi-turn episodes (an environment or tools) instead of one completion."""
         return self.environment is not None or bool(self.tools)

@@ -444,7 +444,7 @@ def _dequantized_weight_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int)
 
 
 def _seq_len(recipe: Recipe) -> int:
-    return recipe.data.max_prompt_tokens + recipe.rollout.max_new_tokens
+    return recipe.data.max_prompt_tokens + recipe.rollout.response_tokens  # an episode: its budget
 
 
 def generate_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int) -> float:
@@ -467,7 +467,7 @@ def score_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int) ->
         rows *= max(1, recipe.scored_roles(float32=act_bytes == 4))
     tokens = rows * _seq_len(recipe)
     layer = tokens * (FWD_HIDDEN_TERMS * shape.hidden + FWD_INTERMEDIATE_TERMS * shape.intermediate) * act_bytes
-    chunk = min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.max_new_tokens)
+    chunk = min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.response_tokens)
     logits = LOGIT_COPIES_NO_GRAD * chunk * shape.vocab * 4
     dequant = _dequantized_weight_bytes(shape, recipe, act_bytes)
     return layer + logits + dequant
@@ -486,7 +486,7 @@ def update_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int, d
         acts = shape.layers * tokens * shape.hidden * act_bytes + BACKWARD_FACTOR * per_layer
     else:
         acts = BACKWARD_FACTOR * shape.layers * per_layer
-    chunk = min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.max_new_tokens)
+    chunk = min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.response_tokens)
     logits = LOGIT_COPIES_GRAD * chunk * shape.vocab * 4
     dequant = _dequantized_weight_bytes(shape, recipe, act_bytes)
     # The CPU allocator keeps the weights dequantized per pass during backward; with one
@@ -668,7 +668,7 @@ def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
         *([f"approximate: model type {s.model_type!r} is not in the estimate's table; counted as a Llama-shaped "
            "decoder"] if s.approximate else []),
         f"recipe: batch {rows}, prompt <= {recipe.data.max_prompt_tokens} + "
-        f"{recipe.rollout.max_new_tokens} new tokens, scoring rows {min(recipe.rollout.forward_batch_size, rows)}, "
+        f"{recipe.rollout.response_tokens} {'episode' if recipe.rollout.episodic else 'new'} tokens, scoring rows {min(recipe.rollout.forward_batch_size, rows)}, "
         f"update micro-batch {update_rows(recipe.minibatch_size, recipe.micro_batch_size, n)}, gradient checkpointing "
         f"{'on' if recipe.model.gradient_checkpointing else 'off'}, dequantize per step "
         f"{'on' if est.dequantize_per_step else 'off'}",

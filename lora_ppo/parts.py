@@ -69,12 +69,9 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
     seed_everything(recipe.train.seed)
     tokenizer = load_tokenizer(recipe.model)
     rollout = recipe.rollout
-    if rollout.episodic:  # a whole episode follows the prompt (without a budget: at least every turn's tokens)
-        check_context(recipe.model, recipe.data.max_prompt_tokens,
-                      rollout.max_episode_tokens or rollout.max_turns * rollout.max_new_tokens,
-                      "rollout.max_episode_tokens" if rollout.max_episode_tokens else "rollout.max_turns")
-    else:
-        check_context(recipe.model, recipe.data.max_prompt_tokens, rollout.max_new_tokens)
+    field = "rollout.max_new_tokens" if not rollout.episodic else \
+        "rollout.max_episode_tokens" if rollout.max_episode_tokens else "rollout.max_turns"
+    check_context(recipe.model, recipe.data.max_prompt_tokens, rollout.response_tokens, field)
     train_prompts, eval_prompts = load_prompt_sets(recipe.data, tokenizer, recipe.train.seed)
     check_reward_columns(recipe.reward, train_prompts.columns + (["messages"] if recipe.rollout.episodic else []),
                          recipe.data.source, reward_fn)

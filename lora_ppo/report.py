@@ -209,6 +209,21 @@ def _prompt_text(prompt) -> str:
     return prompt if isinstance(prompt, str) else "\n".join(f"[{m['role']}] {m['content']}" for m in prompt)
 
 
+def _response_text(record: dict) -> str:
+    """A completion, or an episode's turns after its prompt, one per line with who wrote it
+    (`[assistant]`, `[user]`, `[tool result: name]`), so tool calls and their results show."""
+    transcript = record.get("transcript")
+    if not transcript:
+        return record["completion"]
+    first = next((i for i, m in enumerate(transcript) if m.get("role") == "assistant"), len(transcript))
+    lines = []
+    for message in transcript[first:]:
+        role = message.get("role", "?")
+        label = f"tool result: {message['name']}" if role == "tool" and message.get("name") else role
+        lines.append(f"[{label}] {message.get('content', '')}")
+    return "\n".join(lines)
+
+
 def _completions(run: RunDir) -> str:
     before, after = read_jsonl(run.eval_before), read_jsonl(run.eval_after)
     if not before:
@@ -219,7 +234,7 @@ def _completions(run: RunDir) -> str:
     for b in first:
         a = later.get(json.dumps(b["prompt"]), {"completion": "(not evaluated yet)"})
         rows.append(f"<tr><td class='text'>{html.escape(_prompt_text(b['prompt']))}</td>"
-                    f"<td class='text'>{html.escape(b['completion'])}</td><td class='num'>{_number(b.get('score'))}</td>"
-                    f"<td class='text'>{html.escape(a['completion'])}</td><td class='num'>{_number(a.get('score'))}</td></tr>")
+                    f"<td class='text'>{html.escape(_response_text(b))}</td><td class='num'>{_number(b.get('score'))}</td>"
+                    f"<td class='text'>{html.escape(_response_text(a))}</td><td class='num'>{_number(a.get('score'))}</td></tr>")
     return ("<table><tr><th>prompt</th><th>before</th><th>score</th><th>after</th><th>score</th></tr>"
             + "".join(rows) + "</table>")

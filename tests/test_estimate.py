@@ -409,3 +409,16 @@ def test_an_unlisted_dense_rmsnorm_decoder_is_counted_as_llama_and_says_so():
     moe = GemmaConfig(**{**config.to_dict(), "num_experts": 8})
     with pytest.raises(RecipeError, match="model type 'gemma'"):
         est.ModelShape.from_config(moe)
+
+
+def test_an_episode_budget_is_counted_as_the_sequence_after_the_prompt():
+    """Episodes of up to 30 tokens after a 10-token prompt (rollout.max_episode_tokens) hold the
+    KV cache of 10 + 30 tokens: one more episode costs 2 x 2 layers x 32 x 40 tokens x 4 = 20480
+    bytes of cache, + 3840 of logits + 25600 of prefill; without a budget, 3 turns of 6 tokens count
+    as 18 (2 x 2 x 32 x 28 x 4 = 14336)."""
+    budget = _recipe(data={"max_prompt_tokens": 10},
+                     rollout={"max_new_tokens": 6, "environment": "m:E", "max_turns": 3, "max_episode_tokens": 30})
+    turns = _recipe(data={"max_prompt_tokens": 10}, rollout={"max_new_tokens": 6, "environment": "m:E", "max_turns": 3})
+    for recipe, cache in ((budget, 20480), (turns, 14336)):
+        one = est.generate_bytes(TINY, recipe, 4, batch=1)
+        assert est.generate_bytes(TINY, recipe, 4, batch=2) - one == pytest.approx(cache + 3840 + 25600)

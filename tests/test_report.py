@@ -95,3 +95,26 @@ def test_page_renders_in_a_browser(report, tmp_path):
                    check=True, capture_output=True, timeout=120)
     pixels = _pixels(shot)
     assert len({tuple(px) for px in pixels.reshape(-1, pixels.shape[-1])[::11].tolist()}) > 50
+
+
+def test_episodes_show_as_transcripts(tmp_path, finished_run):
+    """An episode's record (multi-turn runs keep a `transcript`) shows every turn after the prompt
+    with who wrote it: the policy's turns, the environment's replies, tool results by tool."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    records = read_jsonl(run / "eval_before.jsonl")
+    records[0]["transcript"] = [
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"a": 2}}</tool_call>'},
+        {"role": "tool", "name": "calculator", "content": "4"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "That is not right, try again."},
+        {"role": "assistant", "content": "4"},
+    ]
+    (run / "eval_before.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    page = write_report(run).read_text(encoding="utf-8")
+    shown = ("[assistant] &lt;tool_call&gt;{&quot;name&quot;: &quot;calculator&quot;, &quot;arguments&quot;: "
+             "{&quot;a&quot;: 2}}&lt;/tool_call&gt;\n[tool result: calculator] 4\n[assistant] 5\n"
+             "[user] That is not right, try again.\n[assistant] 4")
+    assert shown in page
+    assert "[user] What is 2 + 2?" not in page  # the prompt has its own column
