@@ -345,6 +345,7 @@ def generate(
     if max_new_tokens is not None and max_new_tokens < 1:
         _fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     _quiet_libraries()
+    from lora_ppo.rewards import RewardError
     from lora_ppo.trained import generate as sample_trained
 
     trained = _load_trained(source)
@@ -352,6 +353,8 @@ def generate(
         records = sample_trained(trained, prompts, compare_reference, max_new_tokens, seed)
     except RecipeError as err:
         _fail(str(err))
+    except RewardError as err:  # an environment that raised
+        _fail(str(err), code=1, frames=user_frames(err, str(Path(__file__).parent)))
     for record in records:
         if as_json:
             typer.echo(json.dumps(record))

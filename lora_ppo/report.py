@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from lora_ppo.agents.episodes import transcript_text
 from lora_ppo.atomic import atomic_folder
 from lora_ppo.errors import RecipeError
 from lora_ppo.run_dir import REPORT_DIR, RunDir, read_jsonl
@@ -210,18 +211,8 @@ def _prompt_text(prompt) -> str:
 
 
 def _response_text(record: dict) -> str:
-    """A completion, or an episode's turns after its prompt, one per line with who wrote it
-    (`[assistant]`, `[user]`, `[tool result: name]`), so tool calls and their results show."""
-    transcript = record.get("transcript")
-    if not transcript:
-        return record["completion"]
-    first = next((i for i, m in enumerate(transcript) if m.get("role") == "assistant"), len(transcript))
-    lines = []
-    for message in transcript[first:]:
-        role = message.get("role", "?")
-        label = f"tool result: {message['name']}" if role == "tool" and message.get("name") else role
-        lines.append(f"[{label}] {message.get('content', '')}")
-    return "\n".join(lines)
+    """A completion, or an episode's turns after its prompt (`transcript_text`)."""
+    return transcript_text(record["transcript"]) if record.get("transcript") else record["completion"]
 
 
 def _completions(run: RunDir) -> str:

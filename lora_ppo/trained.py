@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from lora_ppo import checkpoint
+from lora_ppo.agents.episodes import run_episodes, transcript_text
 from lora_ppo.config import Recipe, load_recipe
 from lora_ppo.data import PromptRow, load_rows, prepare_rows, text_prompt_format
 from lora_ppo.errors import RecipeError
@@ -90,8 +91,13 @@ def generate(trained: Trained, prompts: Sequence[str], compare_reference: bool =
     with dequantized_once(parts.roles.peft, recipe.model):
         for role in roles:
             torch.manual_seed(recipe.train.seed if seed is None else seed)
-            samples = sampler.sample(rows, role=role)
-            for record, completion, length in zip(out, samples.completions, samples.response_mask.sum(dim=1).tolist()):
-                record[role] = completion
-                record[f"{role}_tokens"] = length  # the stop token included
+            if parts.episodes is None:
+                samples = sampler.sample(rows, role=role)
+                texts = samples.completions
+            else:  # the run's episodes: each one's turns after the prompt
+                samples = run_episodes(sampler, rows, parts.episodes, role=role)
+                texts = [transcript_text(messages) for messages in samples.transcripts]
+            for record, text, length in zip(out, texts, samples.response_mask.sum(dim=1).tolist()):
+                record[role] = text
+                record[f"{role}_tokens"] = length  # the stop token included; an episode's action tokens
     return out

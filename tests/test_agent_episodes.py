@@ -257,3 +257,17 @@ def test_step_refuses_mismatched_inputs_in_one_line(tmp_path, tiny_model_dir):
         t.step([[5], [6]], [[7]], [1.0, 2.0])
     with pytest.raises(ValueError, match="step: response 0 must be a non-empty sequence of token ids"):
         t.step([[5]], [[]], [1.0])
+
+
+def test_generate_on_a_run_with_an_environment_plays_its_episodes(tmp_path, tiny_model_dir):
+    """`lora-ppo generate` on a multi-turn run prints each episode's turns after the prompt:
+    the policy's two turns and the environment's "again" between them."""
+    recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "run", data=EPISODES,
+                              rollout={"environment": "tests.agent_envs:Again", "max_turns": 2},
+                              train={"eval": False, "steps": 1, "save_every": 0})
+    lora_ppo.PPOTrainer(recipe_from_dict(recipe), progress=False).train()
+    result = CliRunner().invoke(app, ["generate", str(tmp_path / "run"), "The film was", "--json"])
+    assert result.exit_code == 0, result.output
+    record = [__import__("json").loads(line) for line in result.stdout.splitlines() if line.startswith("{")][0]
+    text = record["policy"]
+    assert text.startswith("[assistant] ") and text.count("\n[user] again\n[assistant] ") == 1

@@ -133,6 +133,30 @@ def test_two_processes_make_the_same_run_as_one(tmp_path, tiny_model_dir):
     assert samples == [json.loads(line)["completion"] for line in (tmp_path / "one" / "samples.jsonl").open()]
 
 
+def test_two_processes_play_the_same_episodes_as_one(tmp_path, tiny_model_dir):
+    """Multi-turn episodes with an environment (tests.agent_envs:Again): each process plays its
+    share of the episodes, the gathered batch (observation masks and turn rewards included) is
+    the one a single process builds, and the update is the same."""
+    recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "one", data={"chat_template": True},
+                              rollout={"seed_per_row": True, "logprobs_from_generation": False,
+                                       "environment": "tests.agent_envs:Again", "max_turns": 2},
+                              train={"steps": 2, "eval": False})
+    path = write(tmp_path / "recipe.yaml", recipe)
+    one = lora_ppo("train", str(path))
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = lora_ppo("train", str(path), f"train.output_dir={tmp_path / 'two'}", "--num-processes", "2")
+    assert two.returncode == 0, two.stderr[-2000:]
+    for role in ("policy", "value"):
+        a, b = adapter_tensors(tmp_path / "one" / "final" / role), adapter_tensors(tmp_path / "two" / "final" / role)
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+    for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two")):
+        for key in ("episode/turns", "episode/observation_tokens", "episode/env_reward", "response/length"):
+            assert b[key] == a[key], key
+        for key in ("objective/kl", "loss/policy", "loss/value"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
+
+
 def worker(launcher: subprocess.Popen, rank: int):
     import psutil
 

@@ -24,6 +24,7 @@ from lora_ppo.agents.tools import parse_tool_calls, run_tool, tool_message
 from lora_ppo.data import PromptRow
 from lora_ppo.memory import PhasePeaks
 from lora_ppo.rewards import RewardSources
+from lora_ppo.roles import POLICY, Role
 from lora_ppo.rollout import Rollout, Sampler, left_pad, row_seeds, score_and_reward
 
 @dataclass(frozen=True)
@@ -116,6 +117,18 @@ class ChatRenderer:
         return self.encode(tail + after[len(before):])
 
 
+def transcript_text(messages: Messages) -> str:
+    """An episode's turns after its prompt, one per line with who wrote it (`[assistant]`,
+    `[user]`, `[tool result: name]`), so tool calls and their results show."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+    lines = []
+    for message in messages[first:]:
+        role = message.get("role", "?")
+        label = f"tool result: {message['name']}" if role == "tool" and message.get("name") else role
+        lines.append(f"[{label}] {message.get('content', '')}")
+    return "\n".join(lines)
+
+
 def run_episodes(
     sampler: Sampler,
     rows: Sequence[PromptRow],
@@ -123,11 +136,13 @@ def run_episodes(
     record_logprobs: bool = False,
     seeds: Optional[Sequence[int]] = None,
     first_index: int = 0,
+    role: Role = POLICY,
 ) -> EpisodeBatch:
     """Play one episode per row, all turns of the batch's live episodes sampled together.
 
     `seeds`: one per row (`rollout.seed_per_row`); turn k > 0 of a row samples from a stream
     derived from its seed and k. `first_index`: the rows' place in the step's batch (errors name it).
+    `role`: who plays (the policy; the reference, to compare).
     """
     tokenizer = sampler.tokenizer
     renderer = ChatRenderer(tokenizer, settings.tool_schemas)
@@ -144,7 +159,7 @@ def run_episodes(
         if seeds is not None:
             turn_seeds = [seeds[i] if turn == 0 else row_seeds(seeds[i], ("turn", turn), range(1))[0] for i in live]
         samples = sampler.with_settings(max_new_tokens=new_tokens).sample(
-            contexts, record_logprobs=record_logprobs, seeds=turn_seeds)
+            contexts, record_logprobs=record_logprobs, role=role, seeds=turn_seeds)
         for j, i in enumerate(live):
             e = episodes[i]
             ids = samples.response_ids[j][samples.response_mask[j]].tolist()
