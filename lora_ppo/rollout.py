@@ -428,11 +428,16 @@ def score_and_reward(
         batch.columns.update(columns or {})
         said = rewards.score(batch)
         raw_scores = torch.tensor(said.total, dtype=torch.float32, device=input_ids.device)
-    scores = raw_scores
-    if cfg.missing_eos_penalty is not None and cfg.stop_token is not None:
-        scores = raw_scores - cfg.missing_eos_penalty * (~stopped).float()
+    scores = missing_eos_penalized(raw_scores, stopped, cfg)
     timings["reward"] = time.perf_counter() - t0
     return Scored(old_logprobs, ref_logprobs, values, raw_scores, scores, said.side, said.by_source)
+
+
+def missing_eos_penalized(raw_scores: torch.Tensor, stopped: torch.Tensor, cfg: RolloutConfig) -> torch.Tensor:
+    """The scores less `rollout.missing_eos_penalty` for the responses that never stopped."""
+    if cfg.missing_eos_penalty is None or cfg.stop_token is None:
+        return raw_scores
+    return raw_scores - cfg.missing_eos_penalty * (~stopped).float()
 
 
 def gather_rollout(world: World, rollout: Rollout, pad_id: int) -> Rollout:

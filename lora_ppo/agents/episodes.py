@@ -25,7 +25,7 @@ from lora_ppo.data import PromptRow
 from lora_ppo.memory import PhasePeaks
 from lora_ppo.rewards import RewardSources
 from lora_ppo.roles import POLICY, Role
-from lora_ppo.rollout import Rollout, Sampler, left_pad, row_seeds, score_and_reward
+from lora_ppo.rollout import Rollout, Sampler, join_prompt_response, left_pad, row_seeds, score_and_reward
 
 @dataclass(frozen=True)
 class EpisodeSettings:
@@ -82,8 +82,8 @@ class EpisodeBatch:
     metrics: dict[str, float]
 
     def model_input(self) -> tuple[torch.Tensor, torch.Tensor]:
-        real = (self.response_mask | self.observation_mask).to(self.query_mask.dtype)
-        return torch.cat([self.query_ids, self.response_ids], dim=1), torch.cat([self.query_mask, real], dim=1)
+        return join_prompt_response(self.query_ids, self.query_mask, self.response_ids,
+                                    self.response_mask | self.observation_mask)
 
 
 class ChatRenderer:

@@ -9,7 +9,9 @@ import torch
 
 from lora_ppo.data import PromptRow
 from lora_ppo.memory import PhasePeaks
-from lora_ppo.rollout import Rollout, Sampler, score_passes, stop_token_id
+from lora_ppo.rollout import (
+    Rollout, Sampler, join_prompt_response, left_pad, missing_eos_penalized, score_passes, stop_token_id,
+)
 
 
 def _ids(seq, what: str, i: int) -> list[int]:
@@ -44,14 +46,13 @@ def rollout_from_tokens(
     pad = tokenizer.pad_token_id
     query_lists = [_ids(q, "query", i) for i, q in enumerate(queries)]
     response_lists = [_ids(r, "response", i) for i, r in enumerate(responses)]
-    P, T, B = max(map(len, query_lists)), max(map(len, response_lists)), len(query_lists)
-    query_ids = torch.full((B, P), pad, dtype=torch.long)
-    query_mask = torch.zeros((B, P), dtype=torch.long)
+    rows = [PromptRow(tokenizer.decode(q, skip_special_tokens=True), "", tuple(q)) for q in query_lists]
+    query_ids, query_mask = left_pad(rows, pad, device)
+    T, B = max(map(len, response_lists)), len(query_lists)
     response_ids = torch.full((B, T), pad, dtype=torch.long)
     action = torch.zeros((B, T), dtype=torch.bool)
     observation = torch.zeros((B, T), dtype=torch.bool)
-    for i, (q, r) in enumerate(zip(query_lists, response_lists)):
-        query_ids[i, P - len(q):], query_mask[i, P - len(q):] = torch.tensor(q), 1
+    for i, r in enumerate(response_lists):
         response_ids[i, : len(r)] = torch.tensor(r)
         acts = [True] * len(r) if action_mask is None else [bool(a) for a in action_mask[i]]
         if len(acts) != len(r):
@@ -59,27 +60,20 @@ def rollout_from_tokens(
         action[i, : len(r)] = torch.tensor(acts)
         observation[i, : len(r)] = ~action[i, : len(r)]
     stop_id = stop_token_id(tokenizer, cfg.stop_token)
-    stopped = torch.tensor([stop_id is not None and r[-1] == stop_id for r in response_lists])
-    query_ids, query_mask, response_ids = query_ids.to(device), query_mask.to(device), response_ids.to(device)
-    action, observation, stopped = action.to(device), observation.to(device), stopped.to(device)
-    context = (action | observation).to(query_mask.dtype)
-    input_ids = torch.cat([query_ids, response_ids], dim=1)
-    attention_mask = torch.cat([query_mask, context], dim=1)
+    stopped = torch.tensor([stop_id is not None and r[-1] == stop_id for r in response_lists], device=device)
+    response_ids, action, observation = response_ids.to(device), action.to(device), observation.to(device)
+    input_ids, attention_mask = join_prompt_response(query_ids, query_mask, response_ids, action | observation)
     with peaks.phase("score"):
         old_logprobs, ref_logprobs, values = score_passes(
-            roles, input_ids, attention_mask, P, cfg.temperature, cfg.forward_batch_size, with_values=with_values,
-            with_reference=with_reference, together=cfg.score_roles_together)
+            roles, input_ids, attention_mask, query_ids.shape[1], cfg.temperature, cfg.forward_batch_size,
+            with_values=with_values, with_reference=with_reference, together=cfg.score_roles_together)
     raw_scores = torch.tensor([float(s) for s in scores], dtype=torch.float32, device=device)
-    final = raw_scores
-    if cfg.missing_eos_penalty is not None and cfg.stop_token is not None:
-        final = raw_scores - cfg.missing_eos_penalty * (~stopped).float()
     completions = tokenizer.batch_decode([[t for t, a in zip(r, action[i].tolist()) if a]
                                           for i, r in enumerate(response_lists)], skip_special_tokens=True)
-    rows = [PromptRow(tokenizer.decode(q, skip_special_tokens=True), "", tuple(q)) for q in query_lists]
     multi_turn = bool(observation.any())
     return Rollout(
         rows=rows, completions=completions, query_ids=query_ids, query_mask=query_mask, response_ids=response_ids,
         response_mask=action, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values,
-        raw_scores=raw_scores, scores=final, stopped=stopped,
+        raw_scores=raw_scores, scores=missing_eos_penalized(raw_scores, stopped, cfg), stopped=stopped,
         observation_mask=observation if multi_turn else None,
     )

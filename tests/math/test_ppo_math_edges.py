@@ -16,12 +16,9 @@ from lora_ppo.ppo_math import (
     shape_scores,
     value_loss,
 )
+from tests.math.test_ppo_math_options import t
 
 TOL = dict(atol=1e-9, rtol=1e-9)
-
-
-def t(values):
-    return torch.tensor(values, dtype=torch.float64)
 
 
 def test_gae_on_one_token_responses_is_reward_minus_value():
