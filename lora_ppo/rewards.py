@@ -154,11 +154,15 @@ def import_function(spec: str) -> RewardFn:
     return fn
 
 
+# The module name a Python file loaded by path gets (unique per file), for errors to recognise.
+USER_MODULE_PREFIX = "lora_ppo_user_"
+
+
 def _module_from_file(path: Path):
     """The module in the Python file `path`, loaded once per process (by its absolute path)."""
     import importlib.util
 
-    name = f"lora_ppo_user_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}_{path.stem}"
+    name = f"{USER_MODULE_PREFIX}{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}_{path.stem}"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None or not path.is_file():

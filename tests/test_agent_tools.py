@@ -396,3 +396,11 @@ def test_a_tool_that_cannot_be_imported_is_a_recipe_error_naming_rollout_tools(s
         load_tools([spec])
     assert str(raised.value).startswith(message)
     assert "reward.function" not in str(raised.value)
+
+
+def test_a_tool_from_a_file_is_named_by_the_file_not_an_internal_module_name(tmp_path):
+    # `rollout.tools: [path/my_tools.py:nodoc]` (how a run records a module beside the recipe)
+    (tmp_path / "my_tools.py").write_text("def nodoc(x):\n    return x\n", encoding="utf-8")
+    tools = load_tools([f"{tmp_path / 'my_tools.py'}:nodoc"])
+    with pytest.raises(RecipeError, match=r"^rollout.tools: my_tools\.py\.nodoc needs a docstring"):
+        tool_schemas(list(tools.values()))

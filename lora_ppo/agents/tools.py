@@ -21,14 +21,16 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
 from lora_ppo.errors import RecipeError, first_line
-from lora_ppo.rewards import STILL_RUNNING, import_function, run_within
+from lora_ppo.rewards import STILL_RUNNING, USER_MODULE_PREFIX, import_function, run_within
 
 # The one key of a call's arguments when the call could not be read: why, in words for the model.
 PARSE_ERROR_KEY = "__error__"
@@ -59,10 +61,18 @@ def tool_schemas(functions: Sequence[Callable]) -> list[dict]:
         try:
             schemas.append(get_json_schema(fn))
         except (DocstringParsingException, TypeHintParsingException) as err:
-            name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+            name = f"{_module_label(fn)}.{getattr(fn, '__qualname__', repr(fn))}"
             raise RecipeError(f"rollout.tools: {name} needs a docstring with an Args: section and type hints "
                               f"(transformers.utils.get_json_schema: {first_line(err)})") from None
     return schemas
+
+
+def _module_label(fn: Callable) -> str:
+    """The module as the user named it: its name, or for a file loaded by path the file's name."""
+    module = getattr(fn, "__module__", None) or "?"
+    if module.startswith(USER_MODULE_PREFIX):
+        return Path(getattr(sys.modules.get(module), "__file__", None) or module).name
+    return module
 
 
 def parse_tool_calls(text: str, tokenizer: Any = None, tools: Optional[Sequence[Any]] = None) -> list[ToolCall]:
@@ -169,7 +179,8 @@ def run_tool(call: ToolCall, functions: Mapping[str, Callable], timeout_s: Optio
     except ValueError:  # no signature to check (a builtin): the call itself says what is wrong
         pass
     try:
-        result = _call_within(fn, call.arguments, call.name, timeout_s)
+        # In a daemon thread: a hung tool keeps it, but never blocks the episode or the process's exit.
+        result = run_within(lambda: fn(**call.arguments), timeout_s, f"tool {call.name}")
     except Exception as err:
         detail = f": {first_line(err)}" if str(err).strip() else ""
         return f"error: {call.name} raised {type(err).__name__}{detail}"
@@ -181,12 +192,6 @@ def run_tool(call: ToolCall, functions: Mapping[str, Callable], timeout_s: Optio
         return json.dumps(result, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):  # an object json cannot encode, a circular list
         return f"error: {call.name} returned a {type(result).__name__}, not text"
-
-
-def _call_within(fn: Callable, arguments: dict, name: str, timeout_s: Optional[float]) -> Any:
-    """`fn(**arguments)`, or STILL_RUNNING past `timeout_s` seconds (in a daemon thread a hung
-    tool keeps, which never blocks the episode or the process's exit)."""
-    return run_within(lambda: fn(**arguments), timeout_s, f"tool {name}")
 
 
 def tool_message(call: ToolCall, content: str) -> dict:
