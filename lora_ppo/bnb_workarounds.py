@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import types
 from typing import Iterator
 
 import torch
@@ -82,14 +83,33 @@ def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype) -> Iterator[fl
                 state.dtype = layer_dtype
                 weight = bnb.functional.dequantize_4bit(module.weight.data, state)
                 held += weight.numel() * weight.element_size()
-                bias = None if module.bias is None else module.bias.to(layer_dtype)
-
-                def forward(x: torch.Tensor, weight=weight, bias=bias) -> torch.Tensor:
-                    return torch.nn.functional.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
-
-                module.forward = forward  # an instance attribute shadows the class's forward
+                module._lora_ppo_dequantized = (weight, None if module.bias is None else module.bias.to(layer_dtype))
+                # An instance attribute shadows the class's forward. One function for every layer
+                # and step: a compiled decode step (rollout.compile) sees the same code each step
+                # and new weights as inputs, so it is not compiled again.
+                module.forward = types.MethodType(_dequantized_forward, module)
                 patched.append(module)
         yield held
     finally:
         for module in patched:
             del module.forward
+            del module._lora_ppo_dequantized
+
+
+def first_4bit_layer(model: nn.Module):
+    """The model's first bitsandbytes 4-bit layer, or None."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return None
+    return next((m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)), None)
+
+
+def is_dequantized(layer) -> bool:
+    """Whether a 4-bit layer computes from its dequantized copy now (`dequantized_4bit_layers`)."""
+    return layer is not None and "_lora_ppo_dequantized" in vars(layer)
+
+
+def _dequantized_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    weight, bias = module._lora_ppo_dequantized
+    return torch.nn.functional.linear(x.to(weight.dtype), weight, bias).to(x.dtype)

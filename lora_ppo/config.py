@@ -42,6 +42,10 @@ class Section(BaseModel):
 # model.dequantize_per_step auto: the share of the memory free after loading that the dequantized
 # copy may take; the rest is left to the step's own activations.
 AUTO_DEQUANTIZE_SHARE = 0.5
+# rollout.compile auto: the decode steps a run must take on a CUDA GPU for compiling to pay back.
+# Compiling takes about a minute; on the 8B recipe it saves ~58 ms a decode step (bench/README.md),
+# so it pays after ~1,000; smaller models save less per step.
+AUTO_COMPILE_MIN_DECODE_STEPS = 2000
 
 
 class ModelConfig(Section):
@@ -414,6 +418,14 @@ class RolloutConfig(Section):
     responses whatever the number of processes (`--num-processes`) or the batch layout. Off: one stream
     (the run's seed), as most trainers do.
     """
+    compile: Union[bool, Literal["auto"]] = Field("auto", json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Sample with a static KV cache and a decode step compiled once (torch.compile; CUDA graphs on a GPU)
+    instead of transformers' `generate()`: the same sampling with a fraction of its per-token overhead,
+    after a one-time compile of about a minute. `auto`: on for training on a CUDA GPU when the run decodes
+    at least 2,000 token steps (`train.steps` x the response budget), off elsewhere, and for `eval` and
+    `generate` (docs/performance.md has the measurements behind the rule). Where compiling fails,
+    `generate()` takes over with one log line.
+    """
     environment: Optional[str] = None
     """Multi-turn episodes: `module:Factory` (or `path/file.py:Factory`), created per episode with the
     dataset row's columns; `reset()` gives the first messages, `step(assistant_message)` the next ones, a
@@ -436,6 +448,13 @@ class RolloutConfig(Section):
     """Seconds a tool call may take before the model is told it timed out (the call is left running in the
     background); null: no limit.
     """
+
+    def compiles_on(self, device_type: str, decode_steps: int) -> bool:
+        """`compile` decided for a device type ("cuda", "cpu", ...) and the decode steps the job
+        will take: `auto` is on for CUDA when there are enough of them to pay the compile back."""
+        if self.compile != "auto":
+            return bool(self.compile)
+        return device_type == "cuda" and decode_steps >= AUTO_COMPILE_MIN_DECODE_STEPS
 
     @property
     def response_tokens(self) -> int:

@@ -15,6 +15,8 @@ expert weights and the routers of an MoE in transformers 5. Every term is counte
   score    = static + one micro-batch forward (one layer live at a time) + a logits chunk
   update   = static + adapter gradients + activations kept for backward (all layers, or only
              layer inputs under gradient checkpointing) + a checkpointed logits chunk
+  With rollout.compile the KV cache is a static one, allocated for a power-of-two batch and held
+  through score and update too.
 
 The activation constants were fitted to peaks measured by bench/memory_scaling.py; bench/README.md
 has the measurements and how far the estimate is from them.
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
+from lora_ppo.compiled_generation import bucket
 from lora_ppo.config import AUTO_DEQUANTIZE_SHARE, BUILTIN_PREFIX, LoraSettings, ModelConfig, Recipe
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.logprobs import DEFAULT_CHUNK_TOKENS
@@ -364,6 +367,7 @@ class Estimate:
     dequantize_per_step: bool = False  # as decided for this budget (`auto` included)
     processes: int = 1  # data-parallel processes: the phases are each one's
     weight_parts: dict[str, float] = field(default_factory=dict)  # components["weights"] by part (_weight_parts)
+    static_kv_cache: float = 0.0  # rollout.compile: the KV cache held through every phase (in `phases`)
 
     @property
     def peak(self) -> float:
@@ -447,11 +451,24 @@ def _seq_len(recipe: Recipe) -> int:
     return recipe.data.max_prompt_tokens + recipe.rollout.response_tokens  # an episode: its budget
 
 
-def generate_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int) -> float:
-    """KV cache for the whole sequence, the step's vocabulary logits, one dequantized weight,
-    and prefill activations of one layer."""
-    tokens = batch * _seq_len(recipe)
-    kv = 2 * shape.layers * shape.kv_width * tokens * act_bytes
+def kv_cache_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int) -> float:
+    """Keys and values of every layer for `batch` whole sequences."""
+    return 2 * shape.layers * shape.kv_width * batch * _seq_len(recipe) * act_bytes
+
+
+def static_kv_cache_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int, device: str) -> float:
+    """With `rollout.compile` on for `device`: the static KV cache, its rows rounded up to the
+    compiled batch bucket, which stays allocated through scoring and the update; else 0."""
+    if not recipe.rollout.compiles_on(device, recipe.train.steps * recipe.rollout.response_tokens):
+        return 0.0
+    return kv_cache_bytes(shape, recipe, act_bytes, bucket(batch))
+
+
+def generate_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int, device: str = "cuda") -> float:
+    """KV cache for the whole sequence (the static one with `rollout.compile`), the step's
+    vocabulary logits, one dequantized weight, and prefill activations of one layer."""
+    static_kv = static_kv_cache_bytes(shape, recipe, act_bytes, batch, device)
+    kv = static_kv if static_kv else kv_cache_bytes(shape, recipe, act_bytes, batch)
     logits = GEN_LOGIT_COPIES * batch * shape.vocab * 4
     dequant = _dequantized_weight_bytes(shape, recipe, act_bytes)
     prefill = batch * recipe.data.max_prompt_tokens * (
@@ -522,17 +539,18 @@ def estimate(
     grads = trainable * ADAPTER_GRAD_BYTES
     ro = recipe.rollout
     rows = ro.batch_size // processes  # a process generates and scores its share of the batch
+    held = static_kv_cache_bytes(shape, recipe, act, rows, device)
     phases = {
-        "generate": static + generate_bytes(shape, recipe, act, rows),
-        "score": static + score_bytes(shape, recipe, act, min(ro.forward_batch_size, rows)),
-        "update": static + grads + update_bytes(
+        "generate": static + generate_bytes(shape, recipe, act, rows, device),
+        "score": static + held + score_bytes(shape, recipe, act, min(ro.forward_batch_size, rows)),
+        "update": static + held + grads + update_bytes(
             shape, recipe, act, update_rows(recipe.minibatch_size, recipe.micro_batch_size, processes), device),
     }
     fitting: dict[str, int] = {}
     if budget_gb is not None:
         fitting = largest_fitting_sizes(shape, recipe, act, device, budget_gb * GB - static, grads, processes)
     return Estimate(shape, components, phases, budget_gb, fitting, bool(recipe.model.dequantize_per_step), processes,
-                    weight_parts)
+                    weight_parts, held)
 
 
 def update_rows(minibatch: int, micro_batch: int, processes: int) -> int:
@@ -566,9 +584,15 @@ def largest_fitting_sizes(
     def largest(fits) -> int:  # each phase's cost grows with its row count
         return max((n for n in range(1, MAX_BATCH + 1) if fits(n)), default=0)
 
-    max_micro = largest(lambda n: grads + update_bytes(shape, recipe, act, n, device) <= room)
-    max_rows = largest(lambda n: score_bytes(shape, recipe, act, n) <= room)
-    if max_micro == 0 or max_rows == 0:
+    by_held: dict[float, tuple[int, int]] = {}  # the largest micro-batch and scoring rows, by the KV cache held
+
+    def largest_rows(held: float) -> tuple[int, int]:
+        if held not in by_held:
+            by_held[held] = (largest(lambda n: held + grads + update_bytes(shape, recipe, act, n, device) <= room),
+                             largest(lambda n: held + score_bytes(shape, recipe, act, n) <= room))
+        return by_held[held]
+
+    if 0 in largest_rows(0.0):
         return {}
     minibatches = recipe.ppo.num_minibatches
     # Batches in steps that keep the recipe's own accumulation valid (micro-batches stay whole) and
@@ -576,7 +600,10 @@ def largest_fitting_sizes(
     step = math.lcm(recipe.rollout.samples_per_prompt * processes, minibatches * recipe.ppo.grad_accum_steps,
                     minibatches * processes)
     for batch in range(MAX_BATCH - MAX_BATCH % step, 0, -step):
-        if generate_bytes(shape, recipe, act, batch // processes) > room:
+        if generate_bytes(shape, recipe, act, batch // processes, device) > room:
+            continue
+        max_micro, max_rows = largest_rows(static_kv_cache_bytes(shape, recipe, act, batch // processes, device))
+        if max_micro == 0 or max_rows == 0:
             continue
         per_minibatch = batch // minibatches
         # The fewest micro-batches per minibatch whose size divides it and fits the update.
@@ -682,6 +709,8 @@ def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
     lines.append("peak per phase:")
     for name in PHASES:
         lines.append(f"  {name:<14}{est.phases[name] / GB:8.2f} GB")
+    if est.static_kv_cache:
+        lines.append(f"  (rollout.compile: the static KV cache, {est.static_kv_cache / GB:.2f} GB, is held in every phase)")
     lines.append(f"peak: {est.peak / GB:.2f} GB")
     if est.budget_gb is not None:
         verdict = "fits" if est.fits else "does NOT fit"
@@ -709,6 +738,7 @@ def as_json(est: Estimate) -> dict:
         "weights_gb": {k: round(v / GB, 3) for k, v in est.weight_parts.items()},
         "components_gb": {k: round(v / GB, 3) for k, v in est.components.items()},
         "phases_gb": {k: round(v / GB, 3) for k, v in est.phases.items()},
+        "static_kv_cache_gb": round(est.static_kv_cache / GB, 3),
         "peak_gb": round(est.peak / GB, 3),
         "budget_gb": est.budget_gb,
         "fits": est.fits,

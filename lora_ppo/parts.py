@@ -14,6 +14,7 @@ from lora_ppo.agents.environment import load_environment
 from lora_ppo.agents.episodes import EpisodeSettings
 from lora_ppo.agents.tools import load_tools, tool_schemas
 from lora_ppo.builtin_model import portable_name
+from lora_ppo.compiled_generation import StaticDecoder, compiled_generation_on
 from lora_ppo.config import PPOConfig, Recipe, RolloutConfig
 from lora_ppo.data import PromptRow, PromptSet, load_prompt_sets
 from lora_ppo.model import check_context, dequantized_once, load_base_model, load_tokenizer
@@ -40,13 +41,21 @@ class Parts:
     optimizer: torch.optim.Optimizer
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler]
     episodes: Optional[EpisodeSettings] = None  # multi-turn: rollout.environment / rollout.tools
+    decoder: Optional[StaticDecoder] = None  # rollout.compile: made (and logged) at the first sampler
+    compile_decided: bool = False
 
-    def sampler(self, recipe: Recipe) -> Sampler:
+    def sampler(self, recipe: Recipe, decode_steps: int = 0) -> Sampler:
         """How the policy samples in this run (`logprobs_from_generation: auto` decided by the
-        dtype the model computes in)."""
+        dtype the model computes in; `rollout.compile` by the device and the decode steps the job
+        takes, at the first call)."""
         float32 = compute_dtype(recipe.model) == torch.float32
         settings = {"logprobs_from_generation": recipe.logprobs_from_generation_on(float32)}
-        return Sampler(self.roles, self.tokenizer, recipe.rollout.model_copy(update=settings))
+        if not self.compile_decided:
+            self.compile_decided = True
+            if compiled_generation_on(recipe.rollout, self.roles.lm_head.weight.device, decode_steps):
+                cache_tokens = recipe.data.max_prompt_tokens + recipe.rollout.response_tokens
+                self.decoder = StaticDecoder(self.roles.peft, cache_tokens)
+        return Sampler(self.roles, self.tokenizer, recipe.rollout.model_copy(update=settings), self.decoder)
 
 
 def seed_everything(seed: int) -> None:

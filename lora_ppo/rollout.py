@@ -4,18 +4,22 @@ under no_grad (old logprobs, reference logprobs, values, rewards) into a frozen 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 import torch
 
+from lora_ppo.compiled_generation import CompileFailed, StaticDecoder
 from lora_ppo.config import RolloutConfig
 from lora_ppo.data import PromptRow
 from lora_ppo.distributed import World
 from lora_ppo.memory import PhasePeaks
 from lora_ppo.rewards import RewardBatch, RewardSources
 from lora_ppo.roles import POLICY, REFERENCE, VALUE, Role, RoleModel
+
+log = logging.getLogger(__name__)
 
 
 def join_prompt_response(
@@ -152,6 +156,18 @@ def row_seeds(run_seed: int, step_key: Sequence[object], rows: range) -> list[in
     return [seed(row) for row in rows]
 
 
+def sampling_warpers(temperature: float, top_k: Optional[int], top_p: Optional[float]):
+    """The temperature, top-k and top-p warpers, in the order and under the conditions
+    `generate()` applies them when it samples."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    return LogitsProcessorList(
+        ([TemperatureLogitsWarper(temperature)] if temperature is not None and temperature != 1.0 else [])
+        + ([TopKLogitsWarper(top_k)] if top_k else [])
+        + ([TopPLogitsWarper(top_p)] if top_p is not None and top_p < 1.0 else [])
+    )
+
+
 class RowSeededSampling:
     """A logits processor that samples every row's next token from the row's own seeded generator
     (the recipe's temperature, top-k and top-p applied as generate() would) and returns a one-hot
@@ -159,14 +175,14 @@ class RowSeededSampling:
     the batch around it (`rollout.seed_per_row`)."""
 
     def __init__(self, seeds: Sequence[int], cfg: RolloutConfig, device: torch.device) -> None:
-        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
+        self.seeds = list(seeds)
         self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-        self.warpers = LogitsProcessorList(
-            ([TemperatureLogitsWarper(cfg.temperature)] if cfg.temperature != 1.0 else [])
-            + ([TopKLogitsWarper(cfg.top_k)] if cfg.top_k > 0 else [])
-            + ([TopPLogitsWarper(cfg.top_p)] if cfg.top_p < 1.0 else [])
-        )
+        self.warpers = sampling_warpers(cfg.temperature, cfg.top_k, cfg.top_p)
+
+    def restart(self) -> None:
+        """Back to each row's first draw (a sampling attempt that failed is taken again)."""
+        for generator, seed in zip(self.generators, self.seeds):
+            generator.manual_seed(seed)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.warpers(input_ids, scores.float()), dim=-1)
@@ -198,6 +214,10 @@ class SampledTokenLogprobs:
 
     def __init__(self, temperature: float) -> None:
         self.temperature = temperature
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget every step recorded (a sampling attempt that failed is taken again)."""
         self._previous: Optional[torch.Tensor] = None  # [B, V] log-softmax of the last step
         self._steps: list[torch.Tensor] = []
 
@@ -228,13 +248,27 @@ def generate(
     recorder: Optional[SampledTokenLogprobs] = None,
     role: Role = POLICY,
     row_sampling: Optional[RowSeededSampling] = None,
+    decoder: Optional[StaticDecoder] = None,
 ) -> torch.Tensor:
     """Sample responses as `role` (the policy; the reference, to compare); returns the new tokens
-    only, [B, T_gen]. The recorder reads the raw logits before `row_sampling` replaces them."""
+    only, [B, T_gen]. The recorder reads the raw logits before `row_sampling` replaces them. With
+    a `decoder` (`rollout.compile`) the static-cache compiled path samples where the call fits
+    its cache; `generate()` otherwise, and for good after the compiled path failed to start."""
     from transformers import LogitsProcessorList
 
     processors = LogitsProcessorList([p for p in (recorder, row_sampling) if p is not None])
     with roles.as_role(role):
+        if decoder is not None and decoder.fits(query_ids.shape[1], gen_config.max_new_tokens):
+            # generate() runs the caller's processors, then (when it samples) the warpers
+            warpers = sampling_warpers(gen_config.temperature, gen_config.top_k, gen_config.top_p)
+            all_processors = LogitsProcessorList([*processors, *(warpers if gen_config.do_sample else [])])
+            try:
+                return decoder.generate(query_ids, query_mask, gen_config, all_processors, role)
+            except CompileFailed as error:
+                log.warning("generation: the compiled path cannot run here (%s); using generate() from now on",
+                            error)
+                for processor in processors:
+                    processor.restart()
         out = roles.peft.generate(
             input_ids=query_ids, attention_mask=query_mask, generation_config=gen_config, logits_processor=processors
         )
@@ -274,6 +308,7 @@ class Sampler:
     roles: RoleModel
     tokenizer: Any
     cfg: RolloutConfig
+    decoder: Optional[StaticDecoder] = None  # rollout.compile: the static-cache compiled path
 
     @torch.no_grad()
     def sample(self, rows: Sequence[PromptRow], record_logprobs: bool = False, role: Role = POLICY,
@@ -288,7 +323,8 @@ class Sampler:
         recorder = SampledTokenLogprobs(cfg.temperature) if record_logprobs else None
         row_sampling = RowSeededSampling(seeds, cfg, device) if seeds is not None else None
         gen_config = generation_config(cfg, tokenizer, stop_id, sample_in_processor=row_sampling is not None)
-        raw_response = generate(self.roles, query_ids, query_mask, gen_config, recorder, role, row_sampling)
+        raw_response = generate(self.roles, query_ids, query_mask, gen_config, recorder, role, row_sampling,
+                                self.decoder)
         response_ids, response_mask, stopped = truncate_at_stop(raw_response, stop_id, tokenizer.pad_token_id)
         logprobs = None
         if recorder is not None:

@@ -75,7 +75,7 @@ class PPOTrainer:
         if self.world.rank > 0:  # the same adapters everywhere (built above), a sampling stream per process
             torch.manual_seed(row_seeds(recipe.train.seed, ("process",), range(self.world.rank, self.world.rank + 1))[0])
         self.stream = PromptStream(self.parts.train_prompts.rows, recipe.train.seed)
-        self.sampler = self.parts.sampler(recipe)
+        self.sampler = self.parts.sampler(recipe, decode_steps=recipe.train.steps * recipe.rollout.response_tokens)
         self.generator = torch.Generator().manual_seed(recipe.train.seed)  # minibatch order
         self.update_settings = UpdateSettings(
             recipe.minibatch_size, recipe.micro_batch_size, recipe.rollout.temperature,
@@ -212,6 +212,9 @@ class PPOTrainer:
         )
         if world.size > 1:
             metrics["dist/adapter_spread"] = self._adapter_spread()
+        if parts.decoder is not None:  # rollout.compile: what compiling has cost so far, and any recompile
+            metrics["time/compile"] = parts.decoder.compile_s
+            metrics["generation/recompiles"] = float(parts.decoder.recompiles)
         return metrics
 
     def _adapter_spread(self) -> float:

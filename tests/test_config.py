@@ -95,6 +95,7 @@ def test_resume_allowed_fields():
         "train.steps", "train.log_every", "train.sample_every", "train.save_every", "train.keep_last",
         "train.eval", "train.overwrite", "train.max_consecutive_skips", "train.report_to", "data.eval_size",
         "data.eval_batch_size", "data.eval_samples_per_prompt", "model.dequantize_per_step",
+        "rollout.compile",  # the same sampling either way (docs/performance.md)
         "train.output_dir",  # a run folder moved elsewhere resumes where it is
     }
 

@@ -107,6 +107,27 @@ def test_dequantize_per_step_holds_every_linear_layer_unquantized():
     assert est.update_bytes(TINY, held, 4, 2, "cuda") - est.update_bytes(TINY, base, 4, 2, "cuda") == pytest.approx(262144)
 
 
+def test_compiled_generation_holds_a_static_kv_cache_in_every_phase():
+    """rollout.compile: the KV cache is allocated for the batch rounded up to a power of two (3 ->
+    4 rows) and stays through scoring and the update: 2 (K and V) x 2 layers x 32 x 4 rows x 16
+    tokens x 4 bytes = 32768 bytes, where generate() holds 3 rows' 24576 while generating only."""
+    def recipe(compile_setting, steps=400):
+        return _recipe(data={"max_prompt_tokens": 10}, ppo={"num_minibatches": 1}, train={"steps": steps},
+                       rollout={"max_new_tokens": 6, "batch_size": 3, "compile": compile_setting})
+
+    off, on = est.estimate(TINY, recipe(False), device="cpu"), est.estimate(TINY, recipe(True), device="cpu")
+    assert off.static_kv_cache == 0 and on.static_kv_cache == 32768
+    assert on.phases["generate"] - off.phases["generate"] == 32768 - 24576
+    assert on.phases["score"] - off.phases["score"] == on.phases["update"] - off.phases["update"] == 32768
+    assert est.as_json(on)["static_kv_cache_gb"] == round(32768 / 1e9, 3)
+    assert "the static KV cache, 0.00 GB, is held in every phase" in est.format_estimate(on, recipe(True), "cpu")
+    # auto: on for a CUDA GPU (bf16 there: 2 bytes a value) when the run decodes 2,000 token steps
+    # or more: 400 steps x 6 tokens, not 300 x 6.
+    assert est.estimate(TINY, recipe("auto"), device="cpu").static_kv_cache == 0
+    assert est.estimate(TINY, recipe("auto"), device="cuda").static_kv_cache == 16384
+    assert est.estimate(TINY, recipe("auto", steps=300), device="cuda").static_kv_cache == 0
+
+
 @pytest.mark.parametrize("sections", [
     {},
     {"rollout": {"batch_size": 12, "samples_per_prompt": 3}, "ppo": {"num_minibatches": 2}},
@@ -202,9 +223,12 @@ def test_each_process_holds_the_model_and_its_share_of_the_rows():
     assert four.components == one.components
     static = sum(one.components.values())
     assert four.phases["generate"] == static + est.generate_bytes(TINY, r, 2, 8)
-    assert four.phases["score"] == static + est.score_bytes(TINY, r, 2, 8)
-    # minibatch 16, micro-batch 8: a process's share of a minibatch is 4 rows, in one micro-batch.
-    assert four.phases["update"] - one.phases["update"] == est.update_bytes(TINY, r, 2, 4, "cuda") - est.update_bytes(
+    # rollout.compile (auto: on for cuda) holds the static KV cache of a process's 8 rows while scoring.
+    assert four.phases["score"] == static + est.static_kv_cache_bytes(TINY, r, 2, 8, "cuda") + est.score_bytes(TINY, r, 2, 8)
+    # minibatch 16, micro-batch 8: a process's share of a minibatch is 4 rows, in one micro-batch;
+    # the KV cache it holds is its 8 rows' instead of 32.
+    held = est.static_kv_cache_bytes(TINY, r, 2, 8, "cuda") - est.static_kv_cache_bytes(TINY, r, 2, 32, "cuda")
+    assert four.phases["update"] - one.phases["update"] == held + est.update_bytes(TINY, r, 2, 4, "cuda") - est.update_bytes(
         TINY, r, 2, 8, "cuda")
     fitted = est.estimate(TINY, r, device="cuda", budget_gb=2.0, processes=4).fitting
     assert fitted["rollout.batch_size"] % (4 * 2) == 0  # splits over the processes and minibatches

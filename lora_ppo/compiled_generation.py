@@ -1,0 +1,204 @@
+"""Generation with a static KV cache and a compiled decode step (`rollout.compile`).
+
+transformers' `generate()` grows its KV cache every token and runs the whole model through
+Python for each one: thousands of operator calls per generated token with LoRA layers, most of
+them overhead. Here the prompt is prefilled eagerly into a preallocated cache, and every later
+token comes from one decode step compiled once per batch shape: the cache, the input token, its
+position and the attention mask have the same shapes at every step, and the LoRA weights change
+values between PPO steps, never shapes, so the compiled graph is reused for the whole run.
+
+Sampling is the loop `generate()` runs (the same logits processors in the same order, then
+softmax and `torch.multinomial` on the global generator, or the caller's per-row sampler), so
+with equal logits it draws the same tokens from the same seeds. Compiled kernels may round
+differently; the recorded logprobs stay within the logprob self-check (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from lora_ppo.bnb_workarounds import first_4bit_layer, is_dequantized
+from lora_ppo.config import RolloutConfig
+from lora_ppo.errors import first_line
+
+log = logging.getLogger(__name__)
+
+
+def compiled_generation_on(cfg: RolloutConfig, device: torch.device, decode_steps: int) -> bool:
+    """`rollout.compile` decided for `device` and a job of `decode_steps`, and the path logged:
+    `auto` is on for a CUDA GPU when the job is long enough to pay the compile back, where
+    decoding is overhead-bound and CUDA graphs remove most of it; on a CPU matrix multiplies
+    dominate and the compile outweighs what it saves (docs/performance.md)."""
+    on = cfg.compiles_on(device.type, decode_steps)
+    how = f"rollout.compile {cfg.compile}"
+    if cfg.compile == "auto":
+        how += f" on {device.type}, {decode_steps} decode steps"
+    log.info("generation: %s (%s)", "static KV cache + compiled decode step" if on else "generate()", how)
+    return on
+
+
+def bucket(rows: int) -> int:
+    """The batch a decode graph is compiled for: the next power of two, so shrinking batches
+    (the last chunk of an evaluation, an episode's later turns) reuse a few graphs."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+class CompileFailed(RuntimeError):
+    """The compiled path could not run for this model or platform; the caller falls back."""
+
+
+class StaticDecoder:
+    """The compiled decode step of one model, its static caches, and what compiling cost. A graph
+    is compiled per batch bucket, role and whether the 4-bit layers run dequantized
+    (`model.dequantize_per_step`); any other compile is a recompile, logged as a bug.
+
+    `cache_tokens`: the longest prompt plus response it serves (the recipe's limits); longer
+    calls go to `generate()` instead. The static cache stays allocated between calls (CUDA graphs
+    need fixed addresses), through scoring and the update: `lora-ppo estimate` counts it.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache_tokens: int) -> None:
+        self.model = model
+        self.cache_tokens = cache_tokens
+        self.compile_s = 0.0  # the first call of each graph: compiling it, then generating
+        self.graphs = 0  # graphs compiled: one per key (batch bucket, role, dequantized or not)
+        self.recompiles = 0  # graphs compiled again for a key already compiled: a bug
+        self.disabled: Optional[str] = None  # why the compiled path is off, after a failure
+        self._warm: set[tuple] = set()
+        self._caches: dict[int, object] = {}
+        mode = "reduce-overhead" if _device(model).type == "cuda" else None  # CUDA graphs on a GPU
+        self._step = torch.compile(self._decode_step, dynamic=False, mode=mode)
+        self._keep_one = "logits_to_keep" in inspect.signature(_base_forward(model)).parameters
+        self._4bit_layer = first_4bit_layer(model)  # dequantized per step or not: another graph
+
+    def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
+        return self.disabled is None and prompt_tokens + max_new_tokens <= self.cache_tokens
+
+    def _decode_step(self, cache, input_ids, position_ids, attention_mask) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                         cache=cache, use_cache=True)
+        return out.logits[:, -1].float()
+
+    def _cache(self, rows: int):
+        """The static cache for `rows`; only one is held: another batch bucket (an evaluation's)
+        replaces it, so the memory held is one cache's (with CUDA graphs, a replaced cache costs
+        a re-recording of the graph, not a recompile)."""
+        from transformers import StaticCache
+
+        cache = self._caches.get(rows)
+        if cache is None:
+            self._caches.clear()
+            cache = StaticCache(config=self.model.config, max_cache_len=self.cache_tokens)
+            self._caches[rows] = cache
+        else:
+            cache.reset()
+        return cache
+
+    @torch.no_grad()
+    def generate(self, query_ids: torch.Tensor, query_mask: torch.Tensor, gen_config, processors,
+                 role_key: object) -> torch.Tensor:
+        """New tokens [B, T_gen] for left-padded prompts, as `generate()` samples them with
+        `gen_config` and the logits `processors`. Raises CompileFailed (the RNG restored) when the
+        first call for a batch bucket and role cannot compile or run."""
+        key = (bucket(query_ids.shape[0]), role_key, is_dequantized(self._4bit_layer))
+        if key in self._warm:
+            return self._generate(query_ids, query_mask, gen_config, processors, key)
+        rng = _rng_state(query_ids.device)
+        graphs_before = _unique_graphs()
+        t0 = time.perf_counter()
+        try:
+            tokens = self._generate(query_ids, query_mask, gen_config, processors, key)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any failure to compile means "use generate()"
+            _restore_rng(query_ids.device, rng)
+            message = first_line(error)
+            self.disabled = message if message == type(error).__name__ else f"{type(error).__name__}: {message}"
+            self._caches.clear()
+            raise CompileFailed(self.disabled) from error
+        seconds = time.perf_counter() - t0
+        self.compile_s += seconds
+        self.graphs += max(0, _unique_graphs() - graphs_before)
+        self._warm.add(key)
+        log.info("generation: compiled the decode step for %d rows x %d tokens (static cache); the first call "
+                 "took %.1f s", key[0], self.cache_tokens, seconds)
+        return tokens
+
+    def _generate(self, query_ids, query_mask, gen_config, processors, key) -> torch.Tensor:
+        B, P = query_ids.shape
+        rows = key[0]
+        device = query_ids.device
+        if rows > B:  # filler rows (copies of row 0) keep the compiled shape; their tokens are dropped
+            filler = rows - B
+            query_ids = torch.cat([query_ids, query_ids[:1].expand(filler, P)])
+            query_mask = torch.cat([query_mask, query_mask[:1].expand(filler, P)])
+        cache = self._cache(rows)
+        mask = torch.zeros((rows, self.cache_tokens), dtype=query_mask.dtype, device=device)
+        mask[:, :P] = query_mask
+        positions = (query_mask.long().cumsum(-1) - 1).masked_fill(query_mask == 0, 1)  # as generate() does
+        extra = {"logits_to_keep": 1} if self._keep_one else {}
+        logits = self.model(input_ids=query_ids, position_ids=positions, attention_mask=query_mask,
+                            cache=cache, use_cache=True, **extra).logits[:, -1].float()
+        position = positions[:, -1:]
+
+        stop_id, pad_id = gen_config.eos_token_id, gen_config.pad_token_id
+        graphs_before = _unique_graphs()
+        sequence = query_ids[:B]
+        unfinished = torch.ones(B, dtype=torch.bool, device=device)
+        new_tokens = []
+        for t in range(gen_config.max_new_tokens):
+            scores = processors(sequence, logits[:B].clone())
+            if gen_config.do_sample:
+                chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                chosen = torch.argmax(scores, dim=-1)
+            if stop_id is not None:
+                chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad_id))
+                unfinished &= chosen != stop_id
+            new_tokens.append(chosen)
+            sequence = torch.cat([sequence, chosen[:, None]], dim=1)
+            if t + 1 == gen_config.max_new_tokens:
+                break
+            # Reading `unfinished` waits for the GPU; without a stop token nothing can finish early.
+            if stop_id is not None and not bool(unfinished.any()):
+                break
+            fed = chosen if rows == B else torch.cat([chosen, chosen.new_full((rows - B,), pad_id)])
+            mask[:, P + t] = 1
+            position = position + 1
+            logits = self._step(cache, fed[:, None], position, mask)
+        if key in self._warm and _unique_graphs() > graphs_before:
+            self.recompiles += _unique_graphs() - graphs_before
+            log.warning("generation: the decode step was compiled again for %d rows (a guard failed); "
+                        "this costs time every step and is a bug worth reporting", rows)
+        return torch.stack(new_tokens, dim=1) if new_tokens else query_ids.new_zeros((B, 0))
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _base_forward(model: torch.nn.Module):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.forward
+
+
+def _rng_state(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.random.get_rng_state(), cuda
+
+
+def _restore_rng(device: torch.device, state: tuple) -> None:
+    torch.random.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)

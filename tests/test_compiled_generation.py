@@ -1,0 +1,187 @@
+"""rollout.compile: the static-cache, compiled decode path samples what generate() samples (same
+seeds, same tokens; logprobs within float rounding), is compiled once for a run whatever the
+adapters' values and the prompts' lengths, and hands over to generate() when it cannot run.
+
+Compiling costs seconds per graph on CPU, so the tests share one model and one decoder and keep
+to one batch bucket (3 rows run as 4)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lora_ppo.alarms import LOGPROB_TOLERANCE
+from lora_ppo.bnb_workarounds import dequantized_4bit_layers
+from lora_ppo.compiled_generation import StaticDecoder, bucket, compiled_generation_on
+from lora_ppo.config import RolloutConfig
+from lora_ppo.rollout import Sampler, row_seeds
+from tests.conftest import perturb_lora_b, prompt_rows
+
+PROMPTS = ["a much longer prompt than the others, padded the least", "short", "the film was"]
+OTHER_PROMPTS = ["my family loved the comedy", "the ending made no sense but the music was lovely", "bad"]
+SAMPLING = {"max_new_tokens": 10, "temperature": 0.7, "top_k": 40, "top_p": 0.9}
+
+
+@pytest.fixture(scope="module")
+def roles(make_roles):
+    torch.manual_seed(0)  # the fresh adapters' random init: the same whichever tests ran before
+    return make_roles(seed=3)
+
+
+@pytest.fixture(scope="module")
+def decoder(roles):
+    return StaticDecoder(roles.peft, cache_tokens=64)
+
+
+def both_paths(roles, tokenizer, decoder, cfg, prompts, seed=0, seeds=None):
+    """What today's path and the compiled one sample from the same global seed (or row seeds)."""
+    rows = prompt_rows(tokenizer, prompts)
+    out = []
+    for path_decoder in (None, decoder):
+        torch.manual_seed(seed)
+        out.append(Sampler(roles, tokenizer, cfg, path_decoder).sample(rows, record_logprobs=True, seeds=seeds))
+    return out
+
+
+# Compiled kernels fuse and reorder float reductions (norms, softmax): logprobs of about -2 came out
+# up to 1.0e-5 apart. The requirement is the logprob self-check's float32 tolerance (the update's
+# first forward against the recorded logprobs); the test holds them to a tenth of it.
+LOGPROB_ATOL = LOGPROB_TOLERANCE["float32"] / 10
+
+
+def assert_same_samples(today, compiled):
+    assert torch.equal(today.response_ids, compiled.response_ids)
+    assert torch.equal(today.response_mask, compiled.response_mask)
+    assert torch.equal(today.stopped, compiled.stopped)
+    assert today.completions == compiled.completions
+    torch.testing.assert_close(compiled.logprobs, today.logprobs, rtol=0, atol=LOGPROB_ATOL)
+
+
+def a_token_it_says(roles, tokenizer, decoder, seed: int) -> str:
+    """The token today's path samples third in the first row from `seed`: as the stop token, the
+    same draws from the same seed end that row early."""
+    today, _ = both_paths(roles, tokenizer, decoder, RolloutConfig(**SAMPLING, stop_token=None), PROMPTS, seed)
+    return tokenizer.convert_ids_to_tokens(int(today.response_ids[0, 2]))
+
+
+def test_the_same_tokens_and_logprobs_as_generate(roles, tiny_tokenizer, decoder):
+    stop = a_token_it_says(roles, tiny_tokenizer, decoder, seed=5)
+    cfg = RolloutConfig(**SAMPLING, stop_token=stop)
+    today, compiled = both_paths(roles, tiny_tokenizer, decoder, cfg, PROMPTS, seed=5)
+    assert_same_samples(today, compiled)
+    # What makes the comparison worth something: left padding, a row that stopped early, one that did not.
+    assert compiled.query_mask[1, 0] == 0
+    assert compiled.stopped.any() and not compiled.stopped.all()
+    assert compiled.response_mask.sum(dim=1).min() < SAMPLING["max_new_tokens"]
+    assert decoder.disabled is None and decoder.graphs == 1 and decoder.recompiles == 0
+    assert (bucket(3), "policy", False) in decoder._warm
+
+
+def test_per_row_seeds_sample_the_same_tokens(roles, tiny_tokenizer, decoder):
+    cfg = RolloutConfig(**SAMPLING, stop_token=None)
+    today, compiled = both_paths(roles, tiny_tokenizer, decoder, cfg, PROMPTS, seeds=row_seeds(0, (0, 0), range(3)))
+    assert_same_samples(today, compiled)
+
+
+def test_no_recompile_as_adapters_and_prompt_lengths_change(roles, tiny_tokenizer, decoder):
+    cfg = RolloutConfig(**SAMPLING, stop_token=None)
+    both_paths(roles, tiny_tokenizer, decoder, cfg, PROMPTS)  # warm, if this test runs alone
+    graphs = decoder.graphs
+    for step, prompts in enumerate([OTHER_PROMPTS, PROMPTS, ["one", "two words", "and now three"]]):
+        perturb_lora_b(roles, "policy", seed=100 + step, scale=0.3)  # an optimizer step: new values
+        today, compiled = both_paths(roles, tiny_tokenizer, decoder, cfg, prompts, seed=step)
+        assert_same_samples(today, compiled)
+    assert decoder.graphs == graphs and decoder.recompiles == 0
+
+
+def test_dequantized_layers_compile_once_for_every_step(roles, tiny_tokenizer, decoder):
+    """model.dequantize_per_step: dequantized layers are one more graph; each step's new
+    dequantized weights are not."""
+    cfg = RolloutConfig(**SAMPLING, stop_token=None)
+    both_paths(roles, tiny_tokenizer, decoder, cfg, PROMPTS)  # the 4-bit graph, if this test runs alone
+    graphs = [decoder.graphs]
+    for step in range(3):
+        perturb_lora_b(roles, "policy", seed=200 + step, scale=0.3)
+        with dequantized_4bit_layers(roles.peft, torch.float32):
+            today, compiled = both_paths(roles, tiny_tokenizer, decoder, cfg, PROMPTS, seed=step)
+        assert_same_samples(today, compiled)
+        graphs.append(decoder.graphs)
+    assert graphs[1] == graphs[0] + 1 and graphs[3] == graphs[2] == graphs[1] and decoder.recompiles == 0
+
+
+def test_a_failed_compile_falls_back_to_generate_with_one_log_line(roles, tiny_tokenizer, caplog):
+    failing = StaticDecoder(roles.peft, cache_tokens=64)
+    calls = []
+
+    def cannot_compile(*args):
+        calls.append(1)
+        raise RuntimeError("inductor: no C++ compiler found\nmore detail")
+
+    failing._step = cannot_compile
+    cfg = RolloutConfig(**SAMPLING, stop_token=None)
+    with caplog.at_level(logging.WARNING, logger="lora_ppo.rollout"):
+        today, fallback = both_paths(roles, tiny_tokenizer, failing, cfg, PROMPTS, seed=9)
+        assert_same_samples(today, fallback)  # the RNG the failed attempt used was restored
+        both_paths(roles, tiny_tokenizer, failing, cfg, PROMPTS)
+    assert calls == [1]  # tried once, then generate() for good
+    assert failing.disabled == "RuntimeError: inductor: no C++ compiler found"
+    lines = [r.getMessage() for r in caplog.records if "compiled path" in r.getMessage()]
+    assert lines == ["generation: the compiled path cannot run here (RuntimeError: inductor: no C++ compiler "
+                     "found); using generate() from now on"]
+
+
+def test_a_call_longer_than_the_static_cache_uses_generate(roles, tiny_tokenizer):
+    short = StaticDecoder(roles.peft, cache_tokens=8)  # prompts (4+ tokens) + 10 new tokens do not fit
+    short._step = None  # calling it would fail the test
+    cfg = RolloutConfig(**SAMPLING, stop_token=None)
+    today, other = both_paths(roles, tiny_tokenizer, short, cfg, PROMPTS)
+    assert_same_samples(today, other)
+    assert short.graphs == 0 and short.disabled is None
+
+
+def test_auto_compiles_for_a_long_job_on_a_cuda_gpu_only(caplog):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    cases = [("auto", cpu, 10**6), ("auto", cuda, 2000), ("auto", cuda, 1999), (True, cpu, 0), (False, cuda, 10**6)]
+    with caplog.at_level(logging.INFO, logger="lora_ppo.compiled_generation"):
+        assert [compiled_generation_on(RolloutConfig(compile=s), d, n) for s, d, n in cases] \
+            == [False, True, False, True, False]
+    assert [r.getMessage() for r in caplog.records] == [
+        "generation: generate() (rollout.compile auto on cpu, 1000000 decode steps)",
+        "generation: static KV cache + compiled decode step (rollout.compile auto on cuda, 2000 decode steps)",
+        "generation: generate() (rollout.compile auto on cuda, 1999 decode steps)",
+        "generation: static KV cache + compiled decode step (rollout.compile True)",
+        "generation: generate() (rollout.compile False)",
+    ]
+
+
+def test_batches_run_in_power_of_two_buckets():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 16, 17, 32)] == [1, 2, 4, 4, 8, 16, 32, 32]
+
+
+def test_a_run_with_compile_on_trains_on_the_tokens_a_run_without_it_samples(tiny_model_dir, tmp_path):
+    """Three PPO steps with rollout.compile true and false from the same seed: the same responses
+    at every step (the adapters change in between), the same step metrics within float rounding of
+    the recorded logprobs, and nothing compiled after the first step."""
+    import lora_ppo
+    from tests.conftest import tiny_recipe_dict
+
+    steps = {}
+    for setting in (False, True):
+        recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(
+            tiny_model_dir, tmp_path / f"compile-{setting}", rollout={"compile": setting}, train={"steps": 3}))
+        trainer = lora_ppo.PPOTrainer(recipe, progress=False)
+        steps[setting] = [trainer.train_step() for _ in range(3)]
+        assert (trainer.parts.decoder is not None) == setting
+    for (plain, plain_rollout), (compiled, compiled_rollout) in zip(steps[False], steps[True]):
+        assert torch.equal(plain_rollout.response_ids, compiled_rollout.response_ids)
+        assert compiled["objective/raw_scores"] == plain["objective/raw_scores"]  # the same completions
+        # The runs differ only by the rounding of the recorded logprobs (LOGPROB_ATOL a token at
+        # most): a response's KL sums 6 of them; the losses are held to the same bound.
+        assert compiled["objective/kl"] == pytest.approx(plain["objective/kl"], abs=6 * LOGPROB_ATOL)
+        for key in ("loss/policy", "loss/value"):
+            assert compiled[key] == pytest.approx(plain[key], abs=6 * LOGPROB_ATOL), key
+        assert "time/compile" not in plain and compiled["generation/recompiles"] == 0
+    compile_s = [metrics["time/compile"] for metrics, _ in steps[True]]
+    assert compile_s[0] > 0 and compile_s[2] == compile_s[1] == compile_s[0]
