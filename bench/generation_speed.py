@@ -156,7 +156,7 @@ def main() -> None:
                   dequantize_per_step=recipe.model.dequantize_per_step)
     report()
 
-    decoder = StaticDecoder(parts.roles.peft, recipe.data.max_prompt_tokens + recipe.rollout.response_tokens)
+    decoder = StaticDecoder(parts.roles.peft, recipe.sequence_tokens)
 
     def both_paths(model_cfg, suffix: str) -> None:
         result["generate" + suffix] = time_path(Sampler(parts.roles, parts.tokenizer, cfg), rows, parts.roles,

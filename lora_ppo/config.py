@@ -677,6 +677,17 @@ class Recipe(Section):
         return self
 
     @property
+    def sequence_tokens(self) -> int:
+        """The longest sequence a step holds: the prompt limit plus the response (or episode) budget."""
+        return self.data.max_prompt_tokens + self.rollout.response_tokens
+
+    @property
+    def decode_steps(self) -> int:
+        """Token steps a training run decodes at most (what `rollout.compile: auto` weighs its compile
+        against)."""
+        return self.train.steps * self.rollout.response_tokens
+
+    @property
     def uses_critic(self) -> bool:
         """Whether a value adapter and score head exist (only for GAE)."""
         return self.ppo.advantage_estimator == "gae"

@@ -447,19 +447,15 @@ def _dequantized_weight_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int)
     return max(lin.fan_in * lin.fan_out for lin in shape.all_linears) * act_bytes
 
 
-def _seq_len(recipe: Recipe) -> int:
-    return recipe.data.max_prompt_tokens + recipe.rollout.response_tokens  # an episode: its budget
-
-
 def kv_cache_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int) -> float:
     """Keys and values of every layer for `batch` whole sequences."""
-    return 2 * shape.layers * shape.kv_width * batch * _seq_len(recipe) * act_bytes
+    return 2 * shape.layers * shape.kv_width * batch * recipe.sequence_tokens * act_bytes
 
 
 def static_kv_cache_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int, device: str) -> float:
     """With `rollout.compile` on for `device`: the static KV cache, its rows rounded up to the
     compiled batch bucket, which stays allocated through scoring and the update; else 0."""
-    if not recipe.rollout.compiles_on(device, recipe.train.steps * recipe.rollout.response_tokens):
+    if not recipe.rollout.compiles_on(device, recipe.decode_steps):
         return 0.0
     return kv_cache_bytes(shape, recipe, act_bytes, bucket(batch))
 
@@ -482,7 +478,7 @@ def score_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int) ->
     rollout.score_roles_together) and one logits chunk."""
     if recipe.rollout.score_roles_together:
         rows *= max(1, recipe.scored_roles(float32=act_bytes == 4))
-    tokens = rows * _seq_len(recipe)
+    tokens = rows * recipe.sequence_tokens
     layer = tokens * (FWD_HIDDEN_TERMS * shape.hidden + FWD_INTERMEDIATE_TERMS * shape.intermediate) * act_bytes
     chunk = min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.response_tokens)
     logits = LOGIT_COPIES_NO_GRAD * chunk * shape.vocab * 4
@@ -494,7 +490,7 @@ def update_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int, d
     """One update forward and backward of `rows` sequences (twice over with
     ppo.update_roles_together and a critic) and one logits chunk of the policy's."""
     copies = 2 if recipe.ppo.update_roles_together and recipe.uses_critic else 1
-    tokens = rows * copies * _seq_len(recipe)
+    tokens = rows * copies * recipe.sequence_tokens
     per_layer = tokens * (
         ACT_HIDDEN_TERMS * shape.hidden + ACT_INTERMEDIATE_TERMS * shape.intermediate + ACT_KV_TERMS * shape.kv_width
     ) * act_bytes

@@ -53,8 +53,7 @@ class Parts:
         if not self.compile_decided:
             self.compile_decided = True
             if compiled_generation_on(recipe.rollout, self.roles.lm_head.weight.device, decode_steps):
-                cache_tokens = recipe.data.max_prompt_tokens + recipe.rollout.response_tokens
-                self.decoder = StaticDecoder(self.roles.peft, cache_tokens)
+                self.decoder = StaticDecoder(self.roles.peft, recipe.sequence_tokens)
         return Sampler(self.roles, self.tokenizer, recipe.rollout.model_copy(update=settings), self.decoder)
 
 

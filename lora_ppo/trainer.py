@@ -75,7 +75,7 @@ class PPOTrainer:
         if self.world.rank > 0:  # the same adapters everywhere (built above), a sampling stream per process
             torch.manual_seed(row_seeds(recipe.train.seed, ("process",), range(self.world.rank, self.world.rank + 1))[0])
         self.stream = PromptStream(self.parts.train_prompts.rows, recipe.train.seed)
-        self.sampler = self.parts.sampler(recipe, decode_steps=recipe.train.steps * recipe.rollout.response_tokens)
+        self.sampler = self.parts.sampler(recipe, decode_steps=recipe.decode_steps)
         self.generator = torch.Generator().manual_seed(recipe.train.seed)  # minibatch order
         self.update_settings = UpdateSettings(
             recipe.minibatch_size, recipe.micro_batch_size, recipe.rollout.temperature,
