@@ -106,13 +106,18 @@ class StaticDecoder:
         `gen_config` and the logits `processors`. Raises CompileFailed (the RNG restored) when the
         first call for a batch bucket and role cannot compile or run."""
         key = (bucket(query_ids.shape[0]), role_key, is_dequantized(self._4bit_layer))
-        if key in self._warm:
-            return self._generate(query_ids, query_mask, gen_config, processors, key)
-        rng = _rng_state(query_ids.device)
         graphs_before = _unique_graphs()
+        if key in self._warm:
+            tokens = self._generate(query_ids, query_mask, gen_config, processors, key[0])
+            if _unique_graphs() > graphs_before:
+                self.recompiles += _unique_graphs() - graphs_before
+                log.warning("generation: the decode step was compiled again for %d rows (a guard failed); "
+                            "this costs time every step and is a bug worth reporting", key[0])
+            return tokens
+        rng = _rng_state(query_ids.device)
         t0 = time.perf_counter()
         try:
-            tokens = self._generate(query_ids, query_mask, gen_config, processors, key)
+            tokens = self._generate(query_ids, query_mask, gen_config, processors, key[0])
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # noqa: BLE001 - any failure to compile means "use generate()"
@@ -129,9 +134,8 @@ class StaticDecoder:
                  "took %.1f s", key[0], self.cache_tokens, seconds)
         return tokens
 
-    def _generate(self, query_ids, query_mask, gen_config, processors, key) -> torch.Tensor:
+    def _generate(self, query_ids, query_mask, gen_config, processors, rows: int) -> torch.Tensor:
         B, P = query_ids.shape
-        rows = key[0]
         device = query_ids.device
         if rows > B:  # filler rows (copies of row 0) keep the compiled shape; their tokens are dropped
             filler = rows - B
@@ -147,7 +151,6 @@ class StaticDecoder:
         position = positions[:, -1:]
 
         stop_id, pad_id = gen_config.eos_token_id, gen_config.pad_token_id
-        graphs_before = _unique_graphs()
         sequence = query_ids[:B]
         unfinished = torch.ones(B, dtype=torch.bool, device=device)
         new_tokens = []
@@ -171,10 +174,6 @@ class StaticDecoder:
             mask[:, P + t] = 1
             position = position + 1
             logits = self._step(cache, fed[:, None], position, mask)
-        if key in self._warm and _unique_graphs() > graphs_before:
-            self.recompiles += _unique_graphs() - graphs_before
-            log.warning("generation: the decode step was compiled again for %d rows (a guard failed); "
-                        "this costs time every step and is a bug worth reporting", rows)
         return torch.stack(new_tokens, dim=1) if new_tokens else query_ids.new_zeros((B, 0))
 
 
