@@ -40,19 +40,10 @@ def build_recipe(shape: str, work: Path, overrides: list[str], config: Path, tok
     import lora_ppo
 
     if shape == "vs_trl":
-        from vs_trl import BATCH, LORA, NEW_TOKENS, PROMPT_TOKENS, TEMPERATURE, build_work
+        from vs_trl import build_work, recipe_dict
 
         build_work(work)
-        return lora_ppo.recipe_from_dict({
-            "model": {"name": str(work / "policy"), "quantization": "4bit"},
-            "adapters": {"policy": LORA, "value": LORA, "reference": "disable"},
-            "reward": {"kind": "vader"},
-            "data": {"source": str(work / "prompts.jsonl"), "eval_source": None, "eval_size": 0,
-                     "max_prompt_tokens": PROMPT_TOKENS},
-            "rollout": {"batch_size": BATCH, "max_new_tokens": NEW_TOKENS, "stop_token": None,
-                        "temperature": TEMPERATURE},
-            "train": {"steps": 100, "eval": False, "output_dir": str(work / "generation-speed"), "overwrite": True},
-        }, overrides)
+        return lora_ppo.recipe_from_dict(recipe_dict(work, updates=100), overrides)
     extra = [f"train.output_dir={work / 'generation-speed'}", "train.overwrite=true"]
     if shape == "gpu-8b":
         from random_models import build_random_model

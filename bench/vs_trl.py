@@ -221,15 +221,9 @@ def run_trl(setup: str, work: Path, updates: int, profile: bool = False) -> dict
     return result
 
 
-def run_lora_ppo(setup: str, work: Path, updates: int, profile: bool = False) -> dict:
-    import contextlib
-
-    import torch
-
-    import lora_ppo
-    from lora_ppo.memory import PhasePeaks
-
-    recipe = lora_ppo.recipe_from_dict({
+def recipe_dict(work: Path, updates: int) -> dict:
+    """lora_ppo's side of the shared work, as a recipe (its own defaults for the rest)."""
+    return {
         "model": {"name": str(work / "policy"), "quantization": "4bit"},
         "adapters": {"policy": LORA, "value": LORA, "reference": "disable"},
         "reward": {"kind": "classifier", "model": str(work / "reward")},  # quantized as the policy: the default
@@ -240,7 +234,18 @@ def run_lora_ppo(setup: str, work: Path, updates: int, profile: bool = False) ->
         "ppo": {"num_epochs": 1, "num_minibatches": 1, "learning_rate": LEARNING_RATE, "kl_coef": KL_COEF},
         "train": {"steps": updates, "seed": 0, "eval": False, "output_dir": str(work / "lora_ppo-out"),
                   "overwrite": True},
-    }, LORA_PPO_SETUPS[setup])
+    }
+
+
+def run_lora_ppo(setup: str, work: Path, updates: int, profile: bool = False) -> dict:
+    import contextlib
+
+    import torch
+
+    import lora_ppo
+    from lora_ppo.memory import PhasePeaks
+
+    recipe = lora_ppo.recipe_from_dict(recipe_dict(work, updates), LORA_PPO_SETUPS[setup])
     trainer = lora_ppo.PPOTrainer(recipe, progress=False)
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
     if profile:  # each phase of a step in its own range, as the trainer names it; the memory
