@@ -129,7 +129,9 @@ class Backbone:
     def token_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's own next-token logits from hidden states [..., H]: LM head, then the model's
         final transform (soft-cap, scale), in float32. [..., V]"""
-        return self.logit_transform(self.lm_head(hidden).float())
+        # A strided slice (a chunk of response positions) would make the LM head a batched matmul,
+        # its weight broadcast to every row: twice one matmul's time on CPU (bench/update_pieces.py).
+        return self.logit_transform(self.lm_head(hidden.contiguous()).float())
 
     def adapter_params(self, adapter_name: str) -> list[nn.Parameter]:
         marker = f".{adapter_name}."
