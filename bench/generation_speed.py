@@ -3,7 +3,8 @@
 (for the compiled path: compiling, timed), then `--repeats` timed calls of one full batch, in
 tokens per second; the compiled path's graphs and recompiles; with `--profile`, the seconds of
 one call inside matrix multiplies and outside any torch op. With `--train-steps N`, then N PPO
-steps with the compiled path and their phases. Prints one JSON object (also written to `--out`
+steps with the compiled path and their phases; with `--stop-check`, only the compiled path
+without and with a stop token. Prints one JSON object (also written to `--out`
 after each part, so a run cut short keeps what it measured).
 
     python bench/generation_speed.py                           # the quickstart's shape (CPU)
@@ -118,6 +119,9 @@ def main() -> None:
     parser.add_argument("--also-dequantized", action="store_true",
                         help="then both paths again with model.dequantize_per_step on")
     parser.add_argument("--dequantized-only", action="store_true", help="only the dequantized pair")
+    parser.add_argument("--stop-check", action="store_true",
+                        help="only the compiled path, without and with a stop token (eos): what its per-token "
+                             "stop check costs (with --dequantized-only: on dequantized layers)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides")
     args = parser.parse_args()
 
@@ -162,6 +166,17 @@ def main() -> None:
         result["speedup" + suffix] = round(compiled["tokens_per_s"] / result["generate" + suffix]["tokens_per_s"], 2)
         report()
 
+    if args.stop_check:
+        model_cfg = recipe.model.model_copy(update={"dequantize_per_step": args.dequantized_only})
+        result["dequantize_per_step"] = args.dequantized_only
+        for name, stop in (("compiled_no_stop", None), ("compiled_stop_eos", "eos")):
+            sampler = Sampler(parts.roles, parts.tokenizer, cfg.model_copy(update={"stop_token": stop}), decoder)
+            result[name] = time_path(sampler, rows, parts.roles, model_cfg, args.repeats, False)
+            report()
+        result["recompiles"] = decoder.recompiles
+        print(json.dumps(result), flush=True)
+        report()
+        return
     if not args.dequantized_only:
         both_paths(recipe.model, "")
 

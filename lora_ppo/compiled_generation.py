@@ -71,7 +71,12 @@ class StaticDecoder:
         self.disabled: Optional[str] = None  # why the compiled path is off, after a failure
         self._warm: set[tuple] = set()
         self._caches: dict[int, object] = {}
-        mode = "reduce-overhead" if _device(model).type == "cuda" else None  # CUDA graphs on a GPU
+        device = _device(model)
+        mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs on a GPU
+        # On a GPU "every row has stopped" is read 2 steps late: waiting for it each token cost 27% of
+        # the tokens/s (bench/README.md). On CPU it is free to read, and reading it at once keeps
+        # the random draws generate()'s: none past the last stop.
+        self.stop_check_lag = 2 if device.type == "cuda" else 0
         self._step = torch.compile(self._decode_step, dynamic=False, mode=mode)
         self._keep_one = "logits_to_keep" in inspect.signature(_base_forward(model)).parameters
         self._4bit_layer = first_4bit_layer(model)  # dequantized per step or not: another graph
@@ -153,6 +158,7 @@ class StaticDecoder:
         stop_id, pad_id = gen_config.eos_token_id, gen_config.pad_token_id
         sequence = query_ids[:B]
         unfinished = torch.ones(B, dtype=torch.bool, device=device)
+        stop_check = _StopCheck(self.stop_check_lag, device) if stop_id is not None else None
         new_tokens = []
         for t in range(gen_config.max_new_tokens):
             scores = processors(sequence, logits[:B].clone())
@@ -167,14 +173,42 @@ class StaticDecoder:
             sequence = torch.cat([sequence, chosen[:, None]], dim=1)
             if t + 1 == gen_config.max_new_tokens:
                 break
-            # Reading `unfinished` waits for the GPU; without a stop token nothing can finish early.
-            if stop_id is not None and not bool(unfinished.any()):
+            # Without a stop token nothing finishes early. Steps sampled past the last stop hold the
+            # pad token: `truncate_at_stop` cuts them off with the rest of the padding.
+            if stop_check is not None and stop_check.all_stopped(t, unfinished):
                 break
             fed = chosen if rows == B else torch.cat([chosen, chosen.new_full((rows - B,), pad_id)])
             mask[:, P + t] = 1
             position = position + 1
             logits = self._step(cache, fed[:, None], position, mask)
         return torch.stack(new_tokens, dim=1) if new_tokens else query_ids.new_zeros((B, 0))
+
+
+class _StopCheck:
+    """Whether every row has stopped, read `lag` steps late: each step's flag is copied to pinned
+    host memory without waiting, and the one from `lag` steps before is read, by then computed
+    while the GPU still has the steps after it queued. `lag` 0 reads the flag at once (on CPU a
+    lag changes when the loop ends, not what it waits for: the tests' way to run it)."""
+
+    def __init__(self, lag: int, device: torch.device) -> None:
+        self.lag = lag
+        cuda = device.type == "cuda"
+        self.flags = torch.ones(lag + 1, dtype=torch.bool, pin_memory=cuda)
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(lag + 1)]
+
+    def all_stopped(self, step: int, unfinished: torch.Tensor) -> bool:
+        if not self.lag:
+            return not bool(unfinished.any())
+        slot = step % (self.lag + 1)
+        self.flags[slot].copy_(unfinished.any(), non_blocking=True)
+        if self.events[slot] is not None:
+            self.events[slot].record()
+        if step < self.lag:
+            return False
+        slot = (step - self.lag) % (self.lag + 1)
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+        return not bool(self.flags[slot])
 
 
 def _unique_graphs() -> int:

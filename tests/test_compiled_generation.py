@@ -79,6 +79,27 @@ def test_the_same_tokens_and_logprobs_as_generate(roles, tiny_tokenizer, decoder
     assert (bucket(3), "policy", False) in decoder._warm
 
 
+def test_a_stop_check_read_late_returns_the_tokens_generate_samples(roles, tiny_tokenizer, decoder):
+    """On a GPU "every row has stopped" is read two steps late (`stop_check_lag`), so the loop runs
+    past the last stop: those steps must come out as padding, cut off with the rest. One prompt
+    three times with top-k 1 makes every row stop at the same step."""
+    prompts = [PROMPTS[2]] * 3
+    cfg = RolloutConfig(max_new_tokens=10, temperature=0.7, top_k=1, stop_token=None)
+    greedy, _ = both_paths(roles, tiny_tokenizer, decoder, cfg, prompts)
+    cfg = cfg.model_copy(update={"stop_token": tiny_tokenizer.convert_ids_to_tokens(int(greedy.response_ids[0, 2]))})
+    step, steps = decoder._step, []
+    decoder._step = lambda *args: steps.append(1) or step(*args)
+    decoder.stop_check_lag = 2
+    try:
+        today, compiled = both_paths(roles, tiny_tokenizer, decoder, cfg, prompts)
+    finally:
+        decoder._step, decoder.stop_check_lag = step, 0
+    assert_same_samples(today, compiled)
+    width = compiled.response_ids.shape[1]
+    assert compiled.stopped.all() and width <= 3
+    assert len(steps) == width - 1 + 2  # two decode steps past the last stop, then the late read ended it
+
+
 def test_per_row_seeds_sample_the_same_tokens(roles, tiny_tokenizer, decoder):
     cfg = RolloutConfig(**SAMPLING, stop_token=None)
     today, compiled = both_paths(roles, tiny_tokenizer, decoder, cfg, PROMPTS, seeds=row_seeds(0, (0, 0), range(3)))
@@ -109,6 +130,30 @@ def test_dequantized_layers_compile_once_for_every_step(roles, tiny_tokenizer, d
         assert_same_samples(today, compiled)
         graphs.append(decoder.graphs)
     assert graphs[1] == graphs[0] + 1 and graphs[3] == graphs[2] == graphs[1] and decoder.recompiles == 0
+
+
+def test_a_recompile_is_counted_and_logged_as_a_bug(roles, tiny_tokenizer, decoder, caplog):
+    """What the counter is there for: a value the graph was compiled with changed (here one LoRA
+    layer's scaling, a Python float dynamo bakes in), so the decode step compiles again for a batch
+    bucket already warm. The tokens stay generate()'s; the recompile is counted and logged."""
+    from peft.tuners.lora import LoraLayer
+
+    cfg = RolloutConfig(**SAMPLING, stop_token=None)
+    both_paths(roles, tiny_tokenizer, decoder, cfg, PROMPTS)  # warm, if this test runs alone
+    graphs, recompiles = decoder.graphs, decoder.recompiles
+    layer = next(m for m in roles.peft.modules() if isinstance(m, LoraLayer) and "policy" in m.scaling)
+    scaling = layer.scaling["policy"]
+    layer.scaling["policy"] = scaling * 3
+    try:
+        with caplog.at_level(logging.WARNING, logger="lora_ppo.compiled_generation"):
+            today, compiled = both_paths(roles, tiny_tokenizer, decoder, cfg, PROMPTS, seed=4)
+    finally:
+        layer.scaling["policy"] = scaling
+    assert_same_samples(today, compiled)
+    assert decoder.recompiles == recompiles + 1 and decoder.graphs == graphs
+    assert [r.getMessage() for r in caplog.records if r.name == "lora_ppo.compiled_generation"] == [
+        f"generation: the decode step was compiled again for {bucket(3)} rows (a guard failed); this costs "
+        "time every step and is a bug worth reporting"]
 
 
 def test_a_failed_compile_falls_back_to_generate_with_one_log_line(roles, tiny_tokenizer, caplog):
