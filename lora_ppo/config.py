@@ -43,8 +43,8 @@ class Section(BaseModel):
 # copy may take; the rest is left to the step's own activations.
 AUTO_DEQUANTIZE_SHARE = 0.5
 # rollout.compile auto: the decode steps a run must take on a CUDA GPU for compiling to pay back.
-# Compiling takes about a minute; on the 8B recipe it saves ~58 ms a decode step (bench/README.md),
-# so it pays after ~1,000; smaller models save less per step.
+# Compiling takes about a minute; on the 8B recipe it saves 40-75 ms a decode step (bench/README.md),
+# so it pays after 1,000-1,300; smaller models save less per step.
 AUTO_COMPILE_MIN_DECODE_STEPS = 2000
 
 
