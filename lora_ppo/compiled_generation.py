@@ -24,6 +24,7 @@ import torch
 
 from lora_ppo.bnb_workarounds import first_4bit_layer, is_dequantized
 from lora_ppo.config import RolloutConfig
+from lora_ppo.devices import device_rng_states, model_device, restore_device_rng_states
 from lora_ppo.errors import first_line
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class StaticDecoder:
         self.disabled: Optional[str] = None  # why the compiled path is off, after a failure
         self._warm: set[tuple] = set()
         self._caches: dict[int, object] = {}
-        device = _device(model)
+        device = model_device(model)
         mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs on a GPU
         # On a GPU "every row has stopped" is read 2 steps late: waiting for it each token cost 27% of
         # the tokens/s (bench/README.md). On CPU it is free to read, and reading it at once keeps
@@ -119,14 +120,15 @@ class StaticDecoder:
                 log.warning("generation: the decode step was compiled again for %d rows (a guard failed); "
                             "this costs time every step and is a bug worth reporting", key[0])
             return tokens
-        rng = _rng_state(query_ids.device)
+        rng = torch.random.get_rng_state(), device_rng_states()
         t0 = time.perf_counter()
         try:
             tokens = self._generate(query_ids, query_mask, gen_config, processors, key[0])
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # noqa: BLE001 - any failure to compile means "use generate()"
-            _restore_rng(query_ids.device, rng)
+            torch.random.set_rng_state(rng[0])
+            restore_device_rng_states(rng[1])
             message = first_line(error)
             self.disabled = message if message == type(error).__name__ else f"{type(error).__name__}: {message}"
             self._caches.clear()
@@ -217,21 +219,6 @@ def _unique_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
 def _base_forward(model: torch.nn.Module):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return base.forward
-
-
-def _rng_state(device: torch.device) -> tuple:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.random.get_rng_state(), cuda
-
-
-def _restore_rng(device: torch.device, state: tuple) -> None:
-    torch.random.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)

@@ -35,6 +35,11 @@ def accelerator_module(kind: str) -> Optional[ModuleType]:
     return getattr(torch, kind) if kind in ACCELERATORS else None
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device a model's (first) parameters are on."""
+    return next(model.parameters()).device
+
+
 def device() -> torch.device:
     """The device to put models and tensors on: the current CUDA or XPU device, MPS, or CPU."""
     kind = device_type()

@@ -12,6 +12,7 @@ import torch
 
 from lora_ppo.config import DataConfig
 from lora_ppo.data import text_prompt_format
+from lora_ppo.devices import model_device
 
 # Probe prompts for the parity check: short, mixed text any tokenizer can encode. With
 # data.chat_template (and data.system_prompt) they are formatted as the policy saw its prompts.
@@ -168,13 +169,9 @@ def compare(model, refs: list[ProbeReference], tolerance: Tolerance, reference: 
 # ---- running the models ----------------------------------------------------------------------
 
 
-def _model_device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
 @torch.no_grad()
 def _full_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=ids[None].to(_model_device(model)), use_cache=False)
+    out = model(input_ids=ids[None].to(model_device(model)), use_cache=False)
     return out.logits[0].float().cpu()  # [T, V]
 
 
@@ -184,7 +181,7 @@ def _greedy_continuations(model, prompts: list[torch.Tensor], new_tokens: int) -
     cache (a 4-bit forward costs a dequantization per layer, so calls, not tokens, set the time)."""
     from lora_ppo.roles import position_ids_for
 
-    dev = _model_device(model)
+    dev = model_device(model)
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, T]; pad id is masked out
     mask = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, T], 1 on real tokens
