@@ -20,13 +20,8 @@ def keep_4bit_weights_differentiable(model: nn.Module) -> None:
     That kernel also rounds differently, so every load goes through here and all passes share
     one kernel. The flag only gates that repacking (these modules have no dropout), so keep it set.
     """
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.training = True
+    for module in linear_4bit_layers(model):
+        module.training = True
 
 
 def eval_on_training_kernel(model: nn.Module) -> nn.Module:
@@ -39,16 +34,8 @@ def eval_on_training_kernel(model: nn.Module) -> nn.Module:
 
 def dequantized_4bit_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     """The bytes `dequantized_4bit_layers` would hold for `model`'s 4-bit layers."""
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return 0
-    total = 0
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            layer_dtype = module.compute_dtype or dtype
-            total += module.weight.quant_state.shape.numel() * layer_dtype.itemsize
-    return total
+    return sum(module.weight.quant_state.shape.numel() * (module.compute_dtype or dtype).itemsize
+               for module in linear_4bit_layers(model))
 
 
 @contextlib.contextmanager
@@ -64,24 +51,20 @@ def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype) -> Iterator[fl
     on exit the copies are dropped and the layers compute from 4 bits again, also after an
     error or Ctrl-C. Yields the bytes the copies take.
     """
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        yield 0.0
-        return
+    layers = linear_4bit_layers(model)
+    if layers:  # so bitsandbytes is installed
+        from bitsandbytes.functional import dequantize_4bit
     patched: list[nn.Module] = []
     held = 0.0
     try:
         with torch.no_grad():
-            for module in model.modules():
-                if not isinstance(module, bnb.nn.Linear4bit):
-                    continue
+            for module in layers:
                 # Straight into the layer's compute dtype, as bitsandbytes does per pass (a
                 # bf16 checkpoint computed in fp32 is not rounded through bf16 first).
                 layer_dtype = module.compute_dtype or dtype
                 state = copy.copy(module.weight.quant_state)
                 state.dtype = layer_dtype
-                weight = bnb.functional.dequantize_4bit(module.weight.data, state)
+                weight = dequantize_4bit(module.weight.data, state)
                 held += weight.numel() * weight.element_size()
                 module._lora_ppo_dequantized = (weight, None if module.bias is None else module.bias.to(layer_dtype))
                 # An instance attribute shadows the class's forward. One function for every layer
@@ -96,13 +79,18 @@ def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype) -> Iterator[fl
             del module._lora_ppo_dequantized
 
 
-def first_4bit_layer(model: nn.Module):
-    """The model's first bitsandbytes 4-bit layer, or None."""
+def linear_4bit_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's bitsandbytes 4-bit layers (none without bitsandbytes)."""
     try:
         import bitsandbytes as bnb
     except ImportError:
-        return None
-    return next((m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)), None)
+        return []
+    return [module for module in model.modules() if isinstance(module, bnb.nn.Linear4bit)]
+
+
+def first_4bit_layer(model: nn.Module):
+    """The model's first bitsandbytes 4-bit layer, or None."""
+    return next(iter(linear_4bit_layers(model)), None)
 
 
 def is_dequantized(layer) -> bool:
