@@ -124,8 +124,9 @@ class LoraSettings(Section):
     LoRA holds one rank-r adapter per expert and cannot share a forward with other roles (docs/models.md).
     """
     init_from: Optional[str] = None
-    """A PEFT adapter folder to start from (e.g. an SFT adapter) instead of a fresh LoRA; for the value
-    adapter a `value_head.safetensors` beside it is loaded too. For the value adapter, `reward` starts it
+    """A PEFT adapter folder to start from instead of a fresh LoRA, or a run folder (its `final/`
+    adapter: a `lora-ppo train-sft` run's policy) or checkpoint folder; for the value adapter a
+    `value_head.safetensors` beside it is loaded too. For the value adapter, `reward` starts it
     as a trainable copy of the reward adapter and its head (with `reward.kind: adapter`), which lowers the
     early value loss.
     """
@@ -153,7 +154,7 @@ class AdaptersConfig(Section):
     there is one, else the base model with adapters disabled; `disable`: the bare base model; `none`: no
     reference at all (a KL-free run, one forward pass fewer per step); anything else: a PEFT adapter
     folder, loaded frozen. `auto` because a policy started from an adapter must stay near that adapter, not
-    near the bare base model.
+    near the bare base model. A run folder (e.g. a `train-sft` run) stands for its `final/policy`.
     """
 
     @property
@@ -214,7 +215,7 @@ class RewardSourceConfig(Section):
     """
     adapter: Optional[str] = None
     """For `kind: adapter`: a reward adapter folder (a PEFT adapter and its `reward_head.safetensors`), as
-    `lora-ppo train-reward` writes it to `final/reward`. It scores prompt + response at the last real
+    `lora-ppo train-reward` writes it to `final/reward`, or that run's folder. It scores prompt + response at the last real
     token, frozen, on the policy's own 4-bit backbone.
     """
     model: Optional[str] = None
@@ -787,13 +788,21 @@ class RewardTrainConfig(Section):
     """Full-state checkpoints kept under `checkpoints/`."""
     log_every: int = Field(10, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """Print a log line every N steps when there is no progress bar."""
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field([], json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Trackers that receive every step's metrics and the resolved recipe, as in a PPO recipe's
+    `train.report_to`; metrics.jsonl is written whatever this says.
+    """
 
     @model_validator(mode="after")
     def _accumulation(self) -> "RewardTrainConfig":
-        if self.batch_size % self.grad_accum_steps:
-            raise ValueError(f"batch_size ({self.batch_size}) must be divisible by grad_accum_steps "
-                             f"({self.grad_accum_steps})")
+        check_accumulation(self.batch_size, self.grad_accum_steps)
         return self
+
+
+def check_accumulation(batch_size: int, grad_accum_steps: int) -> None:
+    """A step's batch splits into whole micro-batches."""
+    if batch_size % grad_accum_steps:
+        raise ValueError(f"batch_size ({batch_size}) must be divisible by grad_accum_steps ({grad_accum_steps})")
 
 
 class RewardRecipe(Section):
@@ -803,6 +812,167 @@ class RewardRecipe(Section):
     adapter: RewardAdapterSettings = RewardAdapterSettings()
     data: PreferenceDataConfig = PreferenceDataConfig()
     train: RewardTrainConfig = RewardTrainConfig()
+
+
+# ---- the supervised stage's recipe (lora-ppo train-sft) -------------------------------------
+
+
+class SFTAdapterSettings(LoraSettings):
+    """The policy adapter `train-sft` trains: LoRA settings, plus dropout. A PPO recipe starts from it
+    with `adapters.policy.init_from` (the run folder, or its `final/policy`)."""
+
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """LoRA dropout while the adapter trains (off when it is evaluated or samples). PPO started from
+    the adapter runs without any: its ratios must start at exactly 1.
+    """
+
+
+SFTFormat = Literal["auto", "text", "prompt_completion", "messages"]
+
+
+class SFTDataConfig(Section):
+    """Demonstrations in TRL's SFT formats: text, a prompt and its completion, or a conversation."""
+
+    source: str = "data/sft.jsonl"
+    """Where the rows are, in any form `data.source` of a PPO recipe takes (local files, a folder or glob
+    of files, a Hugging Face dataset id or dataset folder, `builtin:<name>`).
+    """
+    name: Optional[str] = None
+    """The dataset's config name, for datasets that have several."""
+    revision: Optional[str] = None
+    """A hub dataset's revision (branch, tag or commit)."""
+    split: str = "train"
+    """The split to read; slices select part of it: `train[:2000]`."""
+    format: SFTFormat = "auto"
+    """`text`: the `text_column`, trained on whole; `prompt_completion`: a prompt (text or messages) and its
+    completion (text or assistant messages); `messages`: a conversation in the chat template. `auto`:
+    the first of `messages`, `prompt_completion`, `text` whose columns the data has.
+    """
+    text_column: str = "text"
+    """The column of `text` rows."""
+    prompt_column: str = "prompt"
+    """The prompt of `prompt_completion` rows: text, or messages (TRL's conversational prompt)."""
+    completion_column: str = "completion"
+    """The completion of `prompt_completion` rows: text, or assistant messages."""
+    messages_column: str = "messages"
+    """The conversation of `messages` rows: a list of `{role, content}` messages."""
+    chat_template: bool = False
+    """Wrap a text prompt and its completion as a user and an assistant turn in the tokenizer's chat
+    template, as the PPO recipe that starts from this adapter formats its prompts (its
+    `data.chat_template`); conversations always go through the template.
+    """
+    system_prompt: Optional[str] = None
+    """A system message first in every templated row (conversations that have one keep theirs), as in
+    the PPO recipe.
+    """
+    max_length: int = Field(512, gt=0)
+    """The longest row in tokens (chat template and stop token included); longer rows are handled as
+    `too_long` says. It must fit the model's context.
+    """
+    too_long: Literal["drop", "truncate", "error"] = "drop"
+    """A row longer than `max_length`: `drop` it, or `truncate` it to its first `max_length` tokens (either
+    way counted and logged), or stop with an `error` naming the row. `drop` by default: a cut
+    demonstration teaches the model to stop mid-answer, without its stop token.
+    """
+    eval_source: Optional[str] = None
+    """Held-out rows; null: `eval_size` rows are split off `source` (seeded), at most a fifth of them."""
+    eval_split: str = "test"
+    """The split of `eval_source`."""
+    eval_size: int = Field(64, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """How many held-out rows to measure the loss and perplexity on."""
+    eval_batch_size: int = Field(16, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Held-out rows per forward pass."""
+    eval_samples: int = Field(8, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Held-out prompts whose greedy completion is written before and after training
+    (`eval_before.jsonl`, `eval_after.jsonl`; `lora-ppo report` shows them). Text rows have no prompt.
+    """
+    eval_max_new_tokens: int = Field(64, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """The length limit of those completions in tokens."""
+
+
+class SFTConfig(Section):
+    """The supervised loss, and how a micro-batch's rows are laid out."""
+
+    completion_only: bool = True
+    """The loss on the completion (`prompt_completion` rows) or the assistant turns (conversations) only,
+    as TRL's `completion_only_loss` and torchtune's `train_on_input: false`; false: on every token.
+    Text rows are trained on whole either way. Assistant tokens are what the chat template marks with
+    `{% generation %}` where it does, else what each assistant turn adds to the rendered conversation.
+    """
+    packing: bool = False
+    """Pack each micro-batch's rows into as few sequences of at most `packing_length` tokens as fit
+    (best-fit decreasing), each row with its own positions and no attention across rows: the same loss
+    and gradients as padded rows, with less padding to compute. Checked on a probe when the model loads
+    (transformers masks packed rows apart for `sdpa` and `eager` attention from the positions alone).
+    """
+    packing_length: Optional[int] = Field(None, gt=0)
+    """The longest packed sequence in tokens (at least `data.max_length`); null: `data.max_length`."""
+
+
+class SFTTrainConfig(Section):
+    """How long and how fast the adapter trains, and what the run writes."""
+
+    epochs: int = Field(1, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Passes over the training rows."""
+    batch_size: int = Field(8, gt=0)
+    """Rows per optimizer step."""
+    grad_accum_steps: int = Field(1, gt=0)
+    """Micro-batches per step (`batch_size` must divide by it): less memory for the same update. The loss
+    is summed over a step's target tokens and divided by their number, whatever the split.
+    """
+    learning_rate: float = Field(2e-4, gt=0.0)
+    """AdamW learning rate of the adapter (a usual LoRA SFT value)."""
+    lr_schedule: Literal["constant", "linear"] = "linear"
+    """`linear`: decay to 0 over the run; `constant`."""
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    """Gradient clipping of the adapter."""
+    seed: int = Field(0, ge=0, lt=2**63)
+    """Seeds the adapter's initial weights, the held-out split and the order of rows."""
+    output_dir: str = Field("runs/sft", json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """The folder everything the run writes goes to; the adapter ends in `final/policy` (a run folder moved
+    elsewhere resumes there)."""
+    overwrite: bool = Field(False, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Start over in a folder that already holds a run (the old run is moved aside, never deleted)."""
+    eval_every: int = Field(50, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Measure the held-out loss every N steps (and before and after training); 0: only then."""
+    save_every: int = Field(0, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Save a full-state checkpoint to `checkpoints/step-N/` every N steps; 0: only at the end."""
+    keep_last: int = Field(3, ge=1, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Full-state checkpoints kept under `checkpoints/`."""
+    log_every: int = Field(10, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Print a log line every N steps when there is no progress bar."""
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field([], json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Trackers that receive every step's metrics and the resolved recipe, as in a PPO recipe's
+    `train.report_to`; metrics.jsonl is written whatever this says.
+    """
+
+    @model_validator(mode="after")
+    def _accumulation(self) -> "SFTTrainConfig":
+        check_accumulation(self.batch_size, self.grad_accum_steps)
+        return self
+
+
+class SFTRecipe(Section):
+    """A supervised stage's recipe: a policy LoRA adapter trained on demonstrations (the `sft` section
+    marks it)."""
+
+    model: ModelConfig = ModelConfig()
+    adapter: SFTAdapterSettings = SFTAdapterSettings()
+    data: SFTDataConfig = SFTDataConfig()
+    sft: SFTConfig = SFTConfig()
+    train: SFTTrainConfig = SFTTrainConfig()
+
+    @model_validator(mode="after")
+    def _packing_fits_a_row(self) -> "SFTRecipe":
+        length = self.sft.packing_length
+        if length is not None and length < self.data.max_length:
+            raise ValueError(f"sft.packing_length ({length}) must be at least data.max_length ({self.data.max_length}): "
+                             "a row that fits the one must fit the other")
+        return self
+
+    @property
+    def packing_length(self) -> int:
+        return self.sft.packing_length or self.data.max_length
 
 
 def nested_section(field: FieldInfo) -> Optional[type[Section]]:
@@ -962,7 +1132,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def recipe_from_dict(data: dict[str, Any], overrides: list[str] = (), schema: type[Section] = Recipe) -> Any:
     """Validate a recipe given as a dict (e.g. from Python), with optional overrides; `schema` is
-    `Recipe` (PPO) or `RewardRecipe` (train-reward)."""
+    `Recipe` (PPO), `RewardRecipe` (train-reward) or `SFTRecipe` (train-sft)."""
     if not isinstance(data, dict):
         raise RecipeError(f"recipe: expected a mapping of sections, got {type(data).__name__}")
     import copy
@@ -975,9 +1145,20 @@ def recipe_from_dict(data: dict[str, Any], overrides: list[str] = (), schema: ty
 
 
 def recipe_schema(data: dict[str, Any]) -> type[Section]:
-    """Which recipe a mapping is: a reward model's has an `adapter` section (one adapter), a PPO
-    recipe `adapters`."""
+    """Which recipe a mapping is: an SFT recipe has an `sft` section, a reward model's an `adapter`
+    section (one adapter), a PPO recipe `adapters`."""
+    if "sft" in data:
+        return SFTRecipe
     return RewardRecipe if "adapter" in data and "adapters" not in data else Recipe
+
+
+# Each kind of recipe, what it is called and the command that runs it, in the order a recipe that
+# validates as several is taken (an SFT recipe without its `sft` section reads as a reward model's).
+RECIPE_KINDS: dict[type[Section], tuple[str, str]] = {
+    Recipe: ("a PPO recipe", "lora-ppo train"),
+    RewardRecipe: ("a reward-model recipe", "lora-ppo train-reward"),
+    SFTRecipe: ("an SFT recipe", "lora-ppo train-sft"),
+}
 
 
 def load_recipe(path: str | Path, overrides: list[str] = (), schema: Optional[type[Section]] = Recipe) -> Any:
@@ -999,17 +1180,19 @@ def load_recipe(path: str | Path, overrides: list[str] = (), schema: Optional[ty
         raise RecipeError(f"recipe {path}: {problem}{where}") from None
     if data is None:
         data = {}
-    if schema is None:
+    detect = schema is None
+    if detect:
         schema = recipe_schema(data) if isinstance(data, dict) else Recipe
     try:
         return recipe_from_dict(data, overrides, schema)
     except RecipeError:
-        # A valid recipe of the other kind: say which command takes it, not which fields are unknown.
-        other = RewardRecipe if schema is Recipe else Recipe if schema is RewardRecipe else None
-        if other is not None and isinstance(data, dict) and _validates(data, overrides, other):
-            command = "lora-ppo train-reward" if other is RewardRecipe else "lora-ppo train"
-            kind = "a reward-model recipe" if other is RewardRecipe else "a PPO recipe"
-            raise RecipeError(f"recipe {path}: {kind}; run it with {command}") from None
+        # A valid recipe of another kind: read as such when the kind was guessed, else say which
+        # command takes it, not which fields are unknown.
+        for other, (kind, command) in RECIPE_KINDS.items():
+            if other is not schema and isinstance(data, dict) and _validates(data, overrides, other):
+                if detect:
+                    return recipe_from_dict(data, overrides, other)
+                raise RecipeError(f"recipe {path}: {kind}; run it with {command}") from None
         raise
 
 

@@ -1,5 +1,5 @@
-"""The recipe references, docs/recipe.md (PPO) and docs/reward-recipe.md (train-reward),
-generated from the schema in lora_ppo/config.py.
+"""The recipe references, docs/recipe.md (PPO), docs/reward-recipe.md (train-reward) and
+docs/sft-recipe.md (train-sft), generated from the schema in lora_ppo/config.py.
 
 `python -m lora_ppo.recipe_reference` writes them; `--check` exits 1 when one is stale.
 """
@@ -17,11 +17,12 @@ import annotated_types
 import yaml
 from pydantic.fields import FieldInfo
 
-from lora_ppo.config import Recipe, RewardRecipe, Section, may_change_on_resume, nested_section
+from lora_ppo.config import Recipe, RewardRecipe, Section, SFTRecipe, may_change_on_resume, nested_section
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 REFERENCE_PATH = DOCS / "recipe.md"
 REWARD_REFERENCE_PATH = DOCS / "reward-recipe.md"
+SFT_REFERENCE_PATH = DOCS / "sft-recipe.md"
 REGENERATE = "python -m lora_ppo.recipe_reference"
 
 REWARD_INTRO = f"""\
@@ -30,6 +31,20 @@ REWARD_INTRO = f"""\
 The recipe of `lora-ppo train-reward`: a reward LoRA adapter and scalar head trained on preference
 pairs, on the base model the PPO run will use. Up to four sections:
 {", ".join(f"`{name}`" for name in RewardRecipe.model_fields)}. It follows the PPO recipe's rules
+([recipe.md](recipe.md)): every field has a default, unknown keys are one-line errors, overrides
+are `section.field=value`, and `lora-ppo validate` prints the resolved recipe.
+
+This file is generated from the field descriptions in `lora_ppo/config.py`; do not edit it by
+hand. After changing the schema, regenerate it with `{REGENERATE}`.
+"""
+
+SFT_INTRO = f"""\
+# SFT recipe reference
+
+The recipe of `lora-ppo train-sft`: a policy LoRA adapter trained with the supervised loss on
+demonstrations, on the base model the PPO run will use ([pipeline.md](pipeline.md)). Up to five
+sections: {", ".join(f"`{name}`" for name in SFTRecipe.model_fields)}; the `sft` section marks an SFT
+recipe (`lora-ppo validate` tells the kinds apart by it). It follows the PPO recipe's rules
 ([recipe.md](recipe.md)): every field has a default, unknown keys are one-line errors, overrides
 are `section.field=value`, and `lora-ppo validate` prints the resolved recipe.
 
@@ -138,15 +153,16 @@ def _section_text(model: type[Section], path: str, level: int, intro: Optional[s
 
 
 def reference_markdown(schema: type[Section] = Recipe) -> str:
-    """The whole of docs/recipe.md (or, for RewardRecipe, docs/reward-recipe.md)."""
-    blocks = [(INTRO if schema is Recipe else REWARD_INTRO).rstrip("\n")]
+    """The whole of docs/recipe.md (or, for RewardRecipe, docs/reward-recipe.md; for SFTRecipe,
+    docs/sft-recipe.md)."""
+    blocks = [{Recipe: INTRO, RewardRecipe: REWARD_INTRO, SFTRecipe: SFT_INTRO}[schema].rstrip("\n")]
     for name, field in schema.model_fields.items():
         section = nested_section(field)
         blocks.extend(_section_text(section, name, 2, (section.__doc__ or "").strip()))
     return "\n\n".join(blocks) + "\n"
 
 
-REFERENCES = {REFERENCE_PATH: Recipe, REWARD_REFERENCE_PATH: RewardRecipe}
+REFERENCES = {REFERENCE_PATH: Recipe, REWARD_REFERENCE_PATH: RewardRecipe, SFT_REFERENCE_PATH: SFTRecipe}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

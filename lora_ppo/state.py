@@ -54,12 +54,13 @@ class TrainState:
 
 
 @dataclass
-class RewardTrainState:
-    """What a reward-model training step changes besides the weights, optimizer and RNGs."""
+class AdapterTrainState:
+    """What a step of a one-adapter stage (`train-reward`, `train-sft`) changes besides the weights,
+    optimizer and RNGs."""
 
     step: int = 0
-    position: PromptPosition = PromptPosition()  # where the seeded order of pairs stands
-    eval_before: Optional[dict[str, float]] = None  # held-out accuracy and margin before training
+    position: PromptPosition = PromptPosition()  # where the seeded order of rows (pairs) stands
+    eval_before: Optional[dict[str, float]] = None  # the held-out evaluation before training
     last_metrics: dict[str, Any] = field(default_factory=dict)
     metrics_lines: int = 0
 
@@ -67,10 +68,10 @@ class RewardTrainState:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "RewardTrainState":
+    def from_json(cls, data: dict[str, Any]) -> "AdapterTrainState":
         missing = [f.name for f in fields(cls) if f.name not in data]
         if missing:
-            raise KeyError(f"reward trainer state lacks {', '.join(missing)}")
+            raise KeyError(f"trainer state lacks {', '.join(missing)}")
         return cls(step=int(data["step"]), position=PromptPosition(*(int(x) for x in data["position"])),
                    eval_before=data["eval_before"], last_metrics=dict(data["last_metrics"]),
                    metrics_lines=int(data["metrics_lines"]))
