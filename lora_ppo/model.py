@@ -59,10 +59,9 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
-def check_context(cfg: ModelConfig, prompt_tokens: int, new_tokens: int, field: str = "rollout.max_new_tokens") -> None:
-    """Refuse sequences longer than the model's context (its position table, from the config
-    alone): past it, positions wrap or fail deep inside a forward. Models without a fixed limit
-    (ALiBi, as Bloom) pass."""
+def model_context(cfg: ModelConfig) -> Optional[int]:
+    """The model's context in tokens (its position table, from the config alone); None for models
+    without a fixed limit (ALiBi, as Bloom)."""
     from transformers import AutoConfig
 
     try:
@@ -70,7 +69,21 @@ def check_context(cfg: ModelConfig, prompt_tokens: int, new_tokens: int, field: 
     except (OSError, ValueError) as err:
         raise _load_error(cfg.name, err) from None
     text = config.get_text_config()
-    context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+
+
+def check_row_length(cfg: ModelConfig, tokens: int, field: str) -> None:
+    """Refuse rows of up to `tokens` tokens (`field` sets it) that do not fit the model's context."""
+    context = model_context(cfg)
+    if context and tokens > context:
+        raise RecipeError(f"{field}: rows of up to {tokens} tokens exceed the model's context of {context} tokens")
+
+
+def check_context(cfg: ModelConfig, prompt_tokens: int, new_tokens: int, field: str = "rollout.max_new_tokens") -> None:
+    """Refuse sequences longer than the model's context (its position table, from the config
+    alone): past it, positions wrap or fail deep inside a forward. Models without a fixed limit
+    (ALiBi, as Bloom) pass."""
+    context = model_context(cfg)
     if context and prompt_tokens + new_tokens > context:
         raise RecipeError(f"{field}: prompts of up to {prompt_tokens} tokens (data.max_prompt_tokens) "
                           f"plus {new_tokens} new ones exceed the model's context of {context} tokens")

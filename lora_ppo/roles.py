@@ -1,7 +1,7 @@
 """The roles on one backbone: policy and value LoRA adapters with the value's score head, the
 reference (adapters disabled, or a named frozen adapter), and a frozen reward adapter with its
-score head. `as_role` switches between them. `RewardModel` is the same backbone with one
-trainable reward adapter and head, for pairwise reward training.
+score head. `as_role` switches between them. `SingleAdapterModel` is the same backbone with one
+trainable adapter (`train-sft`), and `RewardModel` one with a head too (`train-reward`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from lora_ppo.logprobs import token_logprobs
 from lora_ppo.bnb_workarounds import eval_on_training_kernel
 from lora_ppo.model_checks import (check_logit_path, fused_expert_parameters, logit_path_error, logit_transform_of,
                                    probe_ids)
+from lora_ppo.run_dir import FINAL_DIR, RECIPE_FILE, is_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,26 @@ def check_adapter_dir(path: str, field: str, head: Optional[str] = None) -> None
         raise RecipeError(f"{field}: {path!r} is not a PEFT adapter folder (no adapter_config.json)")
     if head is not None and not (Path(path) / head).is_file():
         raise RecipeError(f"{field}: {path!r} has no score head ({head})")
+
+
+def adapter_folder(path: str, field: str, names: Sequence[str] = (POLICY,), head: Optional[str] = None) -> str:
+    """The PEFT adapter folder `path` names: the folder itself, or for a run folder (its final/
+    checkpoint) or a checkpoint folder, the first of the adapters `names` it holds (`train-sft` and
+    `train` save the policy there, `train-reward` the reward adapter). Raises RecipeError naming
+    `field` when there is none."""
+    folder = Path(path).expanduser()
+    if not (folder / "adapter_config.json").is_file():
+        checkpoint = next((f for f in (folder, folder / FINAL_DIR) if is_checkpoint(f)), None)
+        if checkpoint is not None:
+            found = next((checkpoint / n for n in names if (checkpoint / n / "adapter_config.json").is_file()), None)
+            if found is None:
+                raise RecipeError(f"{field}: checkpoint {str(checkpoint)!r} holds no {' or '.join(names)} adapter")
+            folder = found
+        elif (folder / RECIPE_FILE).is_file():
+            raise RecipeError(f"{field}: run {path!r} has no complete {FINAL_DIR}/ checkpoint yet (it has not "
+                              "finished); name one of its checkpoints/step-N")
+    check_adapter_dir(str(folder), field, head)
+    return str(folder)
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -136,6 +157,15 @@ class Backbone:
     def adapter_params(self, adapter_name: str) -> list[nn.Parameter]:
         marker = f".{adapter_name}."
         return [p for n, p in self.peft.named_parameters() if marker in n and "lora_" in n]
+
+    @contextlib.contextmanager
+    def training_mode(self) -> Iterator[None]:
+        """LoRA dropout on (when the adapter has any) for a training step; scoring stays dropout-free."""
+        self.peft.train()
+        try:
+            yield
+        finally:
+            eval_on_training_kernel(self.peft)
 
     @contextlib.contextmanager
     def gradient_checkpointing(self, enabled: bool) -> Iterator[None]:
@@ -230,9 +260,11 @@ class RoleModel(Backbone):
         from peft import PeftModel, get_peft_model
 
         all_linear = linear_targets(base_model)
+        if reward_adapter:
+            reward_adapter = adapter_folder(reward_adapter, "reward.adapter", (REWARD,), REWARD_HEAD_FILE)
         if adapters.policy.init_from:
-            check_adapter_dir(adapters.policy.init_from, "adapters.policy.init_from")
-            peft = PeftModel.from_pretrained(base_model, adapters.policy.init_from, adapter_name=POLICY, is_trainable=True)
+            start = adapter_folder(adapters.policy.init_from, "adapters.policy.init_from")
+            peft = PeftModel.from_pretrained(base_model, start, adapter_name=POLICY, is_trainable=True)
         else:
             peft = get_peft_model(base_model, lora_config(adapters.policy, all_linear=all_linear), adapter_name=POLICY)
         self.has_value = with_value
@@ -243,13 +275,12 @@ class RoleModel(Backbone):
             peft.add_adapter(VALUE, lora_config(adapters.value, all_linear=all_linear))
         # The reference is either the bare base (adapters disabled) or a frozen adapter of its own,
         # e.g. the SFT adapter the policy started from: then the policy trains a copy of it.
-        self.reference_adapter: Optional[str] = adapters.reference_adapter_path
+        reference = adapters.reference_adapter_path
+        self.reference_adapter: Optional[str] = adapter_folder(reference, "adapters.reference") if reference else None
         if self.reference_adapter:
-            check_adapter_dir(self.reference_adapter, "adapters.reference")
             peft.load_adapter(self.reference_adapter, adapter_name=REFERENCE, is_trainable=False)
         self.reward_adapter = reward_adapter
         if reward_adapter:
-            check_adapter_dir(reward_adapter, "reward.adapter", head=REWARD_HEAD_FILE)
             peft.load_adapter(reward_adapter, adapter_name=REWARD, is_trainable=False)
         super().__init__(peft, base_name)
         self.value_head: Optional[nn.Linear] = self.make_head(VALUE, value_head_from) if with_value else None
@@ -302,7 +333,7 @@ class RoleModel(Backbone):
                 raise RecipeError("adapters.value.init_from: 'reward' needs a reward adapter (reward.kind: adapter)")
             return reward_adapter, Path(reward_adapter) / REWARD_HEAD_FILE
         if init_from:
-            check_adapter_dir(init_from, "adapters.value.init_from")
+            init_from = adapter_folder(init_from, "adapters.value.init_from", (VALUE,))
             head = Path(init_from) / VALUE_HEAD_FILE
             return init_from, head if head.is_file() else None
         return None, None
@@ -448,37 +479,42 @@ def _remove_adapter_name_hooks(model: nn.Module) -> None:
                 module._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
-class RewardModel(Backbone):
+class SingleAdapterModel(Backbone):
+    """The backbone with one trainable adapter, for the stages that train one (`train-reward`,
+    `train-sft`): fresh, or started from `settings.init_from` (an adapter folder, or a run or
+    checkpoint folder holding one of the adapters `start_from`)."""
+
+    def __init__(self, base_model, settings: LoraSettings, adapter_name: str, start_from: Sequence[str],
+                 base_name: Optional[str] = None, dropout: float = 0.0):
+        from peft import PeftModel, get_peft_model
+
+        self.start = adapter_folder(settings.init_from, "adapter.init_from", start_from) if settings.init_from else None
+        if self.start:
+            peft = PeftModel.from_pretrained(base_model, self.start, adapter_name=adapter_name, is_trainable=True)
+        else:
+            peft = get_peft_model(base_model, lora_config(settings, dropout, linear_targets(base_model)),
+                                  adapter_name=adapter_name)
+        super().__init__(peft, base_name)
+        self.adapter_name = adapter_name
+        self.peft.set_adapter(adapter_name)
+        for p in self.adapter_params(adapter_name):
+            p.requires_grad_(True)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The trained adapter's parameters (and its head's, when it has one)."""
+        head = self.heads.get(self.adapter_name)
+        return self.adapter_params(self.adapter_name) + (list(head.parameters()) if head is not None else [])
+
+
+class RewardModel(SingleAdapterModel):
     """The backbone with one trainable reward adapter and its scalar head, for pairwise reward
     training (`lora-ppo train-reward`). Its saved folder is what `reward.kind: adapter` loads."""
 
     def __init__(self, base_model, settings: RewardAdapterSettings, base_name: Optional[str] = None):
-        from peft import PeftModel, get_peft_model
-
-        if settings.init_from:
-            check_adapter_dir(settings.init_from, "adapter.init_from")
-            peft = PeftModel.from_pretrained(base_model, settings.init_from, adapter_name=REWARD, is_trainable=True)
-        else:
-            peft = get_peft_model(base_model, lora_config(settings, settings.dropout, linear_targets(base_model)),
-                                  adapter_name=REWARD)
-        super().__init__(peft, base_name)
-        head_file = Path(settings.init_from) / REWARD_HEAD_FILE if settings.init_from else None
+        # A reward model may start from a reward adapter, or from the policy (an SFT run's).
+        super().__init__(base_model, settings, REWARD, (REWARD, POLICY), base_name, settings.dropout)
+        head_file = Path(self.start) / REWARD_HEAD_FILE if self.start else None
         self.make_head(REWARD, head_file if head_file is not None and head_file.is_file() else None)
-        self.peft.set_adapter(REWARD)
-        for p in self.adapter_params(REWARD):
-            p.requires_grad_(True)
-
-    def parameters(self) -> list[nn.Parameter]:
-        return self.adapter_params(REWARD) + list(self.heads[REWARD].parameters())
-
-    @contextlib.contextmanager
-    def training_mode(self) -> Iterator[None]:
-        """LoRA dropout on (when the adapter has any) for a training step; scoring stays dropout-free."""
-        self.peft.train()
-        try:
-            yield
-        finally:
-            eval_on_training_kernel(self.peft)
 
     def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The score of each sequence at its last real token. [B]"""
