@@ -184,6 +184,38 @@ def train_reward(
     _run("train-reward", recipe, overrides, start, format_reward_summary, progress=not no_progress)
 
 
+@app.command("train-sft")
+def train_sft(
+    recipe: Path = typer.Argument(..., help="YAML SFT recipe file."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="Overrides like train.epochs=2 sft.packing=true."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="Print a log line every few steps instead of a bar."),
+    resume: Optional[str] = typer.Option(
+        None, "--resume", help="Continue a run: 'auto' (its newest checkpoint) or a checkpoint folder."
+    ),
+) -> None:
+    """Train a policy adapter on demonstrations (supervised), on the base model PPO will start from."""
+    from lora_ppo.config import SFTRecipe, with_absolute_paths
+    from lora_ppo.distributed import launched_processes
+
+    if launched_processes() > 1:  # every process would write the same run folder
+        _fail(f"train-sft runs in one process; it was launched in {launched_processes()}")
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = with_absolute_paths(_load_recipe(recipe, _in_moved_run(recipe, overrides, resume), SFTRecipe),
+                              recipe.resolve().parent)
+    _quiet_libraries()
+    from lora_ppo.sft.trainer import SFTTrainer, format_sft_summary
+
+    def start(progress: bool):
+        trainer = SFTTrainer(cfg, progress=progress, resume=resume)
+        typer.echo(f"training a policy adapter on {cfg.model.name} ({cfg.model.quantization}) for "
+                   f"{trainer.total_steps} steps{_resumed(trainer)} on {len(trainer.train_rows.rows)} rows "
+                   f"-> {cfg.train.output_dir}", err=True)
+        return trainer
+
+    _run("train-sft", recipe, overrides, start, format_sft_summary, progress=not no_progress)
+
+
 def _resumed(trainer) -> str:
     return f" from step {trainer.state.step} ({trainer.resume_from})" if trainer.resume_from else ""
 

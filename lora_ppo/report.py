@@ -35,6 +35,17 @@ class Plot:
     right_label: str = ""
 
 
+# A supervised run (lora-ppo train-sft).
+SFT_PLOTS = (
+    Plot("sft_loss", "Token loss: mean negative log-likelihood of the target tokens",
+         (("sft/loss", "train"), ("sft/eval_loss", "held-out")), "nats per token"),
+    Plot("sft_perplexity", "Perplexity", (("sft/perplexity", "train"), ("sft/eval_perplexity", "held-out")),
+         "perplexity"),
+    Plot("sft_throughput", "Padding and speed", (("sft/padding_frac", "padding"),), "share of positions computed",
+         (("tokens_per_s", "tokens per second"),), "tokens per second"),
+)
+
+
 def plots_for(metrics: list[dict]) -> list[Plot]:
     """The figures this run's metrics can fill (a critic-free run has no value plot)."""
     keys = {k for m in metrics for k in m}
@@ -65,7 +76,7 @@ def plots_for(metrics: list[dict]) -> list[Plot]:
              (("accuracy", "train"), ("eval/accuracy", "held-out")), "share of pairs",
              (("margin", "train margin"), ("eval/margin", "held-out margin")), "mean margin"),
     ]
-    return [p for p in plots if any(k in keys for k, _ in p.left)]
+    return [p for p in (*plots, *SFT_PLOTS) if any(k in keys for k, _ in p.left)]
 
 
 def render_plot(plot: Plot, metrics: list[dict]) -> bytes:

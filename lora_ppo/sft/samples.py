@@ -1,0 +1,39 @@
+"""Held-out completions before and after training, for the report: greedy (so before and after read
+as the same prompts' answers, not two draws), continuing each prompt as the PPO run renders it, cut
+after the stop token."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from lora_ppo.data import PromptRow
+from lora_ppo.roles import Backbone
+from lora_ppo.rollout import left_pad, truncate_at_stop
+from lora_ppo.sft.rows import SFTRow
+
+
+@torch.no_grad()
+def greedy_samples(model: Backbone, tokenizer, rows: Sequence[SFTRow], max_new_tokens: int,
+                   batch_size: int) -> list[dict]:
+    """One record per row that has a prompt: `prompt`, the model's `completion`, the dataset's
+    `reference` answer, and `sample` 0 (as the report pairs records of the same prompt)."""
+    from transformers import GenerationConfig
+
+    stop = tokenizer.eos_token_id
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=stop, use_cache=True)
+    prompted = [row for row in rows if row.prompt_ids]
+    device = model.lm_head.weight.device
+    records = []
+    for start in range(0, len(prompted), batch_size):
+        chunk = prompted[start : start + batch_size]
+        ids, mask = left_pad([PromptRow(row.prompt, "", row.prompt_ids) for row in chunk], tokenizer.pad_token_id,
+                             device)
+        out = model.peft.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        response, _, _ = truncate_at_stop(out[:, ids.shape[1]:], stop, tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(response, skip_special_tokens=True)
+        records += [{"prompt": row.prompt, "completion": text, "reference": row.completion, "sample": 0}
+                    for row, text in zip(chunk, texts)]
+    return records

@@ -1,0 +1,119 @@
+"""The supervised loss on the tiny 4-bit model: a step's loss is the masked cross-entropy computed by
+hand from the model's own logits (completion-only and on every token); packed and padded batches
+give the same loss and gradients; packing is refused where attention would cross rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_ppo.config import SFTAdapterSettings, SFTRecipe, recipe_from_dict
+from lora_ppo.errors import RecipeError
+from lora_ppo.sft.batches import pack, packed_batch, padded_batch
+from lora_ppo.sft.trainer import SFTTrainer
+from tests.conftest import perturb_lora_b
+from tests.sft_helpers import demonstration_rows, sft_recipe_dict, write_jsonl
+
+
+def test_best_fit_decreasing_by_hand():
+    # Longest first, each into the fullest bin it fits: 6 | 5+3 | 4+4 -> bins hold 6+2, 5+3, 4+4.
+    assert pack([4, 6, 5, 3, 4, 2], 8) == [[1, 5], [2, 3], [0, 4]]
+    assert pack([8, 1], 8) == [[0], [1]]
+
+
+@pytest.fixture(scope="module")
+def trainer_for(tiny_model_dir, tmp_path_factory):
+    """An SFT trainer on the tiny model (its adapter's LoRA B randomised, so it is not the base model)."""
+    root = tmp_path_factory.mktemp("sft-loss")
+    data = write_jsonl(root / "d.jsonl", demonstration_rows(12))
+
+    def make(completion_only: bool = True, **sft) -> SFTTrainer:
+        recipe = sft_recipe_dict(tiny_model_dir, data, data, root / f"run-{completion_only}-{len(sft)}",
+                                 sft={"completion_only": completion_only, **sft}, batch_size=6, grad_accum_steps=2,
+                                 learning_rate=1e-3)
+        trainer = SFTTrainer(recipe_from_dict(recipe, schema=SFTRecipe), progress=False)
+        perturb_lora_b(trainer.model, "policy", seed=3, scale=0.3)
+        return trainer
+
+    return make
+
+
+@pytest.mark.parametrize("completion_only", [True, False], ids=["completion_only", "every_token"])
+def test_a_steps_loss_is_the_masked_cross_entropy_by_hand(trainer_for, completion_only):
+    """The logged loss is -mean log p(target | tokens before) over the step's target tokens,
+    computed here from the model's own forward (LM head included), one unpadded row at a time."""
+    trainer = trainer_for(completion_only)
+    rows, _ = trainer.stream.take(trainer.recipe.train.batch_size, trainer.state.position)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            prompt_tokens = len(trainer.tokenizer(row.prompt)["input_ids"])
+            logits = trainer.model.peft(input_ids=torch.tensor([row.ids])).logits[0].double()  # [T, V]
+            logp = torch.log_softmax(logits, dim=-1)
+            for t in range(1, len(row.ids)):
+                if completion_only and t < prompt_tokens:
+                    continue  # a prompt token: no target
+                total -= float(logp[t - 1, row.ids[t]])
+                count += 1
+    metrics = trainer.train_step()
+    assert metrics["sft/target_tokens"] == count
+    assert metrics["sft/loss"] == pytest.approx(total / count, rel=1e-5, abs=1e-6)
+
+
+def test_packed_and_padded_batches_give_the_same_loss_and_gradients(trainer_for):
+    trainer = trainer_for(True)
+    rows = trainer.train_rows.rows[:6]
+    lengths = [len(row.ids) for row in rows]
+    assert len(set(lengths)) > 1  # rows of different lengths: padding and packing differ
+    pad = trainer.tokenizer.pad_token_id
+    targets = sum(row.target_count for row in rows)
+
+    def run(batches):
+        params = trainer.model.parameters()
+        for p in params:
+            p.grad = None
+        loss = 0.0
+        for batch in batches:
+            part = -trainer.model.target_logprobs(batch).sum() / targets
+            part.backward()
+            loss += float(part)
+        return loss, [p.grad.clone() for p in params]
+
+    padded = run([padded_batch(rows[:3], pad), padded_batch(rows[3:], pad)])
+    packed_batches = [packed_batch(rows[:3], pad, 2 * max(lengths)), packed_batch(rows[3:], pad, 2 * max(lengths))]
+    assert [b.input_ids.shape[0] for b in packed_batches] == [2, 2]  # two rows share a sequence
+    assert all(b.attention_mask is None for b in packed_batches)
+    packed = run(packed_batches)
+    assert packed[0] == pytest.approx(padded[0], rel=1e-5, abs=1e-6)
+    for a, b in zip(packed[1], padded[1]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert any(g.abs().sum() > 0 for g in padded[1])
+
+
+def test_packing_is_refused_where_attention_crosses_rows(trainer_for, monkeypatch):
+    """transformers parts packed rows by their positions; a model whose attention did not would let
+    each row see the one before it, and the load-time probe refuses it."""
+    import transformers.masking_utils as masking
+
+    trainer = trainer_for(True, packing=True)
+    trainer.model.check_packing()  # the tiny Llama parts them
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
+    with pytest.raises(RecipeError, match="^sft.packing: llama's attention lets a packed row see the row before it"):
+        trainer.model.check_packing()
+
+
+def test_dropout_acts_in_training_steps_only(tiny_model_dir):
+    from lora_ppo.config import ModelConfig
+    from lora_ppo.model import load_base_model
+    from lora_ppo.sft.batches import Batch
+    from lora_ppo.sft.model import SFTModel
+
+    model = SFTModel(load_base_model(ModelConfig(name=str(tiny_model_dir))), SFTAdapterSettings(r=4, dropout=0.5))
+    perturb_lora_b(model, "policy", seed=1, scale=0.3)
+    ids = torch.tensor([[5, 9, 17, 33, 60, 7]])
+    batch = Batch(ids, torch.arange(6).unsqueeze(0), torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
+    with torch.no_grad():
+        assert torch.equal(model.target_logprobs(batch), model.target_logprobs(batch))
+        with model.training_mode():
+            assert not torch.equal(model.target_logprobs(batch), model.target_logprobs(batch))
+    assert not model.peft.training

@@ -1,0 +1,199 @@
+"""`lora-ppo train-sft` on the tiny 4-bit model: the held-out loss falls; the run folder, metrics,
+samples and checkpoints behave like the other stages', and a resumed run ends where an uninterrupted
+one does; the adapter is a plain PEFT folder that PPO starts from (its step-1 KL to it is 0), that
+`merge-and-export` merges and `report` shows; hostile data is one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from lora_ppo.cli import app
+from lora_ppo.config import SFTRecipe, recipe_from_dict
+from lora_ppo.sft.trainer import SFTTrainer
+from tests.conftest import adapter_tensors, deterministic_metrics, tiny_recipe_dict
+from tests.sft_helpers import demonstration_rows, sft_recipe_dict, write_jsonl
+
+
+@pytest.fixture(scope="session")
+def sft_data(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("sft-data")
+    return (write_jsonl(root / "train.jsonl", demonstration_rows(32)),
+            write_jsonl(root / "held_out.jsonl", demonstration_rows(8, start=1000)))
+
+
+@pytest.fixture(scope="session")
+def sft_run(tiny_model_dir, sft_data, tmp_path_factory) -> Path:
+    """A trained tiny SFT adapter: 32 rows, 2 epochs of 4 steps, packed. Read-only."""
+    out = tmp_path_factory.mktemp("sft-run") / "run"
+    recipe = recipe_from_dict(sft_recipe_dict(tiny_model_dir, *sft_data, out, sft={"packing": True}),
+                              schema=SFTRecipe)
+    SFTTrainer(recipe, progress=False).train()
+    return out
+
+
+def test_the_held_out_loss_falls_and_the_run_folder_says_so(sft_run):
+    summary = json.loads((sft_run / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["train_rows"] == 32 and summary["heldout_rows"] == 8
+    assert summary["heldout_loss_after"] < summary["heldout_loss_before"] - 1.0
+    assert summary["heldout_perplexity_after"] == pytest.approx(torch.tensor(summary["heldout_loss_after"]).exp().item())
+    metrics = [json.loads(line) for line in (sft_run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert "sft/eval_loss" in metrics[3] and "sft/eval_loss" not in metrics[4]
+    assert all(0.0 <= m["sft/padding_frac"] < 1.0 and m["sft/target_tokens"] > 0 for m in metrics)
+    before = [json.loads(line) for line in (sft_run / "eval_before.jsonl").read_text().splitlines()]
+    after = [json.loads(line) for line in (sft_run / "eval_after.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in before] == [r["prompt"] for r in after] == \
+        [row["prompt"] for row in demonstration_rows(4, start=1000)]
+    assert after[0]["reference"] == demonstration_rows(1, start=1000)[0]["completion"]
+
+
+def test_the_adapter_is_a_plain_peft_folder(sft_run, tiny_model_dir):
+    """PeftModel.from_pretrained loads final/policy onto the base model as any PEFT adapter, and it
+    computes what the run's model computed (on the 4-bit kernel training used: bitsandbytes'
+    inference kernel rounds differently)."""
+    from peft import PeftModel
+
+    from lora_ppo.bnb_workarounds import eval_on_training_kernel
+    from lora_ppo.config import ModelConfig, SFTAdapterSettings
+    from lora_ppo.model import load_base_model
+    from lora_ppo.sft.model import SFTModel
+
+    folder = sft_run / "final" / "policy"
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4
+    loaded = PeftModel.from_pretrained(load_base_model(ModelConfig(name=str(tiny_model_dir))), str(folder))
+    eval_on_training_kernel(loaded)
+    ours = SFTModel(load_base_model(ModelConfig(name=str(tiny_model_dir))),
+                    SFTAdapterSettings(init_from=str(sft_run)))
+    ids = torch.tensor([[5, 9, 17, 33, 60]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, ours.peft(input_ids=ids).logits)
+    trained = adapter_tensors(folder)
+    assert any("lora_B" in k and t.abs().sum() > 0 for k, t in trained.items())  # lora_B starts at zero
+
+
+def test_resume_mid_run_ends_as_an_uninterrupted_run(tmp_path, tiny_model_dir, sft_data, monkeypatch):
+    def recipe(out):
+        return recipe_from_dict(sft_recipe_dict(tiny_model_dir, *sft_data, out, epochs=1, batch_size=4, save_every=3,
+                                                eval_every=0, lr_schedule="linear", learning_rate=1e-2),
+                                schema=SFTRecipe)
+
+    SFTTrainer(recipe(tmp_path / "whole"), progress=False).train()
+    real_step = SFTTrainer.train_step
+
+    def killed_in_step_5(self):
+        metrics = real_step(self)
+        if self.state.step == 5:  # step 5 done, past the checkpoint of step 3: lost
+            raise KeyboardInterrupt
+        return metrics
+
+    monkeypatch.setattr(SFTTrainer, "train_step", killed_in_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        SFTTrainer(recipe(tmp_path / "parts"), progress=False).train()
+    monkeypatch.undo()
+    assert (tmp_path / "parts" / "checkpoints" / "step-3").is_dir()
+    SFTTrainer(recipe(tmp_path / "parts"), progress=False, resume="auto").train()
+    whole, parts = (adapter_tensors(tmp_path / run / "final" / "policy") for run in ("whole", "parts"))
+    assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
+    assert deterministic_metrics(tmp_path / "parts") == deterministic_metrics(tmp_path / "whole")
+    assert len(deterministic_metrics(tmp_path / "whole")) == 8
+
+
+@pytest.mark.parametrize("reference", ["auto", "run"])
+def test_ppo_starts_from_the_sft_run_and_its_first_kl_to_it_is_zero(tmp_path, tiny_model_dir, sft_run, reference):
+    """adapters.policy.init_from (and adapters.reference) name the SFT run folder: the policy and the
+    frozen reference are its final/policy adapter, so the first step's KL is 0."""
+    import lora_ppo
+    from lora_ppo.roles import POLICY, REFERENCE
+
+    recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(
+        tiny_model_dir, tmp_path / "ppo", adapters={"policy": {"init_from": str(sft_run)},
+                                                    "reference": "auto" if reference == "auto" else str(sft_run)},
+        rollout={"logprobs_from_generation": False}, train={"steps": 1, "eval": False}))
+    trainer = lora_ppo.PPOTrainer(recipe, progress=False)
+    sft = adapter_tensors(sft_run / "final" / "policy")
+    for role in (POLICY, REFERENCE):
+        weights = {n.replace(f".{role}.", "."): p for n, p in trainer.roles.peft.named_parameters() if f".{role}." in n}
+        assert len(weights) == len(sft)
+        for name, tensor in sft.items():
+            key = name.replace("base_model.model.", "").replace(".weight", "")
+            match = [p for n, p in weights.items() if n.endswith(key + ".weight")]
+            assert len(match) == 1 and torch.equal(match[0].detach().cpu(), tensor), name
+    trainer.train()
+    first = json.loads((tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()[0])
+    assert abs(first["objective/kl"]) < 1e-5
+
+
+def test_merge_and_export_merges_an_sft_run(sft_run, tmp_path):
+    from lora_ppo.export import merge_and_export
+
+    report = merge_and_export(sft_run, tmp_path / "merged")
+    assert report.parity.passed and (tmp_path / "merged" / "config.json").is_file()
+
+
+def test_report_shows_the_loss_and_the_samples_before_and_after(sft_run, tmp_path):
+    import shutil
+
+    from lora_ppo.report import plots_for, write_report
+    from lora_ppo.run_dir import read_jsonl
+
+    run = tmp_path / "run"
+    shutil.copytree(sft_run, run)
+    page = write_report(run).read_text()
+    names = [p.name for p in plots_for(read_jsonl(run / "metrics.jsonl"))]
+    assert names == ["sft_loss", "sft_perplexity", "sft_throughput"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert f"{summary['heldout_loss_before']:.3f}" in page and f"{summary['heldout_loss_after']:.3f}" in page
+    after = json.loads((run / "eval_after.jsonl").read_text().splitlines()[0])
+    assert demonstration_rows(1, start=1000)[0]["prompt"] in page and after["completion"] in page
+
+
+def _write(tmp_path: Path, model_dir: Path, rows, suffix: str = ".jsonl", **data) -> Path:
+    source = tmp_path / f"d{suffix}"
+    if isinstance(rows, bytes):
+        source.write_bytes(rows)
+    else:
+        write_jsonl(source, rows)
+    recipe = sft_recipe_dict(model_dir, source, source, tmp_path / "run")
+    recipe["data"].update(data)
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+HOSTILE = {
+    "empty completions": ([{"prompt": "a", "completion": ""}, {"prompt": "b", "completion": "  "}], {},
+                          r"data.source: no usable rows in '{source}' \(2 empty\)$"),
+    "rows longer than the context": (demonstration_rows(4), {"max_length": 1000},
+                                     r"data.max_length: rows of up to 1000 tokens exceed the model's context of 256 "
+                                     r"tokens$"),
+    "a row longer than max_length, refused": (demonstration_rows(2) + [{"prompt": "x", "completion": " good" * 60}],
+                                              {"too_long": "error"},
+                                              r"data.max_length: row 2 of '{source}' has \d+ tokens, more than 48 "
+                                              r"\(data.too_long: error"),
+    "rows longer than max_length, dropped": ([{"prompt": "x", "completion": " good" * 60}], {},
+                                             r"data.source: no usable rows in '{source}' \(1 too_long\)$"),
+    "missing columns": ([{"question": "a", "answer": "b"}], {},
+                        r"data.format: auto finds neither a 'messages' column.* \(columns: question, answer\)"),
+    "not UTF-8": (b'{"prompt": "a", "completion": "b"}\n{"prompt": "\xff\xfe"}\n', {},
+                  r"data.source: {source} line 2: not UTF-8 text \(byte 0xff at column 13\)$"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE), ids=str)
+def test_hostile_data_is_one_line_and_exit_2(tmp_path, tiny_model_dir, case):
+    rows, data, message = HOSTILE[case]
+    recipe = _write(tmp_path, tiny_model_dir, rows, **data)
+    result = CliRunner().invoke(app, ["train-sft", str(recipe), "--no-progress"])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and re.match("error: " + message.format(source=re.escape(str(tmp_path / "d.jsonl"))),
+                                        lines[0]), lines
+    assert not (tmp_path / "run").exists()  # nothing half-written
