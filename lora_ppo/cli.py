@@ -277,11 +277,18 @@ def estimate(
         _fail(f"--gpu-gb must be > 0, got {gpu_gb:g}")
     if num_processes < 1:
         _fail(f"--num-processes must be >= 1, got {num_processes}")
-    cfg = _load_recipe(recipe, overrides)
+    cfg = _load_recipe(recipe, overrides, schema=None)
     _quiet_libraries()
     from lora_ppo import estimate as est_mod
+    from lora_ppo.config import Recipe, SFTRecipe
     from lora_ppo.trainer import check_splits
 
+    if isinstance(cfg, SFTRecipe):
+        _estimate_sft(cfg, device, gpu_gb, as_json, num_processes)
+        return
+    if not isinstance(cfg, Recipe):
+        _fail(f"estimate: {recipe} is a reward-model recipe; estimate answers for PPO (train) and SFT (train-sft) "
+              "recipes")
     try:
         check_splits(cfg, num_processes)
         est = est_mod.estimate_recipe(cfg, device=device, budget_gb=gpu_gb, processes=num_processes)
@@ -291,6 +298,22 @@ def estimate(
         typer.echo(json.dumps(est_mod.as_json(est)))
     else:
         typer.echo(est_mod.format_estimate(est, cfg, device))
+    if est.fits is False:
+        raise typer.Exit(1)
+
+
+def _estimate_sft(cfg, device: str, gpu_gb: Optional[float], as_json: bool, num_processes: int) -> None:
+    import json
+
+    from lora_ppo import estimate as est_mod
+
+    if num_processes != 1:
+        _fail("--num-processes: train-sft runs in one process")
+    try:
+        est = est_mod.estimate_sft(est_mod.load_shape(cfg.model.name, cfg.model.trust_remote_code), cfg, device, gpu_gb)
+    except RecipeError as err:
+        _fail(str(err))
+    typer.echo(json.dumps(est_mod.as_json(est)) if as_json else est_mod.format_sft_estimate(est, cfg, device))
     if est.fits is False:
         raise typer.Exit(1)
 

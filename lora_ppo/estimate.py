@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from lora_ppo.compiled_generation import bucket
-from lora_ppo.config import AUTO_DEQUANTIZE_SHARE, BUILTIN_PREFIX, LoraSettings, ModelConfig, Recipe
+from lora_ppo.config import AUTO_DEQUANTIZE_SHARE, BUILTIN_PREFIX, LoraSettings, ModelConfig, Recipe, SFTRecipe
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.logprobs import DEFAULT_CHUNK_TOKENS
 
@@ -479,9 +479,14 @@ def score_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int) ->
     if recipe.rollout.score_roles_together:
         rows *= max(1, recipe.scored_roles(float32=act_bytes == 4))
     tokens = rows * recipe.sequence_tokens
+    return forward_bytes(shape, recipe, act_bytes, tokens, min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.response_tokens))
+
+
+def forward_bytes(shape: ModelShape, recipe, act_bytes: int, tokens: int, logit_positions: int) -> float:
+    """A no-grad forward of `tokens` tokens (one layer live at a time), a logits chunk of
+    `logit_positions`, and the dequantized weights (`recipe.model`: a PPO or an SFT recipe's)."""
     layer = tokens * (FWD_HIDDEN_TERMS * shape.hidden + FWD_INTERMEDIATE_TERMS * shape.intermediate) * act_bytes
-    chunk = min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.response_tokens)
-    logits = LOGIT_COPIES_NO_GRAD * chunk * shape.vocab * 4
+    logits = LOGIT_COPIES_NO_GRAD * logit_positions * shape.vocab * 4
     dequant = _dequantized_weight_bytes(shape, recipe, act_bytes)
     return layer + logits + dequant
 
@@ -491,6 +496,15 @@ def update_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int, d
     ppo.update_roles_together and a critic) and one logits chunk of the policy's."""
     copies = 2 if recipe.ppo.update_roles_together and recipe.uses_critic else 1
     tokens = rows * copies * recipe.sequence_tokens
+    return backward_bytes(shape, recipe, act_bytes, tokens,
+                          min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.response_tokens), device)
+
+
+def backward_bytes(shape: ModelShape, recipe, act_bytes: int, tokens: int, logit_positions: int,
+                   device: str = "cuda") -> float:
+    """A forward and backward of `tokens` tokens, a checkpointed logits chunk of `logit_positions`,
+    the dequantized weights and, on CPU, the heap backward keeps (`recipe.model`: a PPO or an SFT
+    recipe's)."""
     per_layer = tokens * (
         ACT_HIDDEN_TERMS * shape.hidden + ACT_INTERMEDIATE_TERMS * shape.intermediate + ACT_KV_TERMS * shape.kv_width
     ) * act_bytes
@@ -499,8 +513,7 @@ def update_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int, d
         acts = shape.layers * tokens * shape.hidden * act_bytes + BACKWARD_FACTOR * per_layer
     else:
         acts = BACKWARD_FACTOR * shape.layers * per_layer
-    chunk = min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.response_tokens)
-    logits = LOGIT_COPIES_GRAD * chunk * shape.vocab * 4
+    logits = LOGIT_COPIES_GRAD * logit_positions * shape.vocab * 4
     dequant = _dequantized_weight_bytes(shape, recipe, act_bytes)
     # The CPU allocator keeps the weights dequantized per pass during backward; with one
     # dequantized copy per step there are none.
@@ -547,6 +560,63 @@ def estimate(
         fitting = largest_fitting_sizes(shape, recipe, act, device, budget_gb * GB - static, grads, processes)
     return Estimate(shape, components, phases, budget_gb, fitting, bool(recipe.model.dequantize_per_step), processes,
                     weight_parts, held)
+
+
+SFT_PHASES = ("update", "evaluate")
+
+
+def estimate_sft(shape: ModelShape, recipe: SFTRecipe, device: str = "cuda", budget_gb: Optional[float] = None) -> Estimate:
+    """Peak bytes of a `train-sft` run on a model of `shape`: the weights, the adapter and its AdamW
+    state; then a training micro-batch's forward and backward (`update`) and a held-out batch's
+    forward (`evaluate`), every row counted at data.max_length tokens (packed rows fill sequences
+    no longer than their sum). Only target positions reach the LM head, a chunk at a time."""
+    act = _dtype_bytes(recipe, device)
+    recipe = _dequantize_resolved(shape, recipe, act, budget_gb)
+    ad = recipe.adapter
+    trainable = shape.lora_params(ad.r, ad.target_modules, ad.target_parameters)
+    weight_parts = _weight_parts(shape, recipe.model, act)
+    components = {
+        "weights": sum(weight_parts.values()),
+        "adapters": trainable * ADAPTER_WEIGHT_BYTES,
+        "optimizer": trainable * ADAM_BYTES,
+        "runtime": RUNTIME_BYTES[device],
+    }
+    static = sum(components.values())
+    micro = recipe.train.batch_size // recipe.train.grad_accum_steps
+    length = recipe.data.max_length
+    phases = {
+        "update": static + trainable * ADAPTER_GRAD_BYTES + backward_bytes(
+            shape, recipe, act, micro * length, min(DEFAULT_CHUNK_TOKENS, micro * length), device),
+        "evaluate": static + forward_bytes(shape, recipe, act, recipe.data.eval_batch_size * length,
+                                           min(DEFAULT_CHUNK_TOKENS, recipe.data.eval_batch_size * length)),
+    }
+    return Estimate(shape, components, phases, budget_gb, {}, bool(recipe.model.dequantize_per_step), 1, weight_parts)
+
+
+def format_sft_estimate(est: Estimate, recipe: SFTRecipe, device: str) -> str:
+    """The SFT estimate as lines: model, recipe sizes, resident parts, peak per phase, verdict."""
+    s = est.shape
+    micro = recipe.train.batch_size // recipe.train.grad_accum_steps
+    lines = [
+        f"model: {recipe.model.name}  ({s.total_params / 1e9:.2f}B parameters: {s.layers} layers, hidden {s.hidden}, "
+        f"vocab {s.vocab}), quantization {recipe.model.quantization}, on {device}",
+        f"recipe (train-sft): micro-batch {micro} rows of up to {recipe.data.max_length} tokens"
+        f"{' (packed)' if recipe.sft.packing else ''}, held-out batch {recipe.data.eval_batch_size}, gradient "
+        f"checkpointing {'on' if recipe.model.gradient_checkpointing else 'off'}, dequantize per step "
+        f"{'on' if est.dequantize_per_step else 'off'}",
+        "",
+        "always resident:",
+    ]
+    for name, value in est.components.items():
+        lines.append(f"  {name:<14}{value / GB:8.2f} GB")
+        if name == "weights":
+            lines += _weight_lines(est, recipe, device)
+    lines.append("peak per phase:")
+    lines += [f"  {name:<14}{est.phases[name] / GB:8.2f} GB" for name in SFT_PHASES]
+    lines.append(f"peak: {est.peak / GB:.2f} GB")
+    if est.budget_gb is not None:
+        lines.append(f"{'fits' if est.fits else 'does NOT fit'} in {est.budget_gb:g} GB")
+    return "\n".join(lines)
 
 
 def update_rows(minibatch: int, micro_batch: int, processes: int) -> int:
@@ -745,4 +815,4 @@ def as_json(est: Estimate) -> dict:
 
 
 __all__ = ["ModelShape", "Linear", "Layout", "LAYOUTS", "Estimate", "estimate", "estimate_recipe", "load_shape",
-           "format_estimate", "as_json"]
+           "format_estimate", "as_json", "estimate_sft", "format_sft_estimate"]

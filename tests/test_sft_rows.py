@@ -70,6 +70,7 @@ def test_multi_turn_assistant_tokens_are_the_assistant_turns_and_their_stop_toke
     # A sample continues the conversation before the last answer, as a PPO prompt is rendered.
     assert row.prompt_ids == template_ids(template_tokenizer, CONVERSATION[:4], add_generation_prompt=True)
     assert row.ids[: len(row.prompt_ids)] == row.prompt_ids and row.completion == "Lovely music."
+    assert row.prompt == CONVERSATION[:4]  # what the report shows before the sample
 
 
 def test_without_completion_only_every_token_but_the_first_is_a_target(template_tokenizer):

@@ -114,7 +114,7 @@ class RowTokenizer:
             return SFTRow(ids, (False,) + (True,) * (len(ids) - 1))
         if self.format == "messages":
             messages = self._with_system(_checked_messages(row.get(cfg.messages_column)))
-            return self._conversation(row.get(cfg.messages_column), messages, first_trained=0)
+            return self._conversation(None, messages, first_trained=0)
         prompt, completion = row.get(cfg.prompt_column), row.get(cfg.completion_column)
         if isinstance(prompt, str) and isinstance(completion, str) and not cfg.chat_template:
             return self._text_pair(prompt, completion)
@@ -139,7 +139,8 @@ class RowTokenizer:
 
     def _conversation(self, given: Any, messages: Messages, first_trained: int) -> SFTRow:
         """A conversation through the chat template; targets on the assistant turns from
-        `first_trained` on (every token without completion_only)."""
+        `first_trained` on (every token without completion_only). `given`: the dataset's prompt (None:
+        the conversation before its last answer)."""
         tokenizer = self.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise RecipeError("data: conversations need a chat template, and the tokenizer has none")
@@ -160,7 +161,8 @@ class RowTokenizer:
             targets = tuple(m and start >= trained_from for m, (start, _) in zip(marked, encoded["offset_mapping"]))
             if not any(targets):
                 raise PromptProblem(NO_TARGET)
-        return SFTRow(ids, targets, given, prompt_ids, messages[last]["content"])
+        prompt = given if given is not None else messages[:last]
+        return SFTRow(ids, targets, prompt, prompt_ids, messages[last]["content"])
 
     def _assistant_tokens(self, messages: Messages, text: str, offsets: list[tuple[int, int]]) -> list[bool]:
         """Whether each token of the rendered conversation belongs to an assistant turn."""
