@@ -18,6 +18,7 @@ import torch
 
 from lora_ppo import checkpoint
 from lora_ppo.config import recipe_to_yaml, with_absolute_paths
+from lora_ppo.data import PromptStream
 from lora_ppo.memory import run_peak_gb
 from lora_ppo.model import load_tokenizer
 from lora_ppo.parts import seed_everything
@@ -36,9 +37,9 @@ class AdapterTrainer:
     or an `SFTRecipe`: sections model, adapter, data, train).
 
     A stage's `__init__` calls this one (the run folder is checked, the seed set, the tokenizer
-    loaded), loads its rows and model, then calls `start_training`. It defines `train_step` (one
-    optimizer step -> its metrics, `time/step` among them), `evaluate` (held-out scores), and the
-    hooks below.
+    loaded), loads its rows and model, then calls `start_training` with them. It defines
+    `train_step` (one optimizer step over the next rows of `self.stream` -> its metrics,
+    `time/step` among them), `evaluate` (held-out scores), and the hooks below.
 
     Args:
         recipe: a validated recipe.
@@ -47,6 +48,7 @@ class AdapterTrainer:
     """
 
     label = "train"  # the progress bar's
+    what, unit = "an adapter", "rows"  # what the command says it trains, on how many of what
     adapters: tuple[str, ...] = ()  # the adapters a checkpoint saves
     eval_metric = "eval/{}"  # the name of a held-out score in metrics.jsonl
 
@@ -62,13 +64,15 @@ class AdapterTrainer:
         self.tokenizer = load_tokenizer(recipe.model)
         self.state = AdapterTrainState()
 
-    def start_training(self, model: Backbone, parameters: list[torch.nn.Parameter], rows: int) -> None:
-        """AdamW over `parameters`, the learning-rate schedule over the steps `rows` training rows
-        take, and with `--resume` the checkpoint's state, once the stage has its rows and model."""
+    def start_training(self, model: Backbone, parameters: list[torch.nn.Parameter], rows: list) -> None:
+        """The seeded order of the training `rows` (`self.stream`), AdamW over `parameters`, the
+        learning-rate schedule over the steps the rows take, and with `--resume` the checkpoint's
+        state, once the stage has its rows and model."""
         r = self.recipe.train
         self.model = model
+        self.stream = PromptStream(rows, r.seed)
         self.optimizer = torch.optim.AdamW(parameters, lr=r.learning_rate, weight_decay=0.0)
-        self.total_steps = math.ceil(rows * r.epochs / r.batch_size)
+        self.total_steps = math.ceil(len(rows) * r.epochs / r.batch_size)
         self.scheduler = None
         if r.lr_schedule == "linear":
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -1,5 +1,6 @@
 """Datasets that ship with lora_ppo (`builtin:<name>` in data.source): movie review openers for
-the quickstart, and arithmetic questions with their answers for the verifiable-reward task.
+the quickstart, arithmetic questions with their answers for the verifiable-reward task, and the
+same questions as demonstrations and preference pairs for the offline pipeline (docs/pipeline.md).
 
 Each is a list of rows (dicts) per split, like a Hugging Face dataset; arithmetic takes a config
 name (data.name) for its difficulty and is generated deterministically, so every machine trains
@@ -58,15 +59,55 @@ _ARITHMETIC_SEED = 20261123
 def arithmetic(name: Optional[str], split: str) -> Rows:
     """Questions such as "What is 47 + 385?" with an `answer` column ("432"). Subtractions never go
     below zero, and the test split holds no problem of the train split."""
+    return [{"prompt": question, "answer": str(result)}
+            for question, _, result in _arithmetic_questions("arithmetic", name, split)]
+
+
+def _arithmetic_questions(dataset: str, name: Optional[str], split: str) -> list[tuple[str, str, int]]:
+    """(question, the sum written out as `47 + 385`, its result) for each problem of a split."""
     config = name or ARITHMETIC_DEFAULT
     if config not in ARITHMETIC_CONFIGS:
-        raise RecipeError(f"data.name: builtin:arithmetic has no config {config!r} (known: {', '.join(ARITHMETIC_CONFIGS)})")
+        raise RecipeError(f"data.name: builtin:{dataset} has no config {config!r} (known: {', '.join(ARITHMETIC_CONFIGS)})")
     if split not in ARITHMETIC_SPLITS:
-        raise RecipeError(f"data.split: builtin:arithmetic has no split {split!r} (known: {', '.join(ARITHMETIC_SPLITS)})")
+        raise RecipeError(f"data.split: builtin:{dataset} has no split {split!r} (known: {', '.join(ARITHMETIC_SPLITS)})")
     rng = random.Random(f"{_ARITHMETIC_SEED}-{config}")
     problems = _arithmetic_problems(ARITHMETIC_CONFIGS[config], rng)
-    return [{"prompt": rng.choice(ARITHMETIC_TEMPLATES).format(a=a, op=op, b=b), "answer": str(a + b if op == "+" else a - b)}
+    return [(rng.choice(ARITHMETIC_TEMPLATES).format(a=a, op=op, b=b), f"{a} {op} {b}", a + b if op == "+" else a - b)
             for a, op, b in problems[split]]
+
+
+def worked_answer(written: str, result: int) -> str:
+    """An answer in the GSM8K style the pipeline teaches: the sum worked out, then `#### N`."""
+    return f"{written} = {result}\n#### {result}"
+
+
+def arithmetic_sft(name: Optional[str], split: str) -> Rows:
+    """builtin:arithmetic's questions as conversations a supervised stage learns from: the question
+    as the user's turn, its worked answer (`7 + 5 = 12` then `#### 12`) as the assistant's, and the
+    `answer` column. Same configs and splits, so no test problem is ever trained on."""
+    return [{"messages": [{"role": "user", "content": question},
+                          {"role": "assistant", "content": worked_answer(written, result)}],
+             "answer": str(result)}
+            for question, written, result in _arithmetic_questions("arithmetic_sft", name, split)]
+
+
+# Wrong answers a preference pair holds against the right one: this far off (never below zero).
+ARITHMETIC_MISSES = (-2, -1, 1, 2, 10)
+ARITHMETIC_PAIRS_PER_QUESTION = 2
+
+
+def arithmetic_preferences(name: Optional[str], split: str) -> Rows:
+    """Preference pairs on builtin:arithmetic's questions: the right worked answer chosen, a wrong one
+    in the same format (off by one, two or ten, seeded) rejected; two pairs per question. A reward
+    adapter trained on them prefers correct answers, which PPO then optimises."""
+    rng = random.Random(f"{_ARITHMETIC_SEED}-preferences-{name}-{split}")
+    rows = []
+    for question, written, result in _arithmetic_questions("arithmetic_preferences", name, split):
+        misses = [m for m in ARITHMETIC_MISSES if result + m >= 0]
+        for miss in rng.sample(misses, ARITHMETIC_PAIRS_PER_QUESTION):
+            rows.append({"prompt": question, "chosen": worked_answer(written, result),
+                         "rejected": worked_answer(written, result + miss), "answer": str(result)})
+    return rows
 
 
 def _arithmetic_problems(spec: dict, rng: random.Random) -> dict[str, list[tuple[int, str, int]]]:
@@ -107,4 +148,6 @@ BUILTIN_DATASETS: dict[str, Callable[[Optional[str], str], Rows]] = {
     "movie_review_openers": movie_review_openers,
     "movie_review_openers_heldout": movie_review_openers_heldout,
     "arithmetic": arithmetic,
+    "arithmetic_sft": arithmetic_sft,
+    "arithmetic_preferences": arithmetic_preferences,
 }

@@ -162,26 +162,14 @@ def train_reward(
     ),
 ) -> None:
     """Train a reward adapter on preference pairs, on the base model PPO will use."""
-    from lora_ppo.config import RewardRecipe, with_absolute_paths
-    from lora_ppo.distributed import launched_processes
+    from lora_ppo.config import RewardRecipe
 
-    if launched_processes() > 1:  # every process would write the same run folder
-        _fail(f"train-reward runs in one process; it was launched in {launched_processes()}")
+    def trainer_and_summary():
+        from lora_ppo.reward_training import RewardTrainer, format_reward_summary
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = with_absolute_paths(_load_recipe(recipe, _in_moved_run(recipe, overrides, resume), RewardRecipe),
-                              recipe.resolve().parent)
-    _quiet_libraries()
-    from lora_ppo.reward_training import RewardTrainer, format_reward_summary
+        return RewardTrainer, format_reward_summary
 
-    def start(progress: bool):
-        trainer = RewardTrainer(cfg, progress=progress, resume=resume)
-        typer.echo(f"training a reward adapter on {cfg.model.name} ({cfg.model.quantization}) for "
-                   f"{trainer.total_steps} steps{_resumed(trainer)} on {len(trainer.train_pairs.pairs)} pairs "
-                   f"-> {cfg.train.output_dir}", err=True)
-        return trainer
-
-    _run("train-reward", recipe, overrides, start, format_reward_summary, progress=not no_progress)
+    _one_adapter_stage("train-reward", recipe, overrides, no_progress, resume, RewardRecipe, trainer_and_summary)
 
 
 @app.command("train-sft")
@@ -194,26 +182,40 @@ def train_sft(
     ),
 ) -> None:
     """Train a policy adapter on demonstrations (supervised), on the base model PPO will start from."""
-    from lora_ppo.config import SFTRecipe, with_absolute_paths
+    from lora_ppo.config import SFTRecipe
+
+    def trainer_and_summary():
+        from lora_ppo.sft.trainer import SFTTrainer, format_sft_summary
+
+        return SFTTrainer, format_sft_summary
+
+    _one_adapter_stage("train-sft", recipe, overrides, no_progress, resume, SFTRecipe, trainer_and_summary)
+
+
+def _one_adapter_stage(command: str, recipe: Path, overrides: Optional[List[str]], no_progress: bool,
+                       resume: Optional[str], schema, trainer_and_summary) -> None:
+    """`train-reward` and `train-sft`: one process, the recipe resolved, then the stage's trainer
+    (imported by `trainer_and_summary` once the recipe is good) built and run."""
+    from lora_ppo.config import with_absolute_paths
     from lora_ppo.distributed import launched_processes
 
     if launched_processes() > 1:  # every process would write the same run folder
-        _fail(f"train-sft runs in one process; it was launched in {launched_processes()}")
+        _fail(f"{command} runs in one process; it was launched in {launched_processes()}")
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = with_absolute_paths(_load_recipe(recipe, _in_moved_run(recipe, overrides, resume), SFTRecipe),
+    cfg = with_absolute_paths(_load_recipe(recipe, _in_moved_run(recipe, overrides, resume), schema),
                               recipe.resolve().parent)
     _quiet_libraries()
-    from lora_ppo.sft.trainer import SFTTrainer, format_sft_summary
+    trainer_type, summarise = trainer_and_summary()
 
     def start(progress: bool):
-        trainer = SFTTrainer(cfg, progress=progress, resume=resume)
-        typer.echo(f"training a policy adapter on {cfg.model.name} ({cfg.model.quantization}) for "
-                   f"{trainer.total_steps} steps{_resumed(trainer)} on {len(trainer.train_rows.rows)} rows "
+        trainer = trainer_type(cfg, progress=progress, resume=resume)
+        typer.echo(f"training {trainer.what} on {cfg.model.name} ({cfg.model.quantization}) for "
+                   f"{trainer.total_steps} steps{_resumed(trainer)} on {len(trainer.stream.rows)} {trainer.unit} "
                    f"-> {cfg.train.output_dir}", err=True)
         return trainer
 
-    _run("train-sft", recipe, overrides, start, format_sft_summary, progress=not no_progress)
+    _run(command, recipe, overrides, start, summarise, progress=not no_progress)
 
 
 def _resumed(trainer) -> str:

@@ -909,8 +909,9 @@ class SFTConfig(Section):
     """The longest packed sequence in tokens (at least `data.max_length`); null: `data.max_length`."""
 
 
-class SFTTrainConfig(Section):
-    """How long and how fast the adapter trains, and what the run writes."""
+class SFTTrainConfig(RewardTrainConfig):
+    """How long and how fast the adapter trains, and what the run writes (checkpoints, logging and
+    trackers as `train-reward`'s)."""
 
     epochs: int = Field(1, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """Passes over the training rows."""
@@ -922,8 +923,6 @@ class SFTTrainConfig(Section):
     """
     learning_rate: float = Field(2e-4, gt=0.0)
     """AdamW learning rate of the adapter (a usual LoRA SFT value)."""
-    lr_schedule: Literal["constant", "linear"] = "linear"
-    """`linear`: decay to 0 over the run; `constant`."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Gradient clipping of the adapter."""
     seed: int = Field(0, ge=0, lt=2**63)
@@ -931,25 +930,8 @@ class SFTTrainConfig(Section):
     output_dir: str = Field("runs/sft", json_schema_extra=MAY_CHANGE_ON_RESUME)
     """The folder everything the run writes goes to; the adapter ends in `final/policy` (a run folder moved
     elsewhere resumes there)."""
-    overwrite: bool = Field(False, json_schema_extra=MAY_CHANGE_ON_RESUME)
-    """Start over in a folder that already holds a run (the old run is moved aside, never deleted)."""
     eval_every: int = Field(50, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """Measure the held-out loss every N steps (and before and after training); 0: only then."""
-    save_every: int = Field(0, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
-    """Save a full-state checkpoint to `checkpoints/step-N/` every N steps; 0: only at the end."""
-    keep_last: int = Field(3, ge=1, json_schema_extra=MAY_CHANGE_ON_RESUME)
-    """Full-state checkpoints kept under `checkpoints/`."""
-    log_every: int = Field(10, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
-    """Print a log line every N steps when there is no progress bar."""
-    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field([], json_schema_extra=MAY_CHANGE_ON_RESUME)
-    """Trackers that receive every step's metrics and the resolved recipe, as in a PPO recipe's
-    `train.report_to`; metrics.jsonl is written whatever this says.
-    """
-
-    @model_validator(mode="after")
-    def _accumulation(self) -> "SFTTrainConfig":
-        check_accumulation(self.batch_size, self.grad_accum_steps)
-        return self
 
 
 class SFTRecipe(Section):

@@ -194,6 +194,22 @@ class PromptProblem(ValueError):
     """Why one row cannot be a prompt (one of the reason names above)."""
 
 
+def checked_messages(value: Any) -> Messages:
+    """A conversation as plain `{role, content}` messages; raises PromptProblem for one that is not a
+    list of messages with known roles."""
+    if not isinstance(value, list):
+        raise PromptProblem(NOT_TEXT)
+    if not value:
+        raise PromptProblem(EMPTY)
+    for message in value:
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise PromptProblem(BAD_MESSAGE)
+        if message["role"] not in ROLES:
+            raise PromptProblem(UNKNOWN_ROLE)
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
 class PromptFormat:
     """How a dataset's prompt becomes what the policy sees. A conversation (a list of {role,
     content} messages) always goes through the tokenizer's chat template with the generation
@@ -233,19 +249,10 @@ class PromptFormat:
                                       "data.chat_template: true")
                 return None
             return self._with_system([{"role": "user", "content": prompt}])
-        if not isinstance(prompt, list):
-            raise PromptProblem(NOT_TEXT)
-        if not prompt:
-            raise PromptProblem(EMPTY)
-        for message in prompt:
-            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), str)):
-                raise PromptProblem(BAD_MESSAGE)
-            if message["role"] not in ROLES:
-                raise PromptProblem(UNKNOWN_ROLE)
-        if prompt[-1]["role"] == "assistant":
+        messages = checked_messages(prompt)
+        if messages[-1]["role"] == "assistant":
             raise PromptProblem(ASSISTANT_LAST)
-        return self._with_system([{"role": m["role"], "content": m["content"]} for m in prompt])
+        return self._with_system(messages)
 
     def _with_system(self, messages: Messages) -> Messages:
         if self.system_prompt and messages[0]["role"] != "system":

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from lora_ppo.adapter_training import AdapterTrainer
 from lora_ppo.builtin_model import portable_name
 from lora_ppo.config import RewardRecipe
-from lora_ppo.data import PreferencePair, PromptStream, load_preference_sets
+from lora_ppo.data import PreferencePair, load_preference_sets
 from lora_ppo.memory import run_peak_gb
 from lora_ppo.model import dequantized_once, load_base_model
 from lora_ppo.roles import REWARD, RewardModel
@@ -60,6 +60,7 @@ class RewardTrainer(AdapterTrainer):
     """
 
     label = "reward"
+    what, unit = "a reward adapter", "pairs"  # what the command says it trains, on how many what
     adapters = (REWARD,)
 
     def __init__(self, recipe: RewardRecipe, progress: bool = True, resume: Optional[str | Path] = None):
@@ -68,8 +69,7 @@ class RewardTrainer(AdapterTrainer):
         # Data before weights: a bad dataset fails in seconds.
         self.train_pairs, self.eval_pairs = load_preference_sets(recipe.data, self.tokenizer, recipe.train.seed)
         model = RewardModel(load_base_model(recipe.model), recipe.adapter, portable_name(recipe.model.name))
-        self.stream = PromptStream(self.train_pairs.pairs, recipe.train.seed)
-        self.start_training(model, model.parameters(), len(self.train_pairs.pairs))
+        self.start_training(model, model.parameters(), self.train_pairs.pairs)
 
     def before_training(self) -> None:
         if self.train_pairs.dropped:

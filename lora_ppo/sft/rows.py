@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lora_ppo.config import SFTConfig, SFTDataConfig
-from lora_ppo.data import (BAD_MESSAGE, EMPTY, NOT_TEXT, ROLES, TOO_LONG, UNKNOWN_ROLE, MAX_HELD_OUT_PAIR_SHARE,
-                           Messages, PromptFormat, PromptProblem, load_rows, split_off)
+from lora_ppo.data import (EMPTY, MAX_HELD_OUT_PAIR_SHARE, NOT_TEXT, TOO_LONG, Messages, PromptFormat, PromptProblem,
+                           checked_messages, load_rows, split_off)
 from lora_ppo.errors import RecipeError
 
 log = logging.getLogger(__name__)
@@ -77,24 +77,9 @@ def _text(value: Any) -> str:
     return value
 
 
-def _checked_messages(value: Any) -> Messages:
-    """A conversation's messages as `{role, content}` dicts; raises PromptProblem for a bad one."""
-    if not isinstance(value, list):
-        raise PromptProblem(NOT_TEXT)
-    if not value:
-        raise PromptProblem(EMPTY)
-    for message in value:
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise PromptProblem(BAD_MESSAGE)
-        if message["role"] not in ROLES:
-            raise PromptProblem(UNKNOWN_ROLE)
-    return [{"role": m["role"], "content": m["content"]} for m in value]
-
-
 def _as_turns(value: Any, role: str) -> Messages:
     """Text as one message of `role`, or messages as they are."""
-    return [{"role": role, "content": _text(value)}] if isinstance(value, str) else _checked_messages(value)
+    return [{"role": role, "content": _text(value)}] if isinstance(value, str) else checked_messages(value)
 
 
 class RowTokenizer:
@@ -113,7 +98,7 @@ class RowTokenizer:
             ids += self.stop if ids[-1:] != self.stop else ()
             return SFTRow(ids, (False,) + (True,) * (len(ids) - 1))
         if self.format == "messages":
-            messages = self._with_system(_checked_messages(row.get(cfg.messages_column)))
+            messages = self._with_system(checked_messages(row.get(cfg.messages_column)))
             return self._conversation(None, messages, first_trained=0)
         prompt, completion = row.get(cfg.prompt_column), row.get(cfg.completion_column)
         if isinstance(prompt, str) and isinstance(completion, str) and not cfg.chat_template:

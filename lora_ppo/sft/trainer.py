@@ -17,7 +17,6 @@ import torch
 from lora_ppo.adapter_training import AdapterTrainer
 from lora_ppo.builtin_model import portable_name
 from lora_ppo.config import SFTRecipe
-from lora_ppo.data import PromptStream
 from lora_ppo.memory import run_peak_gb
 from lora_ppo.model import check_row_length, dequantized_once, load_base_model
 from lora_ppo.roles import POLICY
@@ -48,6 +47,7 @@ class SFTTrainer(AdapterTrainer):
     """
 
     label = "sft"
+    what, unit = "a policy adapter", "rows"  # what the command says it trains, on how many what
     adapters = (POLICY,)
     eval_metric = "sft/eval_{}"
 
@@ -60,8 +60,7 @@ class SFTTrainer(AdapterTrainer):
         model = SFTModel(load_base_model(recipe.model), recipe.adapter, portable_name(recipe.model.name))
         if recipe.sft.packing:
             model.check_packing()
-        self.stream = PromptStream(self.train_rows.rows, recipe.train.seed)
-        self.start_training(model, model.parameters(), len(self.train_rows.rows))
+        self.start_training(model, model.parameters(), self.train_rows.rows)
 
     def batch(self, rows: Sequence[SFTRow]) -> Batch:
         """`rows` as model input: packed when the recipe says so, else one padded row per sequence."""
