@@ -91,22 +91,22 @@ def arithmetic_sft(name: Optional[str], split: str) -> Rows:
             for question, written, result in _arithmetic_questions("arithmetic_sft", name, split)]
 
 
-# Wrong answers a preference pair holds against the right one: this far off (never below zero).
+# How far off the wrong answer of a preference pair is (never below zero).
 ARITHMETIC_MISSES = (-2, -1, 1, 2, 10)
-ARITHMETIC_PAIRS_PER_QUESTION = 2
 
 
 def arithmetic_preferences(name: Optional[str], split: str) -> Rows:
-    """Preference pairs on builtin:arithmetic's questions: the right worked answer chosen, a wrong one
-    in the same format (off by one, two or ten, seeded) rejected; two pairs per question. A reward
-    adapter trained on them prefers correct answers, which PPO then optimises."""
+    """Preference pairs on builtin:arithmetic's questions, two per question, the right worked answer
+    (`7 + 5 = 12` then `#### 12`) chosen each time: against a wrong one in the same format (off by
+    one, two or ten, seeded), and against the right number without the `####` line (`7 + 5 is
+    12.`). What a reward adapter learns from them prefers answers that are right and marked."""
     rng = random.Random(f"{_ARITHMETIC_SEED}-preferences-{name}-{split}")
     rows = []
     for question, written, result in _arithmetic_questions("arithmetic_preferences", name, split):
-        misses = [m for m in ARITHMETIC_MISSES if result + m >= 0]
-        for miss in rng.sample(misses, ARITHMETIC_PAIRS_PER_QUESTION):
-            rows.append({"prompt": question, "chosen": worked_answer(written, result),
-                         "rejected": worked_answer(written, result + miss), "answer": str(result)})
+        miss = rng.choice([m for m in ARITHMETIC_MISSES if result + m >= 0])
+        for rejected in (worked_answer(written, result + miss), f"{written} is {result}."):
+            rows.append({"prompt": question, "chosen": worked_answer(written, result), "rejected": rejected,
+                         "answer": str(result)})
     return rows
 
 
