@@ -7,12 +7,13 @@ evaluation.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -20,7 +21,7 @@ from lora_ppo import checkpoint
 from lora_ppo.config import recipe_to_yaml, with_absolute_paths
 from lora_ppo.data import PromptStream
 from lora_ppo.memory import run_peak_gb
-from lora_ppo.model import load_tokenizer
+from lora_ppo.model import dequantized_once, load_tokenizer
 from lora_ppo.parts import seed_everything
 from lora_ppo.progress import LineProgress
 from lora_ppo.roles import Backbone
@@ -181,6 +182,24 @@ class AdapterTrainer:
         if state.step % r.log_every == 0 and not self.progress:
             print(f"step {state.step}/{self.total_steps}  " + "".join(f"{k} {v}  " for k, v in shown.items())
                   + f"{metrics['time/step']:.1f}s", file=sys.stderr)
+
+    def next_rows(self) -> tuple[list, list[list]]:
+        """The step's `train.batch_size` rows in the seeded order (the position moves on), and the
+        same rows as `train.grad_accum_steps` micro-batches."""
+        r = self.recipe.train
+        rows, self.state.position = self.stream.take(r.batch_size, self.state.position)
+        micro = r.batch_size // r.grad_accum_steps
+        return rows, [rows[start : start + micro] for start in range(0, len(rows), micro)]
+
+    @contextlib.contextmanager
+    def training_pass(self) -> Iterator[None]:
+        """Around a step's forwards and backwards: gradients cleared, the 4-bit layers dequantized
+        once (`model.dequantize_per_step`), gradient checkpointing as the recipe says, dropout on."""
+        self.optimizer.zero_grad(set_to_none=True)
+        model, cfg = self.model, self.recipe.model
+        with dequantized_once(model.peft, cfg), model.gradient_checkpointing(cfg.gradient_checkpointing), \
+                model.training_mode():
+            yield
 
     def step_optimizer(self, parameters: list[torch.nn.Parameter]) -> dict[str, float]:
         """Clip the gradients of `parameters` (the step's backward done), step the optimizer and the

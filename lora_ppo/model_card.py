@@ -12,7 +12,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from lora_ppo.builtin_model import BUILTIN_MODELS
-from lora_ppo.config import BUILTIN_PREFIX
+from lora_ppo.config import BUILTIN_PREFIX, SFTRecipe
 from lora_ppo.parity import ParityReport
 from lora_ppo.roles import HEAD_FILES
 from lora_ppo.run_dir import Checkpoint
@@ -65,7 +65,7 @@ def merged_card(checkpoint: Checkpoint, recipe, base: str, dtype: str, parity: O
         'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")',
         'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
     ]
-    return _card(checkpoint, recipe, "transformers", "# PPO-trained policy, merged", what, use)
+    return _card(checkpoint, recipe, "transformers", f"# {_stage(recipe)}-trained policy, merged", what, use)
 
 
 def adapter_card(checkpoint: Checkpoint, recipe, adapter: str) -> ModelCard:
@@ -104,8 +104,13 @@ def adapter_card(checkpoint: Checkpoint, recipe, adapter: str) -> ModelCard:
             "hidden = model.get_base_model().get_decoder()(input_ids).last_hidden_state",
             read,
         ]
-    trained = "reward" if adapter == "reward" else f"PPO-trained {adapter}"
+    trained = "reward" if adapter == "reward" else f"{_stage(recipe)}-trained {adapter}"
     return _card(checkpoint, recipe, "peft", f"# {trained} adapter", what, use)
+
+
+def _stage(recipe) -> str:
+    """What trained a policy adapter: supervised fine-tuning (`train-sft`) or PPO."""
+    return "SFT" if isinstance(recipe, SFTRecipe) else "PPO"
 
 
 def _card(checkpoint: Checkpoint, recipe, library: str, title: str, what: list[str],

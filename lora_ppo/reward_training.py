@@ -87,16 +87,11 @@ class RewardTrainer(AdapterTrainer):
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over `train.batch_size` pairs, in `train.grad_accum_steps` micro-batches."""
-        r, state = self.recipe, self.state
         t0 = time.perf_counter()
-        pairs, state.position = self.stream.take(r.train.batch_size, state.position)
-        micro = r.train.batch_size // r.train.grad_accum_steps
+        pairs, micro_batches = self.next_rows()
         totals = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0}
-        self.optimizer.zero_grad(set_to_none=True)
-        with dequantized_once(self.model.peft, r.model), self.model.gradient_checkpointing(r.model.gradient_checkpointing), \
-                self.model.training_mode():
-            for start in range(0, len(pairs), micro):
-                chunk = pairs[start : start + micro]
+        with self.training_pass():
+            for chunk in micro_batches:
                 chosen, rejected = self._scores(chunk)
                 margin = torch.tensor([p.margin for p in chunk], device=chosen.device)
                 # Summed over pairs and divided by the whole batch: micro-batches add up to it.
@@ -107,7 +102,7 @@ class RewardTrainer(AdapterTrainer):
                 totals["margin"] += float((chosen - rejected).sum()) / len(pairs)
         stepped = self.step_optimizer(self.model.parameters())
         seconds = time.perf_counter() - t0
-        return {"step": state.step, **totals, **stepped, "time/step": seconds, "memory/peak_gb": run_peak_gb()}
+        return {"step": self.state.step, **totals, **stepped, "time/step": seconds, "memory/peak_gb": run_peak_gb()}
 
     def _scores(self, pairs: list[PreferencePair]) -> tuple[torch.Tensor, torch.Tensor]:
         ids, mask = pair_batch(pairs, self.tokenizer.pad_token_id, self.device)

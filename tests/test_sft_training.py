@@ -136,6 +136,7 @@ def test_merge_and_export_merges_an_sft_run(sft_run, tmp_path):
 
     report = merge_and_export(sft_run, tmp_path / "merged")
     assert report.parity.passed and (tmp_path / "merged" / "config.json").is_file()
+    assert "# SFT-trained policy, merged" in (tmp_path / "merged" / "README.md").read_text()
 
 
 def test_report_shows_the_loss_and_the_samples_before_and_after(sft_run, tmp_path):

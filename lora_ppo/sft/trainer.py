@@ -87,19 +87,15 @@ class SFTTrainer(AdapterTrainer):
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over `train.batch_size` rows, in `train.grad_accum_steps` micro-batches."""
-        r, state = self.recipe, self.state
         t0 = time.perf_counter()
-        rows, state.position = self.stream.take(r.train.batch_size, state.position)
-        micro = r.train.batch_size // r.train.grad_accum_steps
+        rows, micro_batches = self.next_rows()
         # Summed over the step's target tokens and divided by their number: micro-batches (and
         # packed or padded layouts) add up to the same loss and gradients.
         targets = sum(row.target_count for row in rows)
         loss_sum, positions = 0.0, 0
-        self.optimizer.zero_grad(set_to_none=True)
-        with dequantized_once(self.model.peft, r.model), self.model.gradient_checkpointing(r.model.gradient_checkpointing), \
-                self.model.training_mode():
-            for start in range(0, len(rows), micro):
-                batch = self.batch(rows[start : start + micro])
+        with self.training_pass():
+            for chunk in micro_batches:
+                batch = self.batch(chunk)
                 loss = -self.model.target_logprobs(batch).sum() / targets
                 loss.backward()
                 loss_sum += float(loss.detach())
@@ -107,7 +103,7 @@ class SFTTrainer(AdapterTrainer):
         stepped = self.step_optimizer(self.model.parameters())
         tokens = sum(len(row.ids) for row in rows)
         seconds = time.perf_counter() - t0
-        return {"step": state.step, "sft/loss": loss_sum, "sft/perplexity": perplexity(loss_sum),
+        return {"step": self.state.step, "sft/loss": loss_sum, "sft/perplexity": perplexity(loss_sum),
                 "sft/target_tokens": targets, "sft/tokens": tokens, "sft/padding_frac": 1.0 - tokens / positions,
                 **stepped, "time/step": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
                 "memory/peak_gb": run_peak_gb()}
