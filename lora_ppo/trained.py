@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from lora_ppo import checkpoint
 from lora_ppo.agents.episodes import run_episodes, transcript_text
-from lora_ppo.config import Recipe, load_recipe
+from lora_ppo.config import Recipe, SFTRecipe, load_recipe
 from lora_ppo.data import PromptRow, load_rows, prepare_rows, text_prompt_format
 from lora_ppo.errors import RecipeError
 from lora_ppo.evaluation import Evaluation
@@ -43,7 +43,8 @@ def load_trained(source: str | Path) -> Trained:
     found = find_checkpoint(source)
     recipe = load_recipe(found.run.recipe, schema=None)
     if not isinstance(recipe, Recipe):
-        raise RecipeError(f"{source}: a reward-model run; eval and generate take a PPO run")
+        kind = "an SFT" if isinstance(recipe, SFTRecipe) else "a reward-model"
+        raise RecipeError(f"{source}: {kind} run; eval and generate take a PPO run")
     parts = build(recipe)
     checkpoint.load_adapters(found.folder, parts.roles, (POLICY,))
     return Trained(recipe, found.folder, found.step, parts)

@@ -106,6 +106,49 @@ def test_resume_mid_run_ends_as_an_uninterrupted_run(tmp_path, tiny_model_dir, s
     assert len(deterministic_metrics(tmp_path / "whole")) == 8
 
 
+def test_ctrl_c_saves_a_checkpoint_after_the_step_and_says_how_to_resume(tmp_path, tiny_model_dir, sft_data,
+                                                                        monkeypatch):
+    """The first Ctrl-C (SIGINT, sent here from inside step 2) lets the step finish, saves
+    checkpoints/step-2 and exits 130 with the command that resumes; eval and generate refuse the run
+    in one line."""
+    import os
+    import signal
+
+    real_step = SFTTrainer.train_step
+
+    def interrupted_in_step_2(self):
+        if self.state.step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(self)
+
+    monkeypatch.setattr(SFTTrainer, "train_step", interrupted_in_step_2)
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text(yaml.safe_dump(sft_recipe_dict(tiny_model_dir, *sft_data, tmp_path / "run", eval_every=0)))
+    result = CliRunner().invoke(app, ["train-sft", str(recipe), "--no-progress"])
+    assert result.exit_code == 130, result.output
+    assert "interrupted at step 2: checkpoint saved to" in result.stderr
+    assert f"resume with: lora-ppo train-sft {recipe} --resume auto" in result.stderr
+    assert (tmp_path / "run" / "checkpoints" / "step-2" / "manifest.json").is_file()
+    refused = CliRunner().invoke(app, ["eval", str(tmp_path / "run" / "checkpoints" / "step-2")])
+    assert refused.exit_code == 2 and refused.stderr.strip().endswith("an SFT run; eval and generate take a PPO run")
+
+
+def test_trackers_and_counted_long_rows(tmp_path, tiny_model_dir, sft_data, caplog):
+    """train.report_to sends the steps to TensorBoard, as a PPO run's; truncated rows are counted in
+    the log, never silently."""
+    import logging
+
+    rows = demonstration_rows(16) + [{"prompt": "Review 99: the film was", "completion": " great and" * 30}]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    recipe = sft_recipe_dict(tiny_model_dir, data, sft_data[1], tmp_path / "run", epochs=1,
+                             report_to=["tensorboard"])
+    recipe["data"]["too_long"] = "truncate"
+    with caplog.at_level(logging.WARNING, logger="lora_ppo.sft.trainer"):
+        SFTTrainer(recipe_from_dict(recipe, schema=SFTRecipe), progress=False).train()
+    assert f"truncated 1 training rows from {data} to data.max_length (48 tokens)" in caplog.text
+    assert list((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents.*"))
+
+
 @pytest.mark.parametrize("reference", ["auto", "run"])
 def test_ppo_starts_from_the_sft_run_and_its_first_kl_to_it_is_zero(tmp_path, tiny_model_dir, sft_run, reference):
     """adapters.policy.init_from (and adapters.reference) name the SFT run folder: the policy and the
