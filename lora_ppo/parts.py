@@ -21,6 +21,7 @@ from lora_ppo.model import check_context, dequantized_once, load_base_model, loa
 from lora_ppo.quantization import compute_dtype
 from lora_ppo.rewards import RewardSources, build_reward_sources, check_reward_columns
 from lora_ppo.evaluation import Evaluation, evaluate
+from lora_ppo.library_notices import quiet_loading
 from lora_ppo.roles import RoleModel
 from lora_ppo.rollout import Sampler
 
@@ -87,10 +88,12 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
     if not recipe.adapters.reference_enabled:
         log.warning("adapters.reference is 'none': no KL penalty; the policy may drift far from the base model")
     reward_adapter = None if reward_fn is not None else recipe.reward.adapter_path
-    roles = RoleModel(load_base_model(recipe.model), recipe.adapters, with_value=recipe.uses_critic,
-                      reward_adapter=reward_adapter, base_name=portable_name(recipe.model.name))
-    # After the roles: a reward adapter lives on their backbone, and a classifier loads its weights.
-    rewards = build_reward_sources(recipe.reward, recipe.model, reward_fn, roles.reward_scores if reward_adapter else None)
+    with quiet_loading():  # the Python API shows what the CLI shows: no loading bar or kernel notice
+        roles = RoleModel(load_base_model(recipe.model), recipe.adapters, with_value=recipe.uses_critic,
+                          reward_adapter=reward_adapter, base_name=portable_name(recipe.model.name))
+        # After the roles: a reward adapter lives on their backbone, and a classifier loads its weights.
+        rewards = build_reward_sources(recipe.reward, recipe.model, reward_fn,
+                                       roles.reward_scores if reward_adapter else None)
     optimizer, scheduler = build_optimizer(roles, recipe.ppo, recipe.train.steps)
     return Parts(tokenizer, train_prompts, eval_prompts, rewards, roles, optimizer, scheduler, episodes)
 

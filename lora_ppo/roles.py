@@ -20,6 +20,7 @@ from lora_ppo.config import AdaptersConfig, LoraSettings, RewardAdapterSettings
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.logprobs import token_logprobs
 from lora_ppo.bnb_workarounds import eval_on_training_kernel
+from lora_ppo.library_notices import without_peft_rename_notice
 from lora_ppo.model_checks import (check_logit_path, fused_expert_parameters, logit_path_error, logit_transform_of,
                                    probe_ids)
 
@@ -225,6 +226,7 @@ class RoleModel(Backbone):
             `lora-ppo train-reward` writes it) to score with, frozen, on the same backbone.
     """
 
+    @without_peft_rename_notice
     def __init__(self, base_model, adapters: AdaptersConfig, with_value: bool = True,
                  reward_adapter: Optional[str] = None, base_name: Optional[str] = None):
         from peft import PeftModel, get_peft_model
@@ -452,6 +454,7 @@ class RewardModel(Backbone):
     """The backbone with one trainable reward adapter and its scalar head, for pairwise reward
     training (`lora-ppo train-reward`). Its saved folder is what `reward.kind: adapter` loads."""
 
+    @without_peft_rename_notice
     def __init__(self, base_model, settings: RewardAdapterSettings, base_name: Optional[str] = None):
         from peft import PeftModel, get_peft_model
 
