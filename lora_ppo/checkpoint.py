@@ -11,6 +11,7 @@ manifest.json is written last: a folder holding it is complete (`run_dir.is_chec
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -18,9 +19,10 @@ import pickle
 import random
 import shutil
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Iterator, Optional, Protocol
 
 import torch
 from safetensors import SafetensorError
@@ -85,12 +87,16 @@ def save(folder: Path, parts: Trainables, state: RunState, recipe_yaml: str,
     `keep_last` delete all but the newest `keep_last` complete checkpoints beside it.
     `process_rngs`: every process's `process_rng_state`, in rank order (default: this one's).
 
-    Raises CheckpointError (disk full, permissions); earlier checkpoints are left intact.
+    Raises DiskFullError when the free space cannot hold it (checked first, and when a write
+    fails on a full device), CheckpointError for other OSErrors (permissions); either way nothing
+    of this checkpoint is left behind and earlier checkpoints are intact.
     """
     folder = Path(folder)
     process_rngs = process_rngs or [process_rng_state(parts.generator)]
+    needed = expected_bytes(folder, parts)
+    _check_free_space(folder, needed)  # refused before a byte is written, where it cannot fit
     try:
-        with atomic_folder(folder) as staging:
+        with atomic_folder(folder) as staging, _out_of_space_named(folder, staging, needed):
             for name in parts.trained + parts.frozen:
                 parts.model.save_adapter(name, staging / name)
             torch.save(parts.optimizer.state_dict(), staging / OPTIMIZER_FILE)
@@ -111,13 +117,78 @@ def save(folder: Path, parts: Trainables, state: RunState, recipe_yaml: str,
                 "files": sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file()),
             }
             (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-    except OSError as err:
+    except OSError as err:  # a write refused (permissions), or the fsync or rename of a full device
+        if err.errno in OUT_OF_SPACE:
+            raise _no_space(folder, needed, _free_bytes(folder)) from None
         raise CheckpointError(
             f"could not save checkpoint {folder}: {err.strerror or err}; earlier checkpoints are intact"
         ) from None
     if keep_last is not None:
         prune(folder.parent, keep_last)
     return folder
+
+
+# A write that fails with less than this left free failed for want of space, whatever the writer
+# raised: torch.save says "unexpected pos" or "iostream error", safetensors its own error type.
+FULL_DISK_SLACK = 1 << 20  # bytes
+OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(CheckpointError):
+    """A checkpoint that does not fit in the free space left; nothing of it is left behind."""
+
+
+def saved_bytes(parts: Trainables) -> int:
+    """What a checkpoint of `parts` holds at least: the trained and frozen adapters with their
+    heads, and the optimizer's state (file headers, RNG and run state come on top)."""
+    trained = [p for group in parts.optimizer.param_groups for p in group["params"]]
+    frozen = [p for name in parts.frozen for p in parts.model.adapter_params(name)]
+    moments = [t for state in parts.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in trained + frozen + moments)
+
+
+def expected_bytes(folder: Path, parts: Trainables) -> int:
+    """What the checkpoint `folder` will take: as much as a complete one beside it (the same run
+    saves the same tensors), and at least `saved_bytes`."""
+    beside = [f for f in (folder.parent.iterdir() if folder.parent.is_dir() else []) if is_checkpoint(f)]
+    sizes = [sum(p.stat().st_size for p in f.rglob("*") if p.is_file()) for f in beside]
+    return max([saved_bytes(parts), *sizes])
+
+
+def _free_bytes(folder: Path) -> int:
+    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    return shutil.disk_usage(existing).free
+
+
+def _no_space(folder: Path, needed: int, free: int) -> DiskFullError:
+    return DiskFullError(
+        f"could not save checkpoint {folder}: no space left on the device; it needs about {_megabytes(needed)} "
+        f"free in {folder.parent} and {_megabytes(free)} are free; earlier checkpoints are intact (free some "
+        "space, then resume with --resume auto)")
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e3:.0f} kB" if n < 1e6 else f"{n / 1e6:.1f} MB"
+
+
+def _check_free_space(folder: Path, needed: int) -> None:
+    free = _free_bytes(folder)
+    if free < needed:
+        raise _no_space(folder, needed, free)
+
+
+@contextmanager
+def _out_of_space_named(folder: Path, staging: Path, needed: int) -> Iterator[None]:
+    """A write into `staging` that failed because the device filled up, as a DiskFullError (the
+    staging folder is then removed by atomic_folder, which this runs inside)."""
+    try:
+        yield
+    except Exception as err:
+        if not (getattr(err, "errno", None) in OUT_OF_SPACE or shutil.disk_usage(staging).free < FULL_DISK_SLACK):
+            raise
+        # measured once the staged files are gone: what the user has to work with
+        shutil.rmtree(staging, ignore_errors=True)
+        raise _no_space(folder, needed, _free_bytes(folder)) from None
 
 
 def load(folder: Path, parts: Trainables, state_type: type, world: World = World()) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -193,7 +194,7 @@ def _run(command: str, recipe: Path, overrides: Optional[List[str]], start, summ
     """Build a trainer and train, mapping failures to one line: bad input exits 2, a failure at
     run time (reward, NaN halt, checkpoint) 1, Ctrl-C 130 with the command that resumes (with
     `extra_args`). `summarise` None: print no summary or hint (a process other than the main one)."""
-    from lora_ppo.checkpoint import CheckpointError
+    from lora_ppo.checkpoint import OUT_OF_SPACE, CheckpointError, DiskFullError
     from lora_ppo.rewards import RewardError
     from lora_ppo.trainer import TrainingHalted
 
@@ -206,8 +207,15 @@ def _run(command: str, recipe: Path, overrides: Optional[List[str]], start, summ
     except RewardError as err:
         # The user's own frames (their file and line) follow the one line, never lora_ppo's.
         _fail(str(err), code=1, frames=user_frames(err, str(Path(__file__).parent)))
+    except DiskFullError as err:  # the user frees space and resumes, as with bad input
+        _fail(str(err))
     except (TrainingHalted, CheckpointError) as err:
         _fail(str(err), code=1)
+    except OSError as err:  # the run's logs on a device that filled up or became read-only
+        if err.errno not in (*OUT_OF_SPACE, errno.EROFS):
+            raise
+        _fail(f"cannot write {err.filename or 'the run folder'}: {err.strerror}; the checkpoints saved so far are "
+              "intact (resume with --resume auto once the folder can be written)")
     except KeyboardInterrupt:
         # Stopped before its first checkpoint, a run has nothing to resume: rerunning starts over.
         if summarise is not None and trainer is not None and trainer.run.has_checkpoint():

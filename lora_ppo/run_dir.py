@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -89,10 +90,12 @@ class RunDir:
         try:
             probe.write_bytes(b"lora_ppo")
         except OSError as err:
+            # On a read-only file system even removing a file that is not there fails (EROFS).
+            with contextlib.suppress(OSError):
+                probe.unlink(missing_ok=True)
             raise RecipeError(f"train.output_dir: cannot write in {str(existing)!r}: "
                               f"{err.strerror or first_line(err)}") from None
-        finally:
-            probe.unlink(missing_ok=True)
+        probe.unlink(missing_ok=True)
 
     def holds_run(self) -> bool:
         """Whether a run already wrote here (its recipe or metrics)."""
