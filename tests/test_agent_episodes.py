@@ -259,6 +259,30 @@ def test_step_refuses_mismatched_inputs_in_one_line(tmp_path, tiny_model_dir):
         t.step([[5]], [[]], [1.0])
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"scores": ["0.1", "0.2"]}, r"step: scores\[0\] is text \('0.1'\); give one finite number per response"),
+    ({"scores": [1.0, float("nan")]}, r"step: scores\[1\] is not a finite number \(nan\)"),
+    ({"action_mask": [[True, True], [False, False, False]]},
+     r"step: action_mask row 1 marks no token as the policy's: a response needs at least one action token"),
+    ({"action_mask": True}, r"step: action_mask must be one list of booleans per response \(2\), got True"),
+    ({"action_mask": [[True, True]]}, r"step: action_mask must be one list of booleans per response \(2\), got 1 rows"),
+    ({"action_mask": [[True, True], "TTF"]}, r"step: action_mask row 1 must be a list of booleans, got 'TTF'"),
+    ({"responses": [[7, 8], [9, 100_000, 2]]},
+     r"step: response 1 has the token id 100000 at position 1, outside the model's vocabulary \(ids 0 to \d+\)"),
+    ({"queries": [[5, -1], [6]]}, r"step: query 0 has the token id -1 at position 1, outside the model's vocabulary"),
+])
+def test_step_refuses_each_bad_argument_with_one_line_naming_it_and_the_row(tmp_path, tiny_model_dir, change, message):
+    """Caught before anything is scored: the step counter stays, and right input then steps."""
+    t = trainer(tmp_path, tiny_model_dir)
+    given = {"queries": [[5, 6], [6]], "responses": [[7, 8], [9, 10, 2]], "scores": [1.0, 0.0], "action_mask": None,
+             **change}
+    with pytest.raises(ValueError, match=f"^{message}"):
+        t.step(**given)
+    assert t.steps_done == 0
+    accepted = t.step([[5, 6], [6]], [[7, 8], [9, 10, 2]], [torch.tensor(1.0), 0], action_mask=[[1, 0], [True] * 3])
+    assert accepted["step"] == 1
+
+
 def test_generate_on_a_run_with_an_environment_plays_its_episodes(tmp_path, tiny_model_dir):
     """`lora-ppo generate` on a multi-turn run prints each episode's turns after the prompt:
     the policy's two turns and the environment's "again" between them."""
