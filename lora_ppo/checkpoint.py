@@ -32,7 +32,8 @@ from lora_ppo.config import Recipe, RewardRecipe, resume_differences
 from lora_ppo.distributed import World
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.roles import HEAD_FILES, Backbone
-from lora_ppo.run_dir import MANIFEST_FILE, STATE_FILE, RunDir, is_checkpoint, read_manifest
+from lora_ppo.run_dir import (MANIFEST_FILE, RECIPE_FILE, STATE_FILE, RunDir, find_run_root, is_checkpoint,
+                              read_manifest)
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
@@ -297,7 +298,10 @@ def open_run(recipe: Recipe | RewardRecipe, resume: Optional[str | Path],
     if check_taken:
         run.check_writable()
     if resume is not None:
-        return run, resolve_resume(run, resume, recipe)
+        folder = resolve_resume(run, resume, recipe)
+        if check_taken and not run.same_folder(run_of(folder, run)):
+            run.refuse_if_taken(recipe.train.overwrite)  # continued in a new folder: as a new run's
+        return run, folder
     if check_taken:
         run.refuse_if_taken(recipe.train.overwrite)
     return run, None
@@ -316,15 +320,18 @@ def resolve_resume(run: RunDir, resume: str | Path, recipe: Recipe | RewardRecip
         folder = Path(resume)
         if not is_checkpoint(folder):
             raise RecipeError(f"--resume: {folder} is not a complete checkpoint (no {MANIFEST_FILE})")
-    if not run.recipe.is_file():
-        raise RecipeError(f"--resume: {run.recipe} is missing; cannot check the recipe matches")
+    source = run_of(folder, run)
+    if not source.recipe.is_file():
+        raise RecipeError(f"--resume: {folder} has no {RECIPE_FILE} beside it (in it, its parent or grandparent), "
+                          f"nor has {run.root}: copy the checkpoint with its run folder, which records the recipe "
+                          "it trained with")
     import yaml
 
-    saved = yaml.safe_load(run.recipe.read_text(encoding="utf-8"))
+    saved = yaml.safe_load(source.recipe.read_text(encoding="utf-8"))
     differences = resume_differences(saved, recipe)
     if differences:
         raise RecipeError(
-            f"--resume: the recipe differs from the run's {run.recipe} in fields a resumed run cannot "
+            f"--resume: the recipe differs from the run's {source.recipe} in fields a resumed run cannot "
             f"change: {', '.join(differences)}"
         )
     ppo = isinstance(recipe, Recipe)
@@ -336,6 +343,12 @@ def resolve_resume(run: RunDir, resume: str | Path, recipe: Recipe | RewardRecip
                     "so this is not the run the new recipe makes from the start (with a constant schedule it is)",
                     length, before, now)
     return folder
+
+
+def run_of(checkpoint: Path, default: RunDir) -> RunDir:
+    """The run folder a checkpoint belongs to (the one holding its recipe.yaml), else `default`."""
+    root = find_run_root(checkpoint)
+    return RunDir(root) if root is not None else default
 
 
 def prune(checkpoints_dir: Path, keep_last: int) -> None:

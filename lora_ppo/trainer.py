@@ -389,7 +389,8 @@ class PPOTrainer:
 
     def _open_run_dir(self) -> None:
         lines = None if self.resume_from is None else (self.state.metrics_lines, self.state.samples_lines)
-        moved = self.run.open(self.recipe_yaml, lines)
+        resumed_run = None if self.resume_from is None else checkpoint.run_of(self.resume_from, self.run)
+        moved = self.run.open(self.recipe_yaml, lines, resumed_run)
         if moved is not None:  # train.overwrite: the old run kept, out of the way
             log.warning("%s held a run: moved it to %s", self.run.root, moved)
 

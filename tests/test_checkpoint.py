@@ -187,6 +187,30 @@ def _one_step_trainer(output_dir: Path, tiny_model_dir: Path, **train):
     return recipe, lora_ppo.PPOTrainer(recipe, progress=False)
 
 
+@pytest.mark.parametrize("checkpoint_name, kept", [("final", 3), ("checkpoints/step-2", 2)])
+def test_a_checkpoint_of_another_run_continues_in_a_new_output_dir(tmp_path, finished_run, tiny_model_dir,
+                                                                    checkpoint_name, kept):
+    """`PPOTrainer(recipe, resume=<run>/final)` with a new train.output_dir (docs/recipe.md: it may
+    change on resume): the recipe is checked against the checkpoint's own run, the new folder
+    starts with that run's lines up to the checkpoint, and the old run is left as it was."""
+    before = {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()}
+    recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(
+        tiny_model_dir, tmp_path / "branch", reward={"also_log": ["textblob"]},
+        train={"steps": 4, "sample_every": 1, "save_every": 2}))
+    trainer = lora_ppo.PPOTrainer(recipe, progress=False, resume=finished_run / checkpoint_name)
+    assert trainer.steps_done == kept
+    trainer.train()
+    old, new = deterministic_metrics(finished_run), deterministic_metrics(tmp_path / "branch")
+    assert [m["step"] for m in new] == list(range(1, 5)) and new[:kept] == old[:kept]
+    assert checkpoint.is_checkpoint(tmp_path / "branch" / "final")
+    assert {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()} == before
+
+    taken = lora_ppo.recipe_from_dict(tiny_recipe_dict(
+        tiny_model_dir, tmp_path / "branch", reward={"also_log": ["textblob"]}, train={"steps": 5}))
+    with pytest.raises(RecipeError, match="train.output_dir: .* already holds a run"):
+        lora_ppo.PPOTrainer(taken, progress=False, resume=finished_run / "final")
+
+
 def _assert_needs_more_than_is_free(message: str, folder: Path) -> None:
     found = re.fullmatch(rf"could not save checkpoint {re.escape(str(folder))}: no space left on the device; it needs "
                          rf"about (\d+) kB free in {re.escape(str(folder.parent))} and (\d+) kB are free; earlier "
