@@ -97,9 +97,12 @@ def _entropy_collapse(history, settings) -> list[Alarm]:
     entropy = _series(history, "policy/entropy")
     if not entropy or not (entropy[-1] < ENTROPY_FLOOR or entropy[-1] < ENTROPY_FRACTION * entropy[0]):
         return []
-    return [Alarm("entropy_collapse", f"the policy's entropy fell to {entropy[-1]:.3f} nats per token (from "
-                  f"{entropy[0]:.3f}): it has become nearly deterministic and stops exploring. Raise "
-                  "ppo.entropy_coef or ppo.kl_coef, or lower ppo.learning_rate.")]
+    if entropy[-1] < entropy[0]:
+        seen = f"fell to {entropy[-1]:.3f} nats per token (from {entropy[0]:.3f})"
+    else:  # low from the first step: a nearly deterministic model (or sampling settings) to start with
+        seen = f"is {entropy[-1]:.3f} nats per token, under {ENTROPY_FLOOR:g} since the first step"
+    return [Alarm("entropy_collapse", f"the policy's entropy {seen}: it has become nearly deterministic and stops "
+                  "exploring. Raise ppo.entropy_coef or ppo.kl_coef, or lower ppo.learning_rate.")]
 
 
 def _overclipping(history, settings) -> list[Alarm]:

@@ -12,7 +12,7 @@ import torch
 
 from lora_ppo.agents.environment import load_environment
 from lora_ppo.agents.episodes import EpisodeSettings
-from lora_ppo.agents.tools import load_tools, tool_schemas
+from lora_ppo.agents.tools import load_tools, template_renders_tools, tool_schemas, tools_system_message
 from lora_ppo.builtin_model import portable_name
 from lora_ppo.compiled_generation import StaticDecoder, compiled_generation_on
 from lora_ppo.config import PPOConfig, Recipe, RolloutConfig
@@ -84,7 +84,7 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
     train_prompts, eval_prompts = load_prompt_sets(recipe.data, tokenizer, recipe.train.seed)
     check_reward_columns(recipe.reward, train_prompts.columns + (["messages"] if recipe.rollout.episodic else []),
                          recipe.data.source, reward_fn)
-    episodes = episode_settings(recipe.rollout)  # imported before the weights load: a typo fails fast
+    episodes = episode_settings(recipe.rollout, tokenizer)  # imported before the weights load: a typo fails fast
     if not recipe.adapters.reference_enabled:
         log.warning("adapters.reference is 'none': no KL penalty; the policy may drift far from the base model")
     reward_adapter = None if reward_fn is not None else recipe.reward.adapter_path
@@ -98,16 +98,24 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
     return Parts(tokenizer, train_prompts, eval_prompts, rewards, roles, optimizer, scheduler, episodes)
 
 
-def episode_settings(cfg: RolloutConfig) -> Optional[EpisodeSettings]:
-    """What multi-turn episodes talk to (the environment and the tools, imported), or None."""
+def episode_settings(cfg: RolloutConfig, tokenizer) -> Optional[EpisodeSettings]:
+    """What multi-turn episodes talk to (the environment and the tools, imported), or None. Tools
+    reach the model through its chat template, or, where the template ignores `tools=`, through
+    the system message (said once in the log)."""
     if not cfg.episodic:
         return None
     tools = load_tools(cfg.tools)
+    schemas = tool_schemas(list(tools.values())) if tools else None
+    in_system = None
+    if schemas and not template_renders_tools(tokenizer, schemas):
+        in_system = tools_system_message(schemas)
+        log.info("rollout.tools: the chat template ignores tools=, so their schemas go into the system message, "
+                 "with the <tool_call> format the calls are read in (docs/agents.md)")
     return EpisodeSettings(
         max_turns=cfg.max_turns, max_episode_tokens=cfg.max_episode_tokens,
         environment=load_environment(cfg.environment) if cfg.environment else None,
         environment_name=cfg.environment or "", tools=tools,
-        tool_schemas=tool_schemas(list(tools.values())) if tools else None, tool_timeout_s=cfg.tool_timeout_s,
+        tool_schemas=schemas, tool_timeout_s=cfg.tool_timeout_s, tools_in_system=in_system,
     )
 
 

@@ -57,6 +57,12 @@ def plots_for(metrics: list[dict]) -> list[Plot]:
              (("value/explained_var", "explained variance"),), "explained variance"),
         Plot("length", "Response length and how many stop", (("response/length", "length"),), "tokens",
              (("response/stopped_frac", "stopped"),), "share stopped"),
+        # Episodes (rollout.environment / rollout.tools).
+        Plot("episode_return", "Episode return: the score plus the environment's rewards",
+             (("episode/return", "return"), ("episode/env_reward", "environment reward")), "mean per episode"),
+        Plot("episode", "Episodes: turns, tool calls and their errors, truncation",
+             (("episode/turns", "turns"), ("episode/tool_calls", "tool calls"), ("episode/tool_errors", "tool errors")),
+             "per episode", (("episode/truncated_frac", "truncated"),), "share truncated"),
         Plot("time", "Seconds per phase of a step", tuple((f"time/{p}", p) for p in PHASES), "seconds"),
         Plot("memory", "Peak memory per phase", tuple((f"memory/{p}_gb", p) for p in MEMORY_PHASES), "GB"),
         # A reward-model run (lora-ppo train-reward).

@@ -300,6 +300,10 @@ class Samples:
         """Each prompt's tokens without its left padding, as `PPOTrainer.step` takes them."""
         return [ids[mask.bool()].tolist() for ids, mask in zip(self.query_ids, self.query_mask)]
 
+    def action_mask(self) -> list[list[bool]]:
+        """For `completion_ids()`: every token is the policy's (episodes mark their observations)."""
+        return [[True] * int(n) for n in self.response_mask.sum(dim=1).tolist()]
+
 
 @dataclass(frozen=True)
 class Sampler:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from lora_ppo import checkpoint, ppo_math
-from lora_ppo.agents.episodes import collect_episode_rollout
+from lora_ppo.agents.episodes import EpisodeBatch, collect_episode_rollout, run_episodes
 from lora_ppo.agents.given import rollout_from_tokens
 from lora_ppo.alarms import LOGPROB_TOLERANCE, first_step_logprob_error
 from lora_ppo.config import Recipe, recipe_to_yaml, with_absolute_paths
@@ -316,12 +316,16 @@ class PPOTrainer:
 
     # ---- rollouts made by the caller -----------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Union[str, list[dict]]], **settings: Any) -> Samples:
+    def generate(self, prompts: Sequence[Union[str, list[dict]]], **settings: Any) -> Union[Samples, EpisodeBatch]:
         """Sample completions with the policy for `prompts` (text, or conversations, rendered as the
         recipe's data are: chat template, system prompt). `settings` change the recipe's rollout
         sampling for this call (`max_new_tokens`, `temperature`, `top_k`, `top_p`, `stop_token`).
         Returns `Samples`: `query_ids`, `response_ids`, `response_mask`, `completions` (text), ...;
-        `trainer.step` takes `samples.queries()` and `samples.completion_ids()` back."""
+        `trainer.step` takes `samples.queries()`, `samples.completion_ids()` and
+        `samples.action_mask()` back. With `rollout.environment` or `rollout.tools` it plays the
+        recipe's episodes (tools called, the environment stepped) and returns them as an
+        `EpisodeBatch` with the same three methods (observations marked False in the mask) and
+        `transcripts`, `env_rewards()`."""
         fmt = PromptFormat(self.parts.tokenizer, self.recipe.data.chat_template, self.recipe.data.system_prompt)
         try:
             rows = [PromptRow(prompt, *fmt.render(prompt)) for prompt in prompts]
@@ -329,6 +333,8 @@ class PPOTrainer:
             raise ValueError(f"generate: a prompt cannot be used: {problem}") from None
         sampler = self.sampler.with_settings(**settings) if settings else self.sampler
         with dequantized_once(self.roles.peft, self.recipe.model):
+            if self.parts.episodes is not None:
+                return run_episodes(sampler, rows, self.parts.episodes)
             return sampler.sample(rows)
 
     def step(self, queries: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],

@@ -157,6 +157,39 @@ def test_the_turn_limit_truncates_an_episode_and_counts_it(tmp_path, tiny_model_
     t = trainer(tmp_path, tiny_model_dir, {"environment": "tests.agent_envs:Endless", "max_turns": 2})
     metrics, _ = t.train_step()
     assert metrics["episode/turns"] == 2.0 and metrics["episode/truncated_frac"] == 1.0
+    assert metrics["episode/turn_limit_frac"] == 1.0
+
+
+def test_environment_rewards_show_as_the_episode_return_and_one_turn_of_three_is_warned(
+        tmp_path, tiny_model_dir, caplog, capsys):
+    """`reward.kind: none` and the default max_turns (1) against an environment of three turns
+    (reward 0.5 each): the score reads 0 but the return, on the progress line and in the
+    metrics, is 0.5; step 1 warns once that the turn limit cut every episode."""
+    t = trainer(tmp_path, tiny_model_dir, {"environment": "tests.agent_envs:Again"},
+                reward={"kind": "none", "function": None}, train={"eval": False, "steps": 2, "save_every": 0})
+    with caplog.at_level("WARNING", logger="lora_ppo.step_log"):
+        t.train()
+    first, second = [__import__("json").loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert first["objective/scores"] == 0.0 and first["episode/return"] == 0.5 == second["episode/return"]
+    assert first["episode/turn_limit_frac"] == 1.0
+    warned = [r.getMessage() for r in caplog.records if "max_turns" in r.getMessage()]
+    assert warned == ["step 1: rollout.max_turns (1) ended 100% of the episodes before the environment did "
+                      "(episode/truncated_frac): it expects more turns; raise rollout.max_turns"]
+    assert "step 1/2  return 0.500  score 0.000  kl " in capsys.readouterr().err
+
+
+def test_generate_on_an_environment_recipe_plays_episodes_that_step_takes_back(tmp_path, tiny_model_dir):
+    """`trainer.generate()` plays the recipe's episodes (the environment answers); queries(),
+    completion_ids() and action_mask() go back to step(), which trains on the action tokens only."""
+    t = trainer(tmp_path, tiny_model_dir, {"environment": "tests.agent_envs:Again", "max_turns": 2})
+    played = t.generate(["The film was", "I hated"])
+    assert [[m["role"] for m in messages] for messages in played.transcripts] == [
+        ["user", "assistant", "user", "assistant"]] * 2
+    assert played.env_rewards() == [1.0, 1.0]  # Again rewards each of the two turns 0.5
+    masks = played.action_mask()
+    assert all(len(m) == len(ids) and False in m for m, ids in zip(masks, played.completion_ids()))
+    metrics = t.step(played.queries(), played.completion_ids(), [1.0, 0.0], played.action_mask())
+    assert metrics["response/length"] == pytest.approx(sum(map(sum, masks)) / 2)
 
 
 def test_an_environment_that_raises_stops_the_run_in_one_line_and_keeps_the_checkpoint(tmp_path, tiny_model_dir):

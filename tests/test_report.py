@@ -118,3 +118,21 @@ def test_episodes_show_as_transcripts(tmp_path, finished_run):
              "[user] That is not right, try again.\n[assistant] 4")
     assert shown in page
     assert "[user] What is 2 + 2?" not in page  # the prompt has its own column
+
+
+def test_an_environment_run_plots_its_episodes(tmp_path, finished_run):
+    """Episode metrics (turns, truncation, tool calls and errors, return, environment reward) get
+    two figures with every series drawn; a single-turn run gets neither (test above)."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    episode = {"episode/turns": 2.5, "episode/truncated_frac": 0.25, "episode/tool_calls": 1.0,
+               "episode/tool_errors": 0.5, "episode/return": 0.75, "episode/env_reward": 0.5}
+    metrics = [{**m, **{k: v * m["step"] for k, v in episode.items()}} for m in read_jsonl(run / "metrics.jsonl")]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics), encoding="utf-8")
+    plots = {p.name: p for p in plots_for(metrics)}
+    drawn = {key for name in ("episode", "episode_return") for key, _ in plots[name].left + plots[name].right}
+    assert drawn == set(episode)
+    write_report(run)
+    for name in ("episode", "episode_return"):
+        pixels = _pixels(run / "report" / "plots" / f"{name}.png")
+        assert len({tuple(px) for px in pixels.reshape(-1, pixels.shape[-1])[::7].tolist()}) > 20, name
