@@ -328,3 +328,15 @@ def test_generate_on_a_run_with_an_environment_plays_its_episodes(tmp_path, tiny
     record = [__import__("json").loads(line) for line in result.stdout.splitlines() if line.startswith("{")][0]
     text = record["policy"]
     assert text.startswith("[assistant] ") and text.count("\n[user] again\n[assistant] ") == 1
+
+
+def test_the_generate_step_loop_trains_on_each_responses_tokens_not_the_padding_after_its_stop(tmp_path,
+                                                                                               tiny_model_dir):
+    """Samples whose first row stopped after 2 tokens: completion_ids() hands step() 2 + 4 real
+    tokens, so a step counts 3 per response, not the padded width of 4."""
+    from tests.test_rollout import _samples_with_a_stop_before_the_end
+
+    t = trainer(tmp_path, tiny_model_dir)
+    samples = _samples_with_a_stop_before_the_end()
+    metrics = t.step(samples.queries(), samples.completion_ids(), [1.0, 0.0], samples.action_mask())
+    assert metrics["response/length"] == 3.0 and metrics["response/stopped_frac"] == 0.5
