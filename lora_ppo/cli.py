@@ -214,8 +214,9 @@ def _run(command: str, recipe: Path, overrides: Optional[List[str]], start, summ
     except OSError as err:  # the run's logs on a device that filled up or became read-only
         if err.errno not in (*OUT_OF_SPACE, errno.EROFS):
             raise
-        _fail(f"cannot write {err.filename or 'the run folder'}: {err.strerror}; the checkpoints saved so far are "
-              "intact (resume with --resume auto once the folder can be written)")
+        where = err.filename or (trainer.run.root if trainer is not None else "the run folder")
+        _fail(f"cannot write {where}: {err.strerror}; the checkpoints saved so far are intact (resume with "
+              "--resume auto once the folder can be written)")
     except KeyboardInterrupt:
         # Stopped before its first checkpoint, a run has nothing to resume: rerunning starts over.
         if summarise is not None and trainer is not None and trainer.run.has_checkpoint():

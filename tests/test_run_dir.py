@@ -122,3 +122,24 @@ def test_a_real_read_only_file_system_as_output_dirs_parent_is_one_line(tmp_path
         assert result.exit_code == 2, result.output
         assert result.stderr.strip().splitlines() == [
             f"error: train.output_dir: cannot write in {str(mounted)!r}: Read-only file system"]
+
+
+def test_a_disk_that_fills_up_under_the_runs_logs_is_one_line(tmp_path, tiny_model_dir):
+    """A real tmpfs with one page free once the run starts: the first write that needs more (the
+    recipe or the metrics) fails with ENOSPC, which is one line and exit 2, not a traceback."""
+    from typer.testing import CliRunner
+
+    from lora_ppo.cli import app
+    from tests.conftest import write_recipe
+    from tests.mounts import PAGE, fill_until_free, tmpfs
+
+    with tmpfs(tmp_path / "disk", size_kb=256) as disk:
+        fill_until_free(disk, PAGE)
+        recipe = write_recipe(tmp_path / "r.yaml", tiny_model_dir, disk / "run", eval=False)
+        result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress"])
+        assert result.exit_code == 2, result.output
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: cannot write {disk / 'run'}") and last.endswith(
+            ": No space left on device; the checkpoints saved so far are intact (resume with --resume auto once the "
+            "folder can be written)")
+        assert "Traceback" not in result.output
