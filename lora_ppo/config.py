@@ -433,12 +433,14 @@ class RolloutConfig(Section):
     """
     tools: list[str] = []
     """Python functions the policy may call, each `module:function` with type hints and a docstring: their
-    JSON schemas go to the chat template (`tools=`), calls are parsed from its completions and answered as
-    `tool` messages. They run with your permissions (no sandbox).
+    JSON schemas go to the chat template (`tools=`), or into the system message where the template ignores
+    them; calls are parsed from its completions and answered as `tool` messages. They run with your
+    permissions (no sandbox).
     """
     max_turns: int = Field(1, gt=0)
     """Turns of the policy per episode (with `environment` or `tools`); an episode still going after them
-    is counted as truncated (`episode/truncated_frac`).
+    is counted as truncated (`episode/truncated_frac`), and when that is most episodes at the first step
+    the log warns.
     """
     max_episode_tokens: Optional[int] = Field(None, gt=0)
     """The budget of an episode in tokens after the prompt (actions and observations); each turn writes at
