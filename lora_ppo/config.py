@@ -82,7 +82,8 @@ class ModelConfig(Section):
     copy instead of dequantizing in every forward and backward pass: same numbers, faster steps (on CPU
     generation about 2x), but the layers are held unquantized during a step. `auto`: on when that copy
     takes at most half the memory free after loading (a small model; never an 8B model on a 24 GB card),
-    else off; the run's log says which.
+    else off; the run's log says which. Free memory is what this process may still allocate: a cap set
+    with `torch.cuda.set_per_process_memory_fraction` (to share a card) counts.
     """
     trust_remote_code: bool = False
     """Run model code downloaded from the hub. Off unless the recipe says so, since it executes code that

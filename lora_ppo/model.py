@@ -185,13 +185,21 @@ def _dequantized_copy_fits(model: nn.Module, dtype: torch.dtype) -> bool:
 
 
 def free_memory_bytes(dev: torch.device) -> Optional[int]:
-    """Memory a step could still use: on a CUDA or XPU GPU what the driver reports free plus what
-    torch's allocator holds unused; on MPS the recommended working set less what tensors hold; on
-    CPU Linux's MemAvailable. None when it cannot be read."""
+    """Memory this process could still allocate: on a CUDA or XPU GPU what the driver reports free
+    plus what torch's allocator holds unused, and never more than the process's own allocator cap
+    (`set_per_process_memory_fraction`, set to share a card) leaves; on MPS the recommended working
+    set less what tensors hold; on CPU Linux's MemAvailable. None when it cannot be read."""
     if dev.type in ("cuda", "xpu"):
         gpu = accelerator_module(dev.type)
-        free, _total = gpu.mem_get_info(dev)
-        return free + gpu.memory_reserved(dev) - gpu.memory_allocated(dev)
+        free, total = gpu.mem_get_info(dev)
+        allocated = gpu.memory_allocated(dev)
+        available = free + gpu.memory_reserved(dev) - allocated
+        # The driver's free memory ignores the cap: a 12 GB cap on an 80 GB card reads ~80 GB free.
+        fraction = getattr(gpu, "get_per_process_memory_fraction", None)
+        cap = fraction(dev) if fraction is not None else None
+        if isinstance(cap, float) and 0.0 < cap < 1.0:
+            available = min(available, int(cap * total) - allocated)
+        return max(0, available)
     if dev.type == "mps":
         return torch.mps.recommended_max_memory() - torch.mps.current_allocated_memory()
     try:
