@@ -1,5 +1,5 @@
 """The per-step metrics record written to metrics.jsonl, under grouped names
-(`objective/`, `policy/`, `value/`, `response/`, `time/`, `memory/`, `guard/`)."""
+(`objective/`, `policy/`, `value/`, `response/`, `time/`, `memory/`, `perf/`, `guard/`)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def step_metrics(
     update_s: float,
     step_s: float,
     phase_peaks_gb: dict[str, float],
+    perf: dict[str, float],
 ) -> dict[str, float]:
     """One step's record. `kl_coef` is the coefficient the step used (the controller may have
     moved it since); the KL penalty counts in the reward only when it is a reward term."""
@@ -52,6 +53,8 @@ def step_metrics(
         "memory/peak_gb": run_peak_gb(),
         # Per phase: GPU max_memory_allocated, or the CPU process's peak resident memory.
         **{f"memory/{name}_gb": gb for name, gb in phase_peaks_gb.items()},
+        # Achieved TFLOP/s per phase (and the share of the device's peak where it is known).
+        **perf,
         **rollout.episode_metrics,
     }
     if adv.returns is not None:

@@ -99,8 +99,9 @@ def tiny_recipe_dict(model_dir: Path, output_dir: Path, **sections) -> dict:
     return recipe
 
 
-# Wall-clock measurements differ between any two runs; everything else in metrics must match exactly.
-TIMING_PREFIXES = ("time/", "tokens_per_s", "memory/")
+# Wall-clock measurements (and rates made from them) differ between any two runs; everything else in
+# metrics must match exactly.
+TIMING_PREFIXES = ("time/", "tokens_per_s", "memory/", "perf/")
 
 
 def write_recipe(path: Path, model_dir: Path, output_dir: Path, **train) -> Path:
