@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from lora_ppo.compiled_generation import bucket
-from lora_ppo.config import AUTO_DEQUANTIZE_SHARE, BUILTIN_PREFIX, LoraSettings, ModelConfig, Recipe
+from lora_ppo.config import AUTO, AUTO_DEQUANTIZE_SHARE, BUILTIN_PREFIX, LoraSettings, ModelConfig, Recipe
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.logprobs import DEFAULT_CHUNK_TOKENS
 
@@ -368,6 +368,7 @@ class Estimate:
     processes: int = 1  # data-parallel processes: the phases are each one's
     weight_parts: dict[str, float] = field(default_factory=dict)  # components["weights"] by part (_weight_parts)
     static_kv_cache: float = 0.0  # rollout.compile: the KV cache held through every phase (in `phases`)
+    auto_choices: tuple["AutoChoice", ...] = ()  # the sizes the recipe left `auto`, as chosen for the budget
 
     @property
     def peak(self) -> float:
@@ -519,20 +520,15 @@ def estimate(
 ) -> Estimate:
     """Peak bytes per phase for `recipe` on a model of `shape`, on "cuda" or "cpu" (with the shapes
     of the recipe's classifier reward models, in the order of its sources), per process of a
-    data-parallel run of `processes`: each holds the whole model and a share of the rows."""
+    data-parallel run of `processes`: each holds the whole model and a share of the rows. Sizes
+    the recipe leaves `auto` are chosen for the budget first (without one: their leanest)."""
+    recipe, choices = choose_auto_sizes(shape, recipe, device, budget_gb, processes, classifier_shapes)
     act = _dtype_bytes(recipe, device)
-    trainable, frozen = _adapter_params(shape, recipe)
     recipe = _dequantize_resolved(shape, recipe, act, budget_gb)
     weight_parts = _weight_parts(shape, recipe.model, act)
-    components = {
-        "weights": sum(weight_parts.values()),
-        "adapters": (trainable + frozen) * ADAPTER_WEIGHT_BYTES,
-        "optimizer": trainable * ADAM_BYTES,
-        "reward_model": _reward_bytes(recipe, classifier_shapes or [], device),
-        "runtime": RUNTIME_BYTES[device],
-    }
+    components = _resident(shape, recipe, act, device, classifier_shapes)
     static = sum(components.values())
-    grads = trainable * ADAPTER_GRAD_BYTES
+    grads = _adapter_params(shape, recipe)[0] * ADAPTER_GRAD_BYTES
     ro = recipe.rollout
     rows = ro.batch_size // processes  # a process generates and scores its share of the batch
     held = static_kv_cache_bytes(shape, recipe, act, rows, device)
@@ -546,7 +542,114 @@ def estimate(
     if budget_gb is not None:
         fitting = largest_fitting_sizes(shape, recipe, act, device, budget_gb * GB - static, grads, processes)
     return Estimate(shape, components, phases, budget_gb, fitting, bool(recipe.model.dequantize_per_step), processes,
-                    weight_parts, held)
+                    weight_parts, held, tuple(choices))
+
+
+def _resident(shape: ModelShape, recipe: Recipe, act: int, device: str,
+              classifier_shapes: Optional[list[ModelShape]]) -> dict[str, float]:
+    """What stays in memory through every phase, by component (`dequantize_per_step` decided)."""
+    trainable, frozen = _adapter_params(shape, recipe)
+    return {
+        "weights": _weight_bytes(shape, recipe.model, act),
+        "adapters": (trainable + frozen) * ADAPTER_WEIGHT_BYTES,
+        "optimizer": trainable * ADAM_BYTES,
+        "reward_model": _reward_bytes(recipe, classifier_shapes or [], device),
+        "runtime": RUNTIME_BYTES[device],
+    }
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """A size the recipe left `auto`: the value the memory plan chose and why, in a clause."""
+
+    field: str
+    value: Any
+    reason: str
+
+    def __str__(self) -> str:
+        value = str(self.value).lower() if isinstance(self.value, bool) else self.value
+        return f"{self.field}={value} ({self.reason})"
+
+
+def choose_auto_sizes(
+    shape: ModelShape, recipe: Recipe, device: str, budget_gb: Optional[float], processes: int = 1,
+    classifier_shapes: Optional[list[ModelShape]] = None,
+) -> tuple[Recipe, list[AutoChoice]]:
+    """The recipe with its `auto` sizes chosen for `budget_gb` (GB for the whole process), and
+    each choice with its reason. ppo.grad_accum_steps: the fewest (the largest micro-batch) whose
+    update fits; model.gradient_checkpointing: off when the update fits without it at that same
+    micro-batch (recomputing costs a forward, a smaller micro-batch more passes over the weights);
+    rollout.forward_batch_size: the most rows, up to a process's share of the batch, whose scoring
+    fits. Without a budget, or when even the leanest does not fit: the leanest (micro-batches of
+    one row, checkpointing on, one row per scoring forward). The plan fills AUTO_PLAN_SHARE of the
+    budget."""
+    autos = recipe.auto_sizes
+    if not autos:
+        return recipe, []
+    act = _dtype_bytes(recipe, device)
+    planned = _dequantize_resolved(shape, recipe, act, budget_gb)
+    rows = recipe.rollout.batch_size // processes
+    held = static_kv_cache_bytes(shape, planned, act, rows, device)
+    resident = sum(_resident(shape, planned, act, device, classifier_shapes).values()) + held
+    room = None if budget_gb is None else AUTO_PLAN_SHARE * budget_gb * GB - resident
+    grads = _adapter_params(shape, planned)[0] * ADAPTER_GRAD_BYTES
+    per_minibatch = recipe.minibatch_size
+    accum = recipe.ppo.grad_accum_steps
+    micros = [per_minibatch // d for d in range(1, per_minibatch + 1) if per_minibatch % d == 0] if accum == AUTO \
+        else [per_minibatch // accum]  # largest first
+
+    def update_peak(micro: int, checkpointing: bool) -> float:
+        planned_ckpt = planned.model_copy(update={"model": planned.model.model_copy(
+            update={"gradient_checkpointing": checkpointing})})
+        return grads + update_bytes(shape, planned_ckpt, act, update_rows(per_minibatch, micro, processes), device)
+
+    def largest_micro(checkpointing: bool) -> int:
+        return next((m for m in micros if room is not None and update_peak(m, checkpointing) <= room), 0)
+
+    budget = "no budget given" if budget_gb is None else f"{budget_gb:.3g} GB"
+
+    def rows_text(n: int) -> str:
+        return f"{n} row{'s' if n != 1 else ''}"
+    values: dict[str, Any] = {}
+    choices: list[AutoChoice] = []
+    checkpointing = recipe.model.gradient_checkpointing
+    if checkpointing == AUTO:
+        with_it, without = largest_micro(True), largest_micro(False)
+        enough = without * recipe.sequence_tokens >= AUTO_MIN_FORWARD_TOKENS
+        checkpointing = not (without and (without >= with_it or enough))
+        if not (with_it or without):
+            reason = f"{budget}: the leanest" if room is None else f"no micro-batch fits {budget}: the leanest"
+        elif not checkpointing:
+            reason = ("the update fits without it at the same micro-batch" if without >= with_it else
+                      f"without it micro-batches of {rows_text(without)} ({without * recipe.sequence_tokens} tokens a "
+                      "forward) fit: no recomputing")
+        else:
+            reason = f"without it the largest micro-batch that fits {budget} is {rows_text(without)}, with it {with_it}"
+        values["model.gradient_checkpointing"] = checkpointing
+        choices.append(AutoChoice("model.gradient_checkpointing", checkpointing, reason))
+    if accum == AUTO:
+        micro = largest_micro(checkpointing)
+        if micro:
+            accum, reason = per_minibatch // micro, (f"micro-batches of {rows_text(micro)}, the largest whose update fits "
+                                                     f"{budget} ({(resident + update_peak(micro, checkpointing)) / GB:.2f} GB)")
+        else:
+            accum = per_minibatch
+            reason = (f"{budget}: the leanest, micro-batches of 1 row" if room is None else
+                      f"even micro-batches of 1 row need {(resident + update_peak(1, checkpointing)) / GB:.2f} GB, "
+                      f"more than {budget}: the leanest")
+        values["ppo.grad_accum_steps"] = accum
+        choices.append(AutoChoice("ppo.grad_accum_steps", accum, reason))
+    if recipe.rollout.forward_batch_size == AUTO:
+        scoring = max((n for n in range(rows, 0, -1)
+                       if room is not None and score_bytes(shape, planned, act, n) <= room), default=0)
+        if scoring:
+            reason = ("the whole batch's scoring fits" if scoring == rows else "the most rows whose scoring fits") + \
+                f" {budget} ({(resident + score_bytes(shape, planned, act, scoring)) / GB:.2f} GB)"
+        else:
+            reason = f"{budget}: the leanest" if room is None else f"even one row's scoring does not fit {budget}: the leanest"
+        values["rollout.forward_batch_size"] = scoring or 1
+        choices.append(AutoChoice("rollout.forward_batch_size", scoring or 1, reason))
+    return recipe.with_values(values), choices
 
 
 def update_rows(minibatch: int, micro_batch: int, processes: int) -> int:
@@ -568,6 +671,14 @@ def _dequantize_resolved(shape: ModelShape, recipe: Recipe, act_bytes: int, budg
 
 
 MAX_BATCH = 4096  # the search for sizes that fit stops here
+# `auto` sizes plan for this share of the budget: the allocator's reserved memory runs ~6% above
+# what tensors hold, and the estimate is within a few percent of measured peaks (bench/README.md).
+AUTO_PLAN_SHARE = 0.9
+# Gradient checkpointing `auto` is off when, without it, the update still fits with forwards of at
+# least this many tokens (or the micro-batch it has with checkpointing): recomputing costs a third
+# of the update's work, and a forward of ~1,000 tokens keeps a GPU's large matmuls efficient, so
+# fewer, smaller micro-batches are expected to win. To be checked on the device (bench/gpu_step.py).
+AUTO_MIN_FORWARD_TOKENS = 1024
 
 
 def largest_fitting_sizes(
@@ -632,10 +743,23 @@ def load_shape(name: str, trust_remote_code: bool = False) -> ModelShape:
 
 def estimate_recipe(recipe: Recipe, device: str = "cuda", budget_gb: Optional[float] = None,
                     processes: int = 1) -> Estimate:
+    shape, classifiers = recipe_shapes(recipe)
+    return estimate(shape, recipe, device, budget_gb, classifiers, processes)
+
+
+def auto_sized_recipe(recipe: Recipe, device: str, budget_gb: Optional[float],
+                      processes: int = 1) -> tuple[Recipe, list[AutoChoice]]:
+    """`choose_auto_sizes` for a recipe, reading its model's (and classifiers') configs."""
+    shape, classifiers = recipe_shapes(recipe)
+    return choose_auto_sizes(shape, recipe, device, budget_gb, processes, classifiers)
+
+
+def recipe_shapes(recipe: Recipe) -> tuple[ModelShape, list[ModelShape]]:
+    """The policy model's shape and its classifier reward models', from their configs alone."""
     shape = load_shape(recipe.model.name, recipe.model.trust_remote_code)
     classifiers = [_classifier_shape(s.model, recipe.model.trust_remote_code)
                    for s in recipe.reward.source_list() if s.kind == "classifier"]
-    return estimate(shape, recipe, device, budget_gb, classifiers, processes)
+    return shape, classifiers
 
 
 def _classifier_shape(name: str, trust_remote_code: bool) -> Optional[ModelShape]:
@@ -682,6 +806,7 @@ def _weight_lines(est: Estimate, recipe: Recipe, device: str) -> list[str]:
 
 def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
     s, n = est.shape, est.processes
+    recipe = recipe.with_values({choice.field: choice.value for choice in est.auto_choices})
     rows = recipe.rollout.batch_size // n
     moe = f"; MoE: {s.experts} experts, {s.experts_per_token} per token" if s.experts else ""
     lines = [
@@ -695,6 +820,9 @@ def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
         f"update micro-batch {update_rows(recipe.minibatch_size, recipe.micro_batch_size, n)}, gradient checkpointing "
         f"{'on' if recipe.model.gradient_checkpointing else 'off'}, dequantize per step "
         f"{'on' if est.dequantize_per_step else 'off'}",
+        *([f"auto sizes for {est.budget_gb:g} GB:" if est.budget_gb is not None else
+           "auto sizes (no --gpu-gb: shown at their leanest; a run chooses them for the device's free memory):"]
+          + [f"  {choice}" for choice in est.auto_choices] if est.auto_choices else []),
         "",
         "always resident:",
     ]
@@ -740,6 +868,7 @@ def as_json(est: Estimate) -> dict:
         "fits": est.fits,
         "fitting": est.fitting,
         "dequantize_per_step": est.dequantize_per_step,
+        "auto": {c.field: c.value for c in est.auto_choices},
         "processes": est.processes,
     }
 

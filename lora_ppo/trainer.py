@@ -26,12 +26,13 @@ from lora_ppo.model import dequantized_once
 from lora_ppo.parts import build, evaluate_policy
 from lora_ppo.progress import LineProgress
 from lora_ppo.quantization import compute_dtype
-from lora_ppo.rewards import recorded_reward
 from lora_ppo.perf import ModelFlops, StepShape, StepWork, current_device_peak_tflops
+from lora_ppo.rewards import recorded_reward
 from lora_ppo.roles import POLICY, REFERENCE, REWARD, VALUE, RoleModel
 from lora_ppo.rollout import Rollout, Samples, collect_rollout, gather_rollout, row_seeds
 from lora_ppo.run_dir import write_jsonl
 from lora_ppo.signals import StopRequest, stop_on_signals
+from lora_ppo.sizing import with_auto_sizes
 from lora_ppo.state import TrainState
 from lora_ppo.step_log import StepLog
 from lora_ppo.summary import build_summary
@@ -65,9 +66,10 @@ class PPOTrainer:
         # or `reward.kind: python`, never the recipe's own reward section it replaced.
         recipe = recipe.model_copy(update={"reward": recorded_reward(recipe.reward, reward_fn)})
         recipe = with_absolute_paths(recipe)  # recipe.yaml works from any folder (eval, export, resume)
+        self.world = world if world is not None else join_world()
+        recipe = with_auto_sizes(recipe, resume, self.world)  # recorded in recipe.yaml as chosen
         self.recipe = recipe
         self.recipe_yaml = recipe_to_yaml(recipe)
-        self.world = world if world is not None else join_world()
         check_splits(recipe, self.world.size)
         self.progress = progress and self.world.is_main
         self.run, self.resume_from = checkpoint.open_run(recipe, resume, check_taken=self.world.is_main)
