@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from gpu_memory_check import long_prompts  # noqa: E402  (bench/, beside this script)
-from random_models import build_random_4bit_model  # noqa: E402
+from random_models import build_random_4bit_model, small_tokenizer  # noqa: E402
 
 GB = 1e9
 # Kernel families, matched in order against a kernel's lower-cased name (first match wins).
@@ -293,13 +293,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    tokenizer_dir = args.tokenizer
-    if tokenizer_dir is None:
-        from tests.conftest import build_tiny_tokenizer
-
-        tokenizer_dir = str(work / "tokenizer")
-        if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
-            build_tiny_tokenizer(Path(tokenizer_dir))
+    tokenizer_dir = args.tokenizer or small_tokenizer(work / "tokenizer")
     model_dir = work / (Path(args.config).name + "-4bit")
     t0 = time.perf_counter()
     build_random_4bit_model(Path(args.config), tokenizer_dir, model_dir)

@@ -106,3 +106,18 @@ def build_random_4bit_model(config_dir: Path, tokenizer_dir: str, folder: Path, 
     config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     staging.rename(folder)
+
+
+def small_tokenizer(folder: Path) -> str:
+    """A small byte-level BPE tokenizer with a chat template (the tests' one), built once into
+    `folder`: the device benchmarks need token ids that fit a model's vocabulary, not its own
+    tokenizer (which a device without network cannot download)."""
+    import sys
+
+    if not (folder / "tokenizer.json").is_file():
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.conftest import build_tiny_tokenizer
+
+        folder.mkdir(parents=True, exist_ok=True)
+        build_tiny_tokenizer(folder)
+    return str(folder)
