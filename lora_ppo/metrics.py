@@ -57,6 +57,13 @@ def step_metrics(
         **perf,
         **rollout.episode_metrics,
     }
+    if rollout.generation_logprobs is not None:
+        # Sampling and scoring are two numerical paths (a KV-cached decode and a full forward): in
+        # bf16 they round apart. Summed over a response, that gap is the size below which a KL
+        # per response is rounding, not the policy moving (negative ones included).
+        gap = (rollout.generation_logprobs - rollout.old_logprobs).abs()[mask]
+        metrics["check/generation_logprob_diff"] = gap.mean().item() if gap.numel() else 0.0
+        metrics["check/kl_noise_floor"] = metrics["check/generation_logprob_diff"] * metrics["response/length"]
     if adv.returns is not None:
         metrics["value/explained_var"] = ppo_math.explained_variance(rollout.values, adv.returns, mask).item()
         metrics["value/mean"] = ppo_math.masked_mean(rollout.values, mask).item()
