@@ -88,7 +88,10 @@ def _negative_kl(history, settings) -> list[Alarm]:
     kl = _series(history, "objective/kl")
     if len(kl) < 2 or not (kl[-1] < NEGATIVE_KL and kl[-2] < NEGATIVE_KL):
         return []
-    return [Alarm("negative_kl", f"the mean KL is {kl[-1]:.2f}, negative two steps in a row: the responses were "
+    floor = history[-1].get("check/kl_noise_floor")
+    noise = (f" (sampling and scoring round apart by about {floor:.2f} nats a response here: check/kl_noise_floor)"
+             if floor is not None else "")
+    return [Alarm("negative_kl", f"the mean KL is {kl[-1]:.2f}, negative two steps in a row{noise}: the responses were "
                   "sampled from another distribution than the one scored. Check rollout.temperature, rollout.top_k "
                   "and rollout.top_p, and whether the reference (adapters.reference) is what the policy started from.")]
 

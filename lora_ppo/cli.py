@@ -240,7 +240,8 @@ def validate(recipe: Path = typer.Argument(..., help="YAML recipe file."),
 def estimate(
     recipe: Path = typer.Argument(..., help="YAML recipe file."),
     overrides: Optional[List[str]] = typer.Argument(None, help="Overrides like model.name=Qwen/Qwen2.5-7B."),
-    gpu_gb: Optional[float] = typer.Option(None, "--gpu-gb", help="Memory budget in GB: say whether it fits."),
+    gpu_gb: Optional[float] = typer.Option(
+        None, "--gpu-gb", help="Memory budget in GB: say whether it fits, choose `auto` sizes (default: train.memory_budget_gb)."),
     device: str = typer.Option("cuda", "--device", help="cuda (bf16 compute by default) or cpu (fp32)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     num_processes: int = typer.Option(1, "--num-processes", help="Data-parallel processes: memory per process."),
@@ -261,7 +262,8 @@ def estimate(
 
     try:
         check_splits(cfg, num_processes)
-        est = est_mod.estimate_recipe(cfg, device=device, budget_gb=gpu_gb, processes=num_processes)
+        budget = gpu_gb if gpu_gb is not None else cfg.train.memory_budget_gb
+        est = est_mod.estimate_recipe(cfg, device=device, budget_gb=budget, processes=num_processes)
     except RecipeError as err:
         _fail(str(err))
     if as_json:

@@ -18,6 +18,7 @@ from lora_ppo.compiled_generation import StaticDecoder, compiled_generation_on
 from lora_ppo.config import PPOConfig, Recipe, RolloutConfig
 from lora_ppo.data import PromptRow, PromptSet, load_prompt_sets
 from lora_ppo.model import check_context, dequantized_once, load_base_model, load_tokenizer
+from lora_ppo.optimizers import adamw
 from lora_ppo.quantization import compute_dtype
 from lora_ppo.rewards import RewardSources, build_reward_sources, check_reward_columns
 from lora_ppo.evaluation import Evaluation, evaluate
@@ -53,7 +54,8 @@ class Parts:
         settings = {"logprobs_from_generation": recipe.logprobs_from_generation_on(float32)}
         if not self.compile_decided:
             self.compile_decided = True
-            if compiled_generation_on(recipe.rollout, self.roles.lm_head.weight.device, decode_steps):
+            if compiled_generation_on(recipe.rollout, self.roles.lm_head.weight.device, decode_steps,
+                                      recipe.model.offload_embeddings):
                 self.decoder = StaticDecoder(self.roles.peft, recipe.sequence_tokens)
         return Sampler(self.roles, self.tokenizer, recipe.rollout.model_copy(update=settings), self.decoder)
 
@@ -123,11 +125,11 @@ def build_optimizer(
     roles: RoleModel, cfg: PPOConfig, steps: int
 ) -> tuple[torch.optim.Optimizer, Optional[torch.optim.lr_scheduler.LRScheduler]]:
     """AdamW over the policy adapter (and the value adapter + head, at their own learning rate),
-    and the linear decay to 0 over every optimizer step of the run when the recipe asks for it."""
+    its moments kept where `ppo.optimizer_state` says, and the linear decay to 0 over every optimizer step of the run when the recipe asks for it."""
     groups = [{"params": roles.policy_parameters(), "lr": cfg.learning_rate}]
     if roles.has_value:
         groups.append({"params": roles.value_parameters(), "lr": cfg.value_learning_rate or cfg.learning_rate})
-    optimizer = torch.optim.AdamW(groups, weight_decay=0.0, eps=ADAM_EPS)
+    optimizer = adamw(groups, cfg.optimizer_state, ADAM_EPS)
     if cfg.lr_schedule != "linear":
         return optimizer, None
     total_updates = steps * cfg.num_epochs * cfg.num_minibatches

@@ -162,7 +162,7 @@ class RewardTrainer:
         micro = r.train.batch_size // r.train.grad_accum_steps
         totals = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
-        with dequantized_once(self.model.peft, r.model), self.model.gradient_checkpointing(r.model.gradient_checkpointing), \
+        with dequantized_once(self.model.peft, r.model), self.model.gradient_checkpointing(r.model.checkpointing_on), \
                 self.model.training_mode():
             for start in range(0, len(pairs), micro):
                 chunk = pairs[start : start + micro]

@@ -268,7 +268,7 @@ class RoleModel(Backbone):
     def _check_logit_path(self) -> None:
         """Refuse a model whose own forward gives other logits than `token_logits` (a transform
         lora_ppo does not know): checked once, on a probe, as the policy."""
-        ids = probe_ids(self.lm_head.weight.shape[0], self.lm_head.weight.device)
+        ids = probe_ids(self.lm_head.out_features, self.lm_head.weight.device)
         mask = torch.ones_like(ids)
         error = logit_path_error(lambda x: self.peft(input_ids=x, attention_mask=mask).logits,
                                  lambda x: self.token_logits(self.hidden_states(x, mask)), ids)
@@ -279,7 +279,7 @@ class RoleModel(Backbone):
         own role here. PEFT refuses it for layers that flatten the batch (OPT), for LoRA on 3-D
         expert parameters, and, with autograd, on 4-bit layers with a bias."""
         roles = [POLICY, REFERENCE] + ([VALUE] if self.has_value else [])
-        ids = probe_ids(self.lm_head.weight.shape[0], self.lm_head.weight.device)[:, :4]
+        ids = probe_ids(self.lm_head.out_features, self.lm_head.weight.device)[:, :4]
         try:
             with torch.set_grad_enabled(grad):
                 hidden = self.hidden_states_as_roles(ids, torch.ones_like(ids), roles)

@@ -26,11 +26,13 @@ from lora_ppo.model import dequantized_once
 from lora_ppo.parts import build, evaluate_policy
 from lora_ppo.progress import LineProgress
 from lora_ppo.quantization import compute_dtype
+from lora_ppo.perf import ModelFlops, StepShape, StepWork, current_device_peak_tflops
 from lora_ppo.rewards import recorded_reward
-from lora_ppo.roles import POLICY, REWARD, VALUE, RoleModel
+from lora_ppo.roles import POLICY, REFERENCE, REWARD, VALUE, RoleModel
 from lora_ppo.rollout import Rollout, Samples, collect_rollout, gather_rollout, row_seeds
 from lora_ppo.run_dir import write_jsonl
 from lora_ppo.signals import StopRequest, stop_on_signals
+from lora_ppo.sizing import with_auto_sizes
 from lora_ppo.state import TrainState
 from lora_ppo.step_log import StepLog
 from lora_ppo.summary import build_summary
@@ -64,9 +66,10 @@ class PPOTrainer:
         # or `reward.kind: python`, never the recipe's own reward section it replaced.
         recipe = recipe.model_copy(update={"reward": recorded_reward(recipe.reward, reward_fn)})
         recipe = with_absolute_paths(recipe)  # recipe.yaml works from any folder (eval, export, resume)
+        self.world = world if world is not None else join_world()
+        recipe = with_auto_sizes(recipe, resume, self.world)  # recorded in recipe.yaml as chosen
         self.recipe = recipe
         self.recipe_yaml = recipe_to_yaml(recipe)
-        self.world = world if world is not None else join_world()
         check_splits(recipe, self.world.size)
         self.progress = progress and self.world.is_main
         self.run, self.resume_from = checkpoint.open_run(recipe, resume, check_taken=self.world.is_main)
@@ -82,6 +85,7 @@ class PPOTrainer:
             recipe.model.gradient_checkpointing, recipe.ppo.update_roles_together,
         )
         self.state = TrainState(kl_coef=recipe.ppo.kl_coef)
+        self.work = step_work(recipe, self.roles, self.sampler.cfg.logprobs_from_generation is True, self.world.size)
         self.logprob_tolerance = LOGPROB_TOLERANCE[str(compute_dtype(recipe.model)).removeprefix("torch.")]
         self.logprobs_checked = False  # the first step this process runs stops the run on a failed self-check
         self._opened = False  # the run folder and step log, opened by train() or the first step()
@@ -209,6 +213,7 @@ class PPOTrainer:
             state.step, rollout, adv, update, kl_coef=kl_coef, skipped=bad is not None,
             consecutive_skips=state.consecutive_skips, lr=parts.optimizer.param_groups[0]["lr"],
             update_s=t_end - t_update, step_s=t_end - t_start, phase_peaks_gb=peaks.peaks_gb,
+            perf=self._throughput(rollout, t_end - t_update if bad is None else 0.0),
         )
         if world.size > 1:
             metrics["dist/adapter_spread"] = self._adapter_spread()
@@ -216,6 +221,13 @@ class PPOTrainer:
             metrics["time/compile"] = parts.decoder.compile_s
             metrics["generation/recompiles"] = float(parts.decoder.recompiles)
         return metrics
+
+    def _throughput(self, rollout: Rollout, update_s: float) -> dict[str, float]:
+        """`perf/*`: each phase's achieved TFLOP/s (and share of the device's peak), decode tokens/s."""
+        seconds = {"generate": rollout.timings.get("generate", 0.0), "score": rollout.timings.get("score_forward", 0.0),
+                   "update": update_s}
+        return self.work.metrics(StepShape.of(rollout.query_mask, rollout.response_mask, rollout.context_mask),
+                                 seconds)
 
     def _adapter_spread(self) -> float:
         """How far apart the processes' trained weights are (max - min of a float64 checksum):
@@ -417,6 +429,21 @@ class PPOTrainer:
             checkpoint.save(folder, self._trainables(), self.state, self.recipe_yaml, keep_last, process_rngs)
         self.world.barrier()
         return folder
+
+
+def step_work(recipe: Recipe, roles: RoleModel, logprobs_from_generation: bool, processes: int) -> StepWork:
+    """What each phase of this run's steps computes, for `perf/*`: the roles scored (and whether
+    each reads logprobs), the update's epochs and roles, and the device's peak."""
+    scored: dict[Optional[str], bool] = {}
+    if not logprobs_from_generation:
+        scored[POLICY] = True
+    if recipe.adapters.reference_enabled:
+        scored[REFERENCE if roles.reference_adapter else None] = True
+    if recipe.uses_critic:
+        scored[VALUE] = False
+    return StepWork(ModelFlops.of(roles.peft, roles.lm_head), scored, recipe.ppo.num_epochs, recipe.uses_critic,
+                    recipe.model.gradient_checkpointing, current_device_peak_tflops(roles.lm_head.weight.device),
+                    processes)
 
 
 def check_splits(recipe: Recipe, processes: int) -> None:

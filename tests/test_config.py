@@ -97,7 +97,17 @@ def test_resume_allowed_fields():
         "data.eval_batch_size", "data.eval_samples_per_prompt", "model.dequantize_per_step",
         "rollout.compile",  # the same sampling either way (docs/performance.md)
         "train.output_dir",  # a run folder moved elsewhere resumes where it is
+        "train.memory_budget_gb",  # it chooses `auto` sizes; a resumed run keeps those it recorded
     }
+
+
+def test_resume_takes_auto_sizes_as_the_run_recorded_them():
+    saved = recipe_from_dict({}, ["ppo.grad_accum_steps=2", "rollout.forward_batch_size=8"]).model_dump(mode="json")
+    auto = recipe_from_dict({}, ["ppo.grad_accum_steps=auto", "rollout.forward_batch_size=auto"])
+    assert resume_differences(saved, auto) == []
+    # A number the run did not record is a change like any other.
+    assert resume_differences(saved, recipe_from_dict({}, ["ppo.grad_accum_steps=4"])) == ["ppo.grad_accum_steps",
+                                                                                            "rollout.forward_batch_size"]
 
 
 def test_resume_differences_ignore_allowed_fields_only():
