@@ -686,6 +686,7 @@ def choose_auto_sizes(
 
     def rows_text(n: int) -> str:
         return f"{n} row{'s' if n != 1 else ''}"
+
     values: dict[str, Any] = {}
     choices: list[AutoChoice] = []
     checkpointing = recipe.model.gradient_checkpointing
@@ -918,9 +919,11 @@ def _weight_lines(est: Estimate, recipe: Recipe, device: str) -> list[str]:
     s, q = est.shape, recipe.model.quantization
     dtype = recipe.model.compute_dtype_name(device)
     kind = {"4bit": "4-bit", "8bit": "8-bit"}.get(q, dtype)
-    parts = sorted(((k, v) for k, v in est.weight_parts.items() if k != "linear_layers"), key=lambda kv: -kv[1])
+    quantized = {"linear_layers", "lm_head"} if recipe.model.quantize_lm_head and q != "none" else {"linear_layers"}
+    parts = sorted(((k, v) for k, v in est.weight_parts.items() if k not in quantized), key=lambda kv: -kv[1])
+    head = f", LM head {est.weight_parts['lm_head'] / GB:.2f} GB" if "lm_head" in quantized & set(est.weight_parts) else ""
     lines = [f"    {kind} linear layers {est.weight_parts['linear_layers'] / GB:.2f} GB "
-             f"({s.linear_params / 1e9:.2f}B parameters)",
+             f"({s.linear_params / 1e9:.2f}B parameters){head}",
              f"    {'unquantized' if q != 'none' else 'other weights'} ({dtype}): "
              + ", ".join(f"{PART_LABELS[k]} {v / GB:.2f} GB" for k, v in parts)]
     if q != "none" and "moe_experts" in est.weight_parts:
