@@ -14,6 +14,9 @@ as `data.max_prompt_tokens` allows and every response at full length. For each b
   one optimizer step by kernel family (4-bit dequantize, matmul, attention, softmax and
   reductions, optimizer, other elementwise), with the device time under the LM head + logprob
   and LoRA ranges (forward) and the top kernels by name;
+- one extra step per update variant (both roles in one pass, checkpointing off, half and double
+  the micro-batch), on the same loaded run: the update's seconds, TFLOP/s and peak, or where it ran
+  out of memory;
 - the KL check: objective/kl per step of the near-reference policy (per token, against the bf16
   self-check tolerance), and on a fresh sample the per-token mean of generation logprobs minus
   scoring logprobs, and the KL measured from each (scoring the policy together with the reference
@@ -23,6 +26,11 @@ Prints one JSON object and writes it to `--out`.
 
     python bench/gpu_step.py [--config bench/model_configs/llama-3.1-8b] [--gpu-gb 12 24] [--steps 2]
                              [--tokenizer DIR] [--out bench/results/gpu_step_h100.json] [overrides ...]
+
+On an H100 a budget takes about 3 minutes (loading, a minute of compiling, the steps), the update
+variants (first budget only) 2 more, the model build 1-2: within a device call's 10 minutes, run
+one budget per call (`--gpu-gb 12`, then `--gpu-gb 24 --no-update-variants`; the built model is
+reused from `--work` while the machine stays warm).
 
 Without `--tokenizer` a small byte-level BPE tokenizer (the tests' one, with a chat template) is
 built: token ids only need to fit the model's vocabulary. Without a GPU it runs uncapped on CPU as
@@ -58,6 +66,14 @@ KERNEL_FAMILIES = (
     ("softmax and reductions", ("softmax", "logsumexp", "reduce", "log_softmax", "cunn_", "gather", "scatter")),
 )
 RANGES = ("lm_head_logprobs", "lora")
+# Update variants tried on the loaded run, one extra step each (no reload, no recompile): the
+# candidates for "fill the card", measured against the `auto` choice.
+UPDATE_VARIANTS = {
+    "roles_together": lambda s: {"roles_together": True},
+    "checkpointing_off": lambda s: {"gradient_checkpointing": False},
+    "micro_batch_half": lambda s: {"micro_batch_size": max(1, s.micro_batch_size // 2)},
+    "micro_batch_double": lambda s: {"micro_batch_size": min(s.minibatch_size, 2 * s.micro_batch_size)},
+}
 
 
 def family(name: str) -> str:
@@ -174,6 +190,37 @@ def _device_time_under(event, cuda: bool) -> float:
     return total if cuda else event.cpu_time
 
 
+def update_variants(trainer) -> dict:
+    """One extra step per UPDATE_VARIANTS entry on the loaded run, its update settings changed (the
+    rollout work is the same): seconds, TFLOP/s and peak of the update, or the out-of-memory."""
+    import dataclasses
+
+    import torch
+
+    base_settings, base_work = trainer.update_settings, trainer.work
+    results = {}
+    for name, change in UPDATE_VARIANTS.items():
+        settings = dataclasses.replace(base_settings, **change(base_settings))
+        if settings == base_settings:
+            results[name] = "same as the auto choice"
+            continue
+        trainer.update_settings = settings
+        trainer.work = dataclasses.replace(base_work, checkpointing=settings.gradient_checkpointing)
+        try:
+            metrics, _ = trainer.train_step()
+            results[name] = {"micro_batch": settings.micro_batch_size, "roles_together": settings.roles_together,
+                             "gradient_checkpointing": settings.gradient_checkpointing,
+                             **{k: round(metrics[k], 4) for k in ("time/update", "perf/update_tflops",
+                                                                   "memory/update_gb") if k in metrics}}
+        except torch.OutOfMemoryError as err:
+            results[name] = f"out of memory: {str(err).splitlines()[0][:160]}"
+            trainer.parts.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+        print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)
+    trainer.update_settings, trainer.work = base_settings, base_work
+    return results
+
+
 def kl_check(trainer, prompts) -> dict:
     """On a fresh sample of the near-reference policy: the per-token mean of generation logprobs
     minus scoring logprobs, and the KL estimate (k1, nats per token) from each pairing."""
@@ -258,6 +305,8 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
         tolerance = LOGPROB_TOLERANCE[str(compute_dtype(r.model)).removeprefix("torch.")]
         result["kl_within_bf16_tolerance"] = all(abs(s["objective/kl_per_token"]) <= tolerance for s in steps)
         result["kl_check"] = kl_check(trainer, prompts)
+        if args.update_variants and gpu_gb == args.gpu_gb[0]:  # the first budget only: each costs a step
+            result["update_variants"] = update_variants(trainer)
         result["profile"] = profile_update(trainer, rollout)
     except torch.OutOfMemoryError as err:
         result["error"] = f"out of memory: {str(err).splitlines()[0]}"
@@ -282,6 +331,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--work", default="/tmp/lora_ppo_gpu_step")
     parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--no-update-variants", dest="update_variants", action="store_false",
+                        help="skip the extra steps that try other update settings")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
