@@ -92,6 +92,12 @@ class ModelConfig(Section):
     else off; the run's log says which. Free memory is what this process may still allocate: a cap set
     with `torch.cuda.set_per_process_memory_fraction` (to share a card) counts.
     """
+    dequantize_budget_gb: Optional[float] = Field(None, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """With `dequantize_per_step` on: hold at most this many GB of dequantized layers (those that fit, in
+    the model's order; the others compute from their 4 bits as without it), so a card with memory to spare
+    beyond the step's needs gets part of the speed of the full copy. null: every layer. Same numbers either
+    way.
+    """
     offload_embeddings: bool = False
     """Keep the input embedding table in CPU memory and look each forward's tokens up there (a few thousand
     rows), instead of holding it on the GPU: saves vocabulary x hidden x 2 bytes of GPU memory (1.56 GB for
@@ -113,6 +119,9 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _levers(self) -> "ModelConfig":
+        if self.dequantize_budget_gb is not None and self.dequantize_per_step is False:
+            raise ValueError(f"dequantize_budget_gb ({self.dequantize_budget_gb:g}) needs dequantize_per_step "
+                             "true or auto")
         if self.quantize_lm_head and self.quantization == "none":
             raise ValueError("quantize_lm_head: needs model.quantization 4bit or 8bit (got 'none')")
         return self

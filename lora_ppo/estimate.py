@@ -513,9 +513,13 @@ def _dequantized_weight_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int)
         return 0.0
     # A quantized LM head is one more quantized weight: dequantized whole for its matmul too.
     head = shape.vocab * shape.hidden if recipe.model.quantize_lm_head and not shape.tied_embeddings else 0
+    largest = max(head, *(lin.fan_in * lin.fan_out for lin in shape.all_linears)) * act_bytes
     if recipe.model.dequantize_per_step is True:  # `auto` is decided by `estimate` before this
-        return (shape.linear_params + head) * act_bytes
-    return max(head, *(lin.fan_in * lin.fan_out for lin in shape.all_linears)) * act_bytes
+        copy = (shape.linear_params + head) * act_bytes
+        budget = recipe.model.dequantize_budget_gb
+        # A partial copy: at most the budget, plus the one layer outside it dequantized for a pass.
+        return copy if budget is None or budget * GB >= copy else budget * GB + largest
+    return largest
 
 
 def kv_cache_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int) -> float:
@@ -795,6 +799,8 @@ def _dequantize_resolved(shape: ModelShape, recipe: Recipe, act_bytes: int, budg
     if setting == "auto":
         room = None if budget_gb is None else budget_gb * GB - _weight_bytes(shape, recipe.model, act_bytes)
         copy_bytes = shape.linear_params * act_bytes
+        if recipe.model.dequantize_budget_gb is not None:
+            copy_bytes = min(copy_bytes, recipe.model.dequantize_budget_gb * GB)
         setting = recipe.model.quantization == "4bit" and room is not None and copy_bytes <= AUTO_DEQUANTIZE_SHARE * room
     return recipe.model_copy(update={"model": recipe.model.model_copy(update={"dequantize_per_step": setting})})
 

@@ -208,17 +208,20 @@ def dequantized_once(model: nn.Module, cfg: ModelConfig) -> contextlib.AbstractC
     model); otherwise a context that does nothing. Each training step and each evaluation runs
     inside one."""
     setting = cfg.dequantize_per_step
+    limit = None if cfg.dequantize_budget_gb is None else cfg.dequantize_budget_gb * 1e9
     if setting == "auto":
         if model not in _AUTO_DEQUANTIZE:
-            _AUTO_DEQUANTIZE[model] = _dequantized_copy_fits(model, compute_dtype(cfg))
+            _AUTO_DEQUANTIZE[model] = _dequantized_copy_fits(model, compute_dtype(cfg), limit)
         setting = _AUTO_DEQUANTIZE[model]
     if not setting:
         return contextlib.nullcontext()
-    return dequantized_4bit_layers(model, compute_dtype(cfg))
+    return dequantized_4bit_layers(model, compute_dtype(cfg), limit)
 
 
-def _dequantized_copy_fits(model: nn.Module, dtype: torch.dtype) -> bool:
+def _dequantized_copy_fits(model: nn.Module, dtype: torch.dtype, limit: Optional[float] = None) -> bool:
     copy_bytes = dequantized_4bit_bytes(model, dtype)
+    if limit is not None:
+        copy_bytes = min(copy_bytes, limit)  # at most the budget's layers are held
     if copy_bytes == 0:
         return False  # no 4-bit layers: nothing to dequantize
     free = free_memory_bytes(device())

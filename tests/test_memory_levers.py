@@ -205,3 +205,14 @@ def test_the_32b_recipe_fits_24_gb_and_the_estimate_names_the_levers_it_needs():
     without = est.estimate_recipe(bare, device="cuda", budget_gb=24)
     assert not without.fits and not without.fitting
     assert without.levers and est.estimate_recipe(bare.with_values(without.levers), device="cuda", budget_gb=24).fits
+
+
+def test_a_dequantization_budget_is_counted_as_the_budget_and_one_layer_outside_it():
+    full = _estimate(model={"dequantize_per_step": True})
+    partial = _estimate(model={"dequantize_per_step": True, "dequantize_budget_gb": 50e3 / 1e9})
+    off = _estimate(model={"dequantize_per_step": False})
+    largest = 64 * 128 * 2  # the one layer dequantized for a pass (bf16)
+    assert full.phases["update"] - off.phases["update"] == pytest.approx(73728 * 2 - largest)
+    assert partial.phases["update"] - off.phases["update"] == pytest.approx(50e3)
+    with pytest.raises(RecipeError, match=r"model.dequantize_budget_gb \(2\) needs dequantize_per_step true or auto"):
+        recipe_from_dict({"model": {"dequantize_per_step": False, "dequantize_budget_gb": 2}})
