@@ -2,7 +2,8 @@
 
 Builds a random-init model from a `config.json` (default: Llama-3.1-8B's shape, in
 `model_configs/`; no weights are downloaded, the memory is the same as the real model's),
-saves it in bf16, then loads it through lora_ppo's own path in 4-bit and runs PPO steps of a
+saves it in bf16 (or, with `--prequantized`, straight into a 4-bit checkpoint one weight at a
+time: a 32B model's bf16 copy is 65 GB), then loads it through lora_ppo's own path in 4-bit and runs PPO steps of a
 recipe (default `recipes/single_gpu_8b.yaml`) with the process's CUDA allocator capped so that
 the whole process, CUDA context included, stays within `--gpu-gb`: an allocation beyond it
 raises out-of-memory. Responses are forced to full length (no stop token) and prompts are
@@ -12,10 +13,13 @@ allocator's reserved peak, the CUDA context, seconds per phase, and `lora-ppo es
 prediction for the same recipe.
 
     python bench/gpu_memory_check.py [--config bench/model_configs/llama-3.1-8b] [--tokenizer DIR]
-                                     [--gpu-gb 12] [--steps 2] [overrides ...]
+                                     [--gpu-gb 12] [--steps 2] [--prequantized] [overrides ...]
+    python bench/gpu_memory_check.py --config bench/model_configs/qwen2.5-32b --recipe recipes/single_gpu_32b.yaml \
+                                     --gpu-gb 24 --prequantized --out bench/results/gpu_memory_check_qwen2.5-32b.json
 
 Needs a CUDA GPU with room for the bf16 model while it is built (16 GB for 8B; the cap applies
-only once it is saved) and disk for the saved copy.
+only once it is saved) and disk for the saved copy; with `--prequantized`, room for one weight
+and disk for the 4-bit checkpoint (19 GB for 32B). Without `--tokenizer`, a small one is built.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from random_models import build_random_model  # noqa: E402  (bench/, beside this script)
+from random_models import build_random_4bit_model, build_random_model, small_tokenizer  # noqa: E402  (bench/)
 
 GB = 1e9
 
@@ -50,7 +54,9 @@ def long_prompts(tokenizer, data, n: int = 64) -> tuple[list, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "bench" / "model_configs" / "llama-3.1-8b"))
-    parser.add_argument("--tokenizer", required=True, help="a tokenizer folder (any tokenizer smaller than the vocabulary)")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (any smaller than the vocabulary; default: a small one, built)")
+    parser.add_argument("--prequantized", action="store_true", help="build the model straight into a 4-bit checkpoint")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "single_gpu_8b.yaml"))
     parser.add_argument("--gpu-gb", type=float, default=12.0)
     parser.add_argument("--steps", type=int, default=2)
@@ -68,9 +74,10 @@ def main() -> None:
     cuda = torch.cuda.is_available()  # without one it runs as a smoke test of itself, uncapped
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = work / Path(args.config).name
+    model_dir = work / (Path(args.config).name + ("-4bit" if args.prequantized else ""))
+    tokenizer = args.tokenizer or small_tokenizer(work / "tokenizer")
     t0 = time.perf_counter()
-    build_random_model(Path(args.config), args.tokenizer, model_dir)
+    (build_random_4bit_model if args.prequantized else build_random_model)(Path(args.config), tokenizer, model_dir)
     build_s = time.perf_counter() - t0
 
     # The CUDA context (and whatever else the driver holds for this process) counts against a
@@ -100,11 +107,12 @@ def main() -> None:
                  "rollout.stop_token=null", f"train.output_dir={work / 'run'}", "train.overwrite=true", *args.overrides]
     recipe = lora_ppo.load_recipe(args.recipe, overrides)
     exact = lora_ppo.load_recipe(args.recipe, [*overrides, f"data.max_prompt_tokens={prompt_tokens}"])
-    predicted = as_json(estimate_recipe(exact, device="cuda" if cuda else "cpu", budget_gb=args.gpu_gb))
     t1 = time.perf_counter()
-    steps, error = [], None
+    steps, error, ran = [], None, recipe
     try:
         trainer = lora_ppo.PPOTrainer(recipe, progress=False)
+        ran = trainer.recipe  # with the `auto` sizes the run chose for the capped free memory
+        exact = ran.with_values({"data.max_prompt_tokens": prompt_tokens})
         # The longest prompts the recipe admits, in place of the builtin short ones.
         trainer.stream = PromptStream(prompts, recipe.train.seed)
         load_s = time.perf_counter() - t1
@@ -120,13 +128,15 @@ def main() -> None:
         load_s = after_load = load_peak = float("nan")
     if cuda:
         reserved_peak[0] = max(reserved_peak[0], torch.cuda.max_memory_reserved())
-    print(json.dumps({
+    predicted = as_json(estimate_recipe(exact, device="cuda" if cuda else "cpu", budget_gb=args.gpu_gb))
+    result = {
         "fits": error is None, "error": error,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "config": args.config, "recipe": args.recipe, "overrides": args.overrides,
         "params": predicted["params"], "prompt_tokens": prompt_tokens,
         "max_new_tokens": recipe.rollout.max_new_tokens, "batch": recipe.rollout.batch_size,
-        "micro_batch": recipe.micro_batch_size,
+        "micro_batch": ran.micro_batch_size if ran.ppo.grad_accum_steps != "auto" else None,
+        "auto": {path: ran.model_dump(mode="json")[path.split(".")[0]][path.split(".")[1]] for path in recipe.auto_sizes},
         "gpu_gb_budget": args.gpu_gb, "cuda_context_gb": round(context / GB, 3),
         "allocator_cap_gb": round(cap / GB, 3),
         "after_load_gb": round(after_load / GB, 3), "load_peak_gb": round(load_peak / GB, 3),
@@ -135,8 +145,11 @@ def main() -> None:
         "process_peak_gb": round((reserved_peak[0] + context) / GB, 3),
         "steps": steps,
         "estimated": predicted,
-        "build_s": round(build_s, 1), "load_s": round(load_s, 1),
-    }, indent=2))
+        "build_s": round(build_s, 1), "load_s": round(load_s, 1), "prequantized": args.prequantized,
+    }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

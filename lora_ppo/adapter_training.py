@@ -123,7 +123,10 @@ class AdapterTrainer:
         from tqdm.auto import tqdm
 
         t0 = time.perf_counter()
-        moved = self.run.open(self.recipe_yaml, None if self.resume_from is None else (self.state.metrics_lines, 0))
+        # A run continued in another train.output_dir starts there with the checkpoint's lines.
+        resumed_run = None if self.resume_from is None else checkpoint.run_of(self.resume_from, self.run)
+        lines = None if self.resume_from is None else (self.state.metrics_lines, 0)
+        moved = self.run.open(self.recipe_yaml, lines, resumed_run)
         if moved is not None:
             log.warning("%s held a run: moved it to %s", self.run.root, moved)
         self.before_training()
@@ -197,7 +200,7 @@ class AdapterTrainer:
         once (`model.dequantize_per_step`), gradient checkpointing as the recipe says, dropout on."""
         self.optimizer.zero_grad(set_to_none=True)
         model, cfg = self.model, self.recipe.model
-        with dequantized_once(model.peft, cfg), model.gradient_checkpointing(cfg.gradient_checkpointing), \
+        with dequantized_once(model.peft, cfg), model.gradient_checkpointing(cfg.checkpointing_on), \
                 model.training_mode():
             yield
 

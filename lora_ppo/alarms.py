@@ -88,7 +88,10 @@ def _negative_kl(history, settings) -> list[Alarm]:
     kl = _series(history, "objective/kl")
     if len(kl) < 2 or not (kl[-1] < NEGATIVE_KL and kl[-2] < NEGATIVE_KL):
         return []
-    return [Alarm("negative_kl", f"the mean KL is {kl[-1]:.2f}, negative two steps in a row: the responses were "
+    floor = history[-1].get("check/kl_noise_floor")
+    noise = (f" (sampling and scoring round apart by about {floor:.2f} nats a response here: check/kl_noise_floor)"
+             if floor is not None else "")
+    return [Alarm("negative_kl", f"the mean KL is {kl[-1]:.2f}, negative two steps in a row{noise}: the responses were "
                   "sampled from another distribution than the one scored. Check rollout.temperature, rollout.top_k "
                   "and rollout.top_p, and whether the reference (adapters.reference) is what the policy started from.")]
 
@@ -97,9 +100,12 @@ def _entropy_collapse(history, settings) -> list[Alarm]:
     entropy = _series(history, "policy/entropy")
     if not entropy or not (entropy[-1] < ENTROPY_FLOOR or entropy[-1] < ENTROPY_FRACTION * entropy[0]):
         return []
-    return [Alarm("entropy_collapse", f"the policy's entropy fell to {entropy[-1]:.3f} nats per token (from "
-                  f"{entropy[0]:.3f}): it has become nearly deterministic and stops exploring. Raise "
-                  "ppo.entropy_coef or ppo.kl_coef, or lower ppo.learning_rate.")]
+    if entropy[-1] < entropy[0]:
+        seen = f"fell to {entropy[-1]:.3f} nats per token (from {entropy[0]:.3f})"
+    else:  # low from the first step: a nearly deterministic model (or sampling settings) to start with
+        seen = f"is {entropy[-1]:.3f} nats per token, under {ENTROPY_FLOOR:g} since the first step"
+    return [Alarm("entropy_collapse", f"the policy's entropy {seen}: it has become nearly deterministic and stops "
+                  "exploring. Raise ppo.entropy_coef or ppo.kl_coef, or lower ppo.learning_rate.")]
 
 
 def _overclipping(history, settings) -> list[Alarm]:

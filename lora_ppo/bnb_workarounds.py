@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import types
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -34,13 +34,19 @@ def eval_on_training_kernel(model: nn.Module) -> nn.Module:
 
 def dequantized_4bit_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     """The bytes `dequantized_4bit_layers` would hold for `model`'s 4-bit layers."""
-    return sum(module.weight.quant_state.shape.numel() * (module.compute_dtype or dtype).itemsize
-               for module in linear_4bit_layers(model))
+    return sum(_copy_bytes(module, dtype) for module in linear_4bit_layers(model))
+
+
+def _copy_bytes(module: nn.Module, dtype: torch.dtype) -> int:
+    """The bytes of one 4-bit layer's dequantized weight."""
+    return module.weight.quant_state.shape.numel() * (module.compute_dtype or dtype).itemsize
 
 
 @contextlib.contextmanager
-def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype) -> Iterator[float]:
-    """Compute every 4-bit layer from one dequantized copy of its weight, for the duration.
+def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype, max_bytes: Optional[float] = None) -> Iterator[float]:
+    """Compute every 4-bit layer from one dequantized copy of its weight, for the duration; with
+    `max_bytes`, only the layers whose copies fit that many bytes (in the model's order, a layer
+    too large for what is left skipped), the rest from their 4 bits as before.
 
     bitsandbytes dequantizes a 4-bit weight in every forward and again in every backward
     pass (on CPU a large share of a small layer's time), and generating N tokens dequantizes
@@ -62,6 +68,8 @@ def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype) -> Iterator[fl
                 # Straight into the layer's compute dtype, as bitsandbytes does per pass (a
                 # bf16 checkpoint computed in fp32 is not rounded through bf16 first).
                 layer_dtype = module.compute_dtype or dtype
+                if max_bytes is not None and held + _copy_bytes(module, dtype) > max_bytes:
+                    continue
                 state = copy.copy(module.weight.quant_state)
                 state.dtype = layer_dtype
                 weight = dequantize_4bit(module.weight.data, state)

@@ -11,6 +11,7 @@ manifest.json is written last: a folder holding it is complete (`run_dir.is_chec
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -18,9 +19,10 @@ import pickle
 import random
 import shutil
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Iterator, Optional, Protocol
 
 import torch
 from safetensors import SafetensorError
@@ -30,7 +32,8 @@ from lora_ppo.config import Recipe, RewardRecipe, resume_differences
 from lora_ppo.distributed import World
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.roles import HEAD_FILES, Backbone
-from lora_ppo.run_dir import MANIFEST_FILE, STATE_FILE, RunDir, is_checkpoint, read_manifest
+from lora_ppo.run_dir import (MANIFEST_FILE, RECIPE_FILE, STATE_FILE, RunDir, find_run_root, is_checkpoint,
+                              read_manifest)
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
@@ -85,12 +88,16 @@ def save(folder: Path, parts: Trainables, state: RunState, recipe_yaml: str,
     `keep_last` delete all but the newest `keep_last` complete checkpoints beside it.
     `process_rngs`: every process's `process_rng_state`, in rank order (default: this one's).
 
-    Raises CheckpointError (disk full, permissions); earlier checkpoints are left intact.
+    Raises DiskFullError when the free space cannot hold it (checked first, and when a write
+    fails on a full device), CheckpointError for other OSErrors (permissions); either way nothing
+    of this checkpoint is left behind and earlier checkpoints are intact.
     """
     folder = Path(folder)
     process_rngs = process_rngs or [process_rng_state(parts.generator)]
+    needed = expected_bytes(folder, parts)
+    _check_free_space(folder, needed)  # refused before a byte is written, where it cannot fit
     try:
-        with atomic_folder(folder) as staging:
+        with atomic_folder(folder) as staging, _out_of_space_named(folder, staging, needed):
             for name in parts.trained + parts.frozen:
                 parts.model.save_adapter(name, staging / name)
             torch.save(parts.optimizer.state_dict(), staging / OPTIMIZER_FILE)
@@ -111,13 +118,78 @@ def save(folder: Path, parts: Trainables, state: RunState, recipe_yaml: str,
                 "files": sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file()),
             }
             (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-    except OSError as err:
+    except OSError as err:  # a write refused (permissions), or the fsync or rename of a full device
+        if err.errno in OUT_OF_SPACE:
+            raise _no_space(folder, needed, _free_bytes(folder)) from None
         raise CheckpointError(
             f"could not save checkpoint {folder}: {err.strerror or err}; earlier checkpoints are intact"
         ) from None
     if keep_last is not None:
         prune(folder.parent, keep_last)
     return folder
+
+
+# A write that fails with less than this left free failed for want of space, whatever the writer
+# raised: torch.save says "unexpected pos" or "iostream error", safetensors its own error type.
+FULL_DISK_SLACK = 1 << 20  # bytes
+OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(CheckpointError):
+    """A checkpoint that does not fit in the free space left; nothing of it is left behind."""
+
+
+def saved_bytes(parts: Trainables) -> int:
+    """What a checkpoint of `parts` holds at least: the trained and frozen adapters with their
+    heads, and the optimizer's state (file headers, RNG and run state come on top)."""
+    trained = [p for group in parts.optimizer.param_groups for p in group["params"]]
+    frozen = [p for name in parts.frozen for p in parts.model.adapter_params(name)]
+    moments = [t for state in parts.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in trained + frozen + moments)
+
+
+def expected_bytes(folder: Path, parts: Trainables) -> int:
+    """What the checkpoint `folder` will take: as much as a complete one beside it (the same run
+    saves the same tensors), and at least `saved_bytes`."""
+    beside = [f for f in (folder.parent.iterdir() if folder.parent.is_dir() else []) if is_checkpoint(f)]
+    sizes = [sum(p.stat().st_size for p in f.rglob("*") if p.is_file()) for f in beside]
+    return max([saved_bytes(parts), *sizes])
+
+
+def _free_bytes(folder: Path) -> int:
+    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    return shutil.disk_usage(existing).free
+
+
+def _no_space(folder: Path, needed: int, free: int) -> DiskFullError:
+    return DiskFullError(
+        f"could not save checkpoint {folder}: no space left on the device; it needs about {_megabytes(needed)} "
+        f"free in {folder.parent} and {_megabytes(free)} are free; earlier checkpoints are intact (free some "
+        "space, then resume with --resume auto)")
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e3:.0f} kB" if n < 1e6 else f"{n / 1e6:.1f} MB"
+
+
+def _check_free_space(folder: Path, needed: int) -> None:
+    free = _free_bytes(folder)
+    if free < needed:
+        raise _no_space(folder, needed, free)
+
+
+@contextmanager
+def _out_of_space_named(folder: Path, staging: Path, needed: int) -> Iterator[None]:
+    """A write into `staging` that failed because the device filled up, as a DiskFullError (the
+    staging folder is then removed by atomic_folder, which this runs inside)."""
+    try:
+        yield
+    except Exception as err:
+        if not (getattr(err, "errno", None) in OUT_OF_SPACE or shutil.disk_usage(staging).free < FULL_DISK_SLACK):
+            raise
+        # measured once the staged files are gone: what the user has to work with
+        shutil.rmtree(staging, ignore_errors=True)
+        raise _no_space(folder, needed, _free_bytes(folder)) from None
 
 
 def load(folder: Path, parts: Trainables, state_type: type, world: World = World()) -> Any:
@@ -226,7 +298,10 @@ def open_run(recipe: Recipe | RewardRecipe, resume: Optional[str | Path],
     if check_taken:
         run.check_writable()
     if resume is not None:
-        return run, resolve_resume(run, resume, recipe)
+        folder = resolve_resume(run, resume, recipe)
+        if check_taken and not run.same_folder(run_of(folder, run)):
+            run.refuse_if_taken(recipe.train.overwrite)  # continued in a new folder: as a new run's
+        return run, folder
     if check_taken:
         run.refuse_if_taken(recipe.train.overwrite)
     return run, None
@@ -245,15 +320,18 @@ def resolve_resume(run: RunDir, resume: str | Path, recipe: Recipe | RewardRecip
         folder = Path(resume)
         if not is_checkpoint(folder):
             raise RecipeError(f"--resume: {folder} is not a complete checkpoint (no {MANIFEST_FILE})")
-    if not run.recipe.is_file():
-        raise RecipeError(f"--resume: {run.recipe} is missing; cannot check the recipe matches")
+    source = run_of(folder, run)
+    if not source.recipe.is_file():
+        raise RecipeError(f"--resume: {folder} has no {RECIPE_FILE} beside it (in it, its parent or grandparent), "
+                          f"nor has {run.root}: copy the checkpoint with its run folder, which records the recipe "
+                          "it trained with")
     import yaml
 
-    saved = yaml.safe_load(run.recipe.read_text(encoding="utf-8"))
+    saved = yaml.safe_load(source.recipe.read_text(encoding="utf-8"))
     differences = resume_differences(saved, recipe)
     if differences:
         raise RecipeError(
-            f"--resume: the recipe differs from the run's {run.recipe} in fields a resumed run cannot "
+            f"--resume: the recipe differs from the run's {source.recipe} in fields a resumed run cannot "
             f"change: {', '.join(differences)}"
         )
     ppo = isinstance(recipe, Recipe)
@@ -265,6 +343,12 @@ def resolve_resume(run: RunDir, resume: str | Path, recipe: Recipe | RewardRecip
                     "so this is not the run the new recipe makes from the start (with a constant schedule it is)",
                     length, before, now)
     return folder
+
+
+def run_of(checkpoint: Path, default: RunDir) -> RunDir:
+    """The run folder a checkpoint belongs to (the one holding its recipe.yaml), else `default`."""
+    root = find_run_root(checkpoint)
+    return RunDir(root) if root is not None else default
 
 
 def prune(checkpoints_dir: Path, keep_last: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -227,7 +228,7 @@ def _run(command: str, recipe: Path, overrides: Optional[List[str]], start, summ
     """Build a trainer and train, mapping failures to one line: bad input exits 2, a failure at
     run time (reward, NaN halt, checkpoint) 1, Ctrl-C 130 with the command that resumes (with
     `extra_args`). `summarise` None: print no summary or hint (a process other than the main one)."""
-    from lora_ppo.checkpoint import CheckpointError
+    from lora_ppo.checkpoint import OUT_OF_SPACE, CheckpointError, DiskFullError
     from lora_ppo.rewards import RewardError
     from lora_ppo.trainer import TrainingHalted
 
@@ -240,8 +241,16 @@ def _run(command: str, recipe: Path, overrides: Optional[List[str]], start, summ
     except RewardError as err:
         # The user's own frames (their file and line) follow the one line, never lora_ppo's.
         _fail(str(err), code=1, frames=user_frames(err, str(Path(__file__).parent)))
+    except DiskFullError as err:  # the user frees space and resumes, as with bad input
+        _fail(str(err))
     except (TrainingHalted, CheckpointError) as err:
         _fail(str(err), code=1)
+    except OSError as err:  # the run's logs on a device that filled up or became read-only
+        if err.errno not in (*OUT_OF_SPACE, errno.EROFS):
+            raise
+        where = err.filename or (trainer.run.root if trainer is not None else "the run folder")
+        _fail(f"cannot write {where}: {err.strerror}; the checkpoints saved so far are intact (resume with "
+              "--resume auto once the folder can be written)")
     except KeyboardInterrupt:
         # Stopped before its first checkpoint, a run has nothing to resume: rerunning starts over.
         if summarise is not None and trainer is not None and trainer.run.has_checkpoint():
@@ -265,7 +274,8 @@ def validate(recipe: Path = typer.Argument(..., help="YAML recipe file."),
 def estimate(
     recipe: Path = typer.Argument(..., help="YAML recipe file."),
     overrides: Optional[List[str]] = typer.Argument(None, help="Overrides like model.name=Qwen/Qwen2.5-7B."),
-    gpu_gb: Optional[float] = typer.Option(None, "--gpu-gb", help="Memory budget in GB: say whether it fits."),
+    gpu_gb: Optional[float] = typer.Option(
+        None, "--gpu-gb", help="Memory budget in GB: say whether it fits, choose `auto` sizes (default: train.memory_budget_gb)."),
     device: str = typer.Option("cuda", "--device", help="cuda (bf16 compute by default) or cpu (fp32)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     num_processes: int = typer.Option(1, "--num-processes", help="Data-parallel processes: memory per process."),
@@ -293,7 +303,8 @@ def estimate(
               "recipes")
     try:
         check_splits(cfg, num_processes)
-        est = est_mod.estimate_recipe(cfg, device=device, budget_gb=gpu_gb, processes=num_processes)
+        budget = gpu_gb if gpu_gb is not None else cfg.train.memory_budget_gb
+        est = est_mod.estimate_recipe(cfg, device=device, budget_gb=budget, processes=num_processes)
     except RecipeError as err:
         _fail(str(err))
     if as_json:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Optional, Union, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
 from lora_ppo.errors import RecipeError
@@ -21,6 +21,12 @@ from lora_ppo.errors import RecipeError
 BUILTIN_PREFIX = "builtin:"
 
 Quantization = Literal["4bit", "8bit", "none"]
+
+# Sizes a PPO recipe may leave to the memory plan (`auto`): `lora-ppo estimate` and the run choose
+# them for the budget (train.memory_budget_gb, --gpu-gb, or the device's free memory) and the run
+# records its choice in its recipe.yaml; a resumed run keeps the choice it recorded.
+AUTO = "auto"
+AUTO_SIZES = ("ppo.grad_accum_steps", "rollout.forward_batch_size", "model.gradient_checkpointing")
 
 # The mark of a field a resumed run may change: it alters how long the run goes, what it logs
 # or evaluates, or how fast a step runs, never what a step computes. RESUME_ALLOWED is derived
@@ -72,22 +78,58 @@ class ModelConfig(Section):
     """The dtype of computation and of the unquantized parts (norms, embeddings, heads). `auto`: bfloat16 on a
     GPU that supports it, else float16; float32 on CPU.
     """
-    gradient_checkpointing: bool = True
+    gradient_checkpointing: Union[bool, Literal["auto"]] = True
     """Recompute decoder activations during the update (generation always keeps its KV cache), so the update
     holds only each layer's inputs. On by default because memory is what stops a large model; a small model
-    with memory to spare runs faster with it off.
+    with memory to spare runs faster with it off. `auto` (PPO): off when the update fits the memory budget
+    without it at the same micro-batch (`train.memory_budget_gb`), else on; elsewhere (`train-reward`) on.
     """
     dequantize_per_step: Union[bool, Literal["auto"]] = Field("auto", json_schema_extra=MAY_CHANGE_ON_RESUME)
     """4-bit only: dequantize every 4-bit layer once per PPO step (and per evaluation) and compute from that
     copy instead of dequantizing in every forward and backward pass: same numbers, faster steps (on CPU
     generation about 2x), but the layers are held unquantized during a step. `auto`: on when that copy
     takes at most half the memory free after loading (a small model; never an 8B model on a 24 GB card),
-    else off; the run's log says which.
+    else off; the run's log says which. Free memory is what this process may still allocate: a cap set
+    with `torch.cuda.set_per_process_memory_fraction` (to share a card) counts.
+    """
+    dequantize_budget_gb: Optional[float] = Field(None, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """With `dequantize_per_step` on: hold at most this many GB of dequantized layers (those that fit, in
+    the model's order; the others compute from their 4 bits as without it), so a card with memory to spare
+    beyond the step's needs gets part of the speed of the full copy. null: every layer. Same numbers either
+    way.
+    """
+    offload_embeddings: bool = False
+    """Keep the input embedding table in CPU memory and look each forward's tokens up there (a few thousand
+    rows), instead of holding it on the GPU: saves vocabulary x hidden x 2 bytes of GPU memory (1.56 GB for
+    Qwen2.5-32B, 1.05 GB for Llama-3.1-8B) for the same hidden states. Not for models whose LM head shares
+    the table (tied embeddings: refused at load), and `rollout.compile` stays off with it (a CPU lookup in the
+    decode step would break its CUDA graph; `auto` turns it off, `true` is refused).
+    """
+    quantize_lm_head: bool = False
+    """Quantize the LM head as the linear layers are (`model.quantization`) instead of keeping it at the
+    compute dtype: in 4-bit it takes a quarter of vocabulary x hidden x 2 bytes (saves 1.17 GB on Qwen2.5-32B).
+    Every role reads the same head, so the PPO ratio, the KL and the logprob self-check stay exact, but the
+    policy's distribution carries the head's rounding (logits within NF4's error of the checkpoint's). Needs a
+    quantized model; not for tied embeddings (refused at load).
     """
     trust_remote_code: bool = False
     """Run model code downloaded from the hub. Off unless the recipe says so, since it executes code that
     comes with the model.
     """
+
+    @model_validator(mode="after")
+    def _levers(self) -> "ModelConfig":
+        if self.dequantize_budget_gb is not None and self.dequantize_per_step is False:
+            raise ValueError(f"dequantize_budget_gb ({self.dequantize_budget_gb:g}) needs dequantize_per_step "
+                             "true or auto")
+        if self.quantize_lm_head and self.quantization == "none":
+            raise ValueError("quantize_lm_head: needs model.quantization 4bit or 8bit (got 'none')")
+        return self
+
+    @property
+    def checkpointing_on(self) -> bool:
+        """Whether updates recompute activations: `auto` left undecided (no memory plan) is on."""
+        return self.gradient_checkpointing is not False
 
     def compute_dtype_name(self, device: str, bf16_supported: bool = True) -> str:
         """The dtype computation runs in on `device` ("cuda" or "cpu"): "float32", "bfloat16" or
@@ -393,9 +435,10 @@ class RolloutConfig(Section):
     """Subtracted from the score of a response that never produced `stop_token` (before the `ppo` score
     shaping); needs a `stop_token`. null: no penalty.
     """
-    forward_batch_size: int = Field(16, gt=0)
+    forward_batch_size: Union[PositiveInt, Literal["auto"]] = 16
     """Sequences per forward pass when scoring a rollout (old and reference logprobs, values): trades memory
-    for speed. With `score_roles_together` a forward holds this many rows per role scored.
+    for speed. With `score_roles_together` a forward holds this many rows per role scored. `auto`: the most
+    (up to the batch) whose scoring fits the memory budget (`train.memory_budget_gb`).
     """
     score_roles_together: bool = True
     """Score the roles a rollout needs (reference, value, and the policy unless
@@ -434,12 +477,14 @@ class RolloutConfig(Section):
     """
     tools: list[str] = []
     """Python functions the policy may call, each `module:function` with type hints and a docstring: their
-    JSON schemas go to the chat template (`tools=`), calls are parsed from its completions and answered as
-    `tool` messages. They run with your permissions (no sandbox).
+    JSON schemas go to the chat template (`tools=`), or into the system message where the template ignores
+    them; calls are parsed from its completions and answered as `tool` messages. They run with your
+    permissions (no sandbox).
     """
     max_turns: int = Field(1, gt=0)
     """Turns of the policy per episode (with `environment` or `tools`); an episode still going after them
-    is counted as truncated (`episode/truncated_frac`).
+    is counted as truncated (`episode/truncated_frac`), and when that is most episodes at the first step
+    the log warns.
     """
     max_episode_tokens: Optional[int] = Field(None, gt=0)
     """The budget of an episode in tokens after the prompt (actions and observations); each turn writes at
@@ -450,12 +495,13 @@ class RolloutConfig(Section):
     background); null: no limit.
     """
 
-    def compiles_on(self, device_type: str, decode_steps: int) -> bool:
+    def compiles_on(self, device_type: str, decode_steps: int, embeddings_on_cpu: bool = False) -> bool:
         """`compile` decided for a device type ("cuda", "cpu", ...) and the decode steps the job
-        will take: `auto` is on for CUDA when there are enough of them to pay the compile back."""
+        will take: `auto` is on for CUDA when there are enough of them to pay the compile back, and
+        the embeddings are on the device (`model.offload_embeddings` off)."""
         if self.compile != "auto":
             return bool(self.compile)
-        return device_type == "cuda" and decode_steps >= AUTO_COMPILE_MIN_DECODE_STEPS
+        return device_type == "cuda" and decode_steps >= AUTO_COMPILE_MIN_DECODE_STEPS and not embeddings_on_cpu
 
     @property
     def response_tokens(self) -> int:
@@ -492,9 +538,10 @@ class PPOConfig(Section):
     """Passes over each rollout; 4 is PPO's usual value."""
     num_minibatches: int = Field(1, gt=0)
     """Optimizer steps per epoch."""
-    grad_accum_steps: int = Field(1, gt=0)
+    grad_accum_steps: Union[PositiveInt, Literal["auto"]] = 1
     """Micro-batches per minibatch: less memory for the same update. `rollout.batch_size` must divide by
-    `num_minibatches * grad_accum_steps`.
+    `num_minibatches * grad_accum_steps`. `auto`: the fewest (the largest micro-batch) whose update fits the
+    memory budget (`train.memory_budget_gb`); the run's log says what it chose and why.
     """
     update_roles_together: bool = False
     """Train the policy and the value (with a critic) in one forward and backward per micro-batch: the
@@ -588,6 +635,13 @@ class PPOConfig(Section):
     """Gradient norm clip, per adapter (policy; value adapter and head)."""
     learning_rate: float = Field(1e-4, gt=0.0)
     """AdamW learning rate of the policy adapter."""
+    optimizer_state: Literal["device", "8bit", "cpu"] = "device"
+    """Where AdamW keeps its two moments per trainable weight (8 bytes a weight in fp32: 2.15 GB for r=16
+    policy and value adapters on a 32B model). `device`: fp32 beside the weights; `8bit`: bitsandbytes'
+    blockwise 8-bit AdamW (about 2 bytes a weight; tensors under 4,096 elements stay 32-bit); `cpu`: fp32 in
+    CPU memory, each optimizer step copying weights and gradients there and back (as ZeRO-Offload does).
+    `device` by default: the exact, fastest choice where memory allows.
+    """
     value_learning_rate: Optional[float] = Field(None, gt=0.0)
     """AdamW learning rate of the value adapter and head; null: `learning_rate`."""
     lr_schedule: Literal["constant", "linear"] = "constant"
@@ -628,6 +682,13 @@ class TrainConfig(Section):
     `WANDB_MODE=offline`; `trackio` writes locally). Each needs its extra: `pip install 'lora_ppo[wandb]'`.
     metrics.jsonl is written whatever this says.
     """
+    memory_budget_gb: Optional[float] = Field(None, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """The memory (GB, the whole process: CUDA context included) that the recipe's `auto` sizes
+    (`ppo.grad_accum_steps`, `rollout.forward_batch_size`, `model.gradient_checkpointing`) are chosen to fit,
+    as `lora-ppo estimate --gpu-gb` chooses them. null: what the device has free when the run starts (on a
+    GPU what this process may still allocate: a cap set with `set_per_process_memory_fraction` counts).
+    The choice is written to the run's recipe.yaml; a resumed run keeps it.
+    """
     max_consecutive_skips: int = Field(3, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """Stop the run (with a checkpoint) after this many steps in a row whose update was skipped for a NaN/inf:
     one can be a fluke, several in a row mean the run has diverged.
@@ -662,15 +723,21 @@ class Recipe(Section):
                 f"rollout.missing_eos_penalty ({penalty}) has no effect while rollout.stop_token is null: "
                 "set a stop token or remove the penalty"
             )
+        if self.model.offload_embeddings and self.rollout.compile is True:
+            raise ValueError("rollout.compile: true cannot run with model.offload_embeddings (a CPU embedding lookup "
+                             "breaks the compiled decode step's CUDA graph); use auto or false")
         if self.model.dequantize_per_step is True and self.model.quantization != "4bit":
             raise ValueError(
                 f"model.dequantize_per_step: needs model.quantization 4bit (got {self.model.quantization!r})"
             )
-        parts = self.ppo.num_minibatches * self.ppo.grad_accum_steps
-        if self.rollout.batch_size % parts:
+        if self.ppo.grad_accum_steps == AUTO:  # chosen later, among the divisors of the minibatch
+            if self.rollout.batch_size % self.ppo.num_minibatches:
+                raise ValueError(f"rollout.batch_size ({self.rollout.batch_size}) must be divisible by "
+                                 f"ppo.num_minibatches ({self.ppo.num_minibatches})")
+        elif self.rollout.batch_size % (self.ppo.num_minibatches * self.ppo.grad_accum_steps):
             raise ValueError(
                 f"rollout.batch_size ({self.rollout.batch_size}) must be divisible by "
-                f"ppo.num_minibatches * ppo.grad_accum_steps ({parts})"
+                f"ppo.num_minibatches * ppo.grad_accum_steps ({self.ppo.num_minibatches * self.ppo.grad_accum_steps})"
             )
         if self.uses_critic and self.adapters.value.init_from == "reward" and self.reward.adapter_path is None:
             raise ValueError("adapters.value.init_from: 'reward' starts the value from the reward adapter, "
@@ -709,7 +776,25 @@ class Recipe(Section):
 
     @property
     def micro_batch_size(self) -> int:
+        if self.ppo.grad_accum_steps == AUTO:
+            raise ValueError("ppo.grad_accum_steps is auto: choose the sizes first (estimate.with_auto_sizes)")
         return self.minibatch_size // self.ppo.grad_accum_steps
+
+    @property
+    def auto_sizes(self) -> list[str]:
+        """The fields of AUTO_SIZES this recipe leaves to the memory plan."""
+        return [path for path in AUTO_SIZES if field_value(self, path) == AUTO]
+
+    def with_values(self, values: dict[str, Any]) -> "Recipe":
+        """The recipe with fields set by dotted path (`{"ppo.grad_accum_steps": 2}`), validated again."""
+        data = self.model_dump(mode="json")
+        for path, value in values.items():
+            *sections, name = path.split(".")
+            node = data
+            for section in sections:
+                node = node[section]
+            node[name] = value
+        return type(self).model_validate(data)
 
 
 # ---- the reward model's recipe (lora-ppo train-reward) --------------------------------------
@@ -957,6 +1042,15 @@ class SFTRecipe(Section):
         return self.sft.packing_length or self.data.max_length
 
 
+def field_value(data: Any, path: str) -> Any:
+    """The value at a dotted field path (`ppo.grad_accum_steps`) of a recipe, a section, or a
+    recipe mapping (a run's recipe.yaml); None where a mapping lacks it."""
+    value = data
+    for name in path.split("."):
+        value = value.get(name) if isinstance(value, dict) else getattr(value, name)
+    return value
+
+
 def nested_section(field: FieldInfo) -> Optional[type[Section]]:
     """The section model a field holds (e.g. `adapters.policy` holds LoraSettings), or None for a value."""
     annotation = field.annotation
@@ -1008,7 +1102,9 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 def resume_differences(saved: dict[str, Any], recipe: Section) -> list[str]:
     """Field paths where `recipe` differs from the run's saved recipe and a resume is unsafe."""
     old, new = _flatten(saved), _flatten(recipe.model_dump(mode="json"))
-    changed = sorted(k for k in set(old) | set(new) if old.get(k, "<unset>") != new.get(k, "<unset>"))
+    # A size left to the memory plan (`auto`) takes the value the run chose and recorded.
+    changed = sorted(k for k in set(old) | set(new) if old.get(k, "<unset>") != new.get(k, "<unset>")
+                     and not (k in AUTO_SIZES and new.get(k) == AUTO))
     allowed = resume_allowed(type(recipe))
     return [k for k in changed if k not in allowed]
 

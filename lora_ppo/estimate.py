@@ -31,9 +31,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from lora_ppo.compiled_generation import bucket
-from lora_ppo.config import AUTO_DEQUANTIZE_SHARE, BUILTIN_PREFIX, LoraSettings, ModelConfig, Recipe, SFTRecipe
+from lora_ppo.config import (AUTO, AUTO_DEQUANTIZE_SHARE, BUILTIN_PREFIX, LoraSettings, ModelConfig, Recipe, SFTRecipe,
+                             field_value)
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.logprobs import DEFAULT_CHUNK_TOKENS
+from lora_ppo.optimizers import MIN_8BIT_SIZE
 
 GB = 1e9
 PHASES = ("generate", "score", "update")
@@ -48,6 +50,7 @@ EIGHT_BIT_BYTES = 1.0
 ADAPTER_WEIGHT_BYTES = 4
 ADAPTER_GRAD_BYTES = 4
 ADAM_BYTES = 8
+OPTIMIZER_8BIT_BLOCK = 256  # bitsandbytes' 8-bit optimizers quantize their moments in blocks of 256
 # Fixed cost beyond the tensors: the CUDA context and allocator slack on GPU; the Python process
 # with torch, transformers, peft and bitsandbytes imported on CPU (measured by the bench).
 RUNTIME_BYTES = {"cuda": 0.6 * GB, "cpu": 0.62 * GB}
@@ -368,6 +371,9 @@ class Estimate:
     processes: int = 1  # data-parallel processes: the phases are each one's
     weight_parts: dict[str, float] = field(default_factory=dict)  # components["weights"] by part (_weight_parts)
     static_kv_cache: float = 0.0  # rollout.compile: the KV cache held through every phase (in `phases`)
+    auto_choices: tuple["AutoChoice", ...] = ()  # the sizes the recipe left `auto`, as chosen for the budget
+    host: dict[str, float] = field(default_factory=dict)  # what the memory levers keep in CPU memory instead
+    levers: dict[str, Any] = field(default_factory=dict)  # when nothing fits the budget: the levers that make it fit
 
     @property
     def peak(self) -> float:
@@ -382,17 +388,79 @@ def _dtype_bytes(recipe: Recipe, device: str) -> int:
     return 4 if recipe.model.compute_dtype_name(device) == "float32" else 2
 
 
-def _weight_parts(shape: ModelShape, model: ModelConfig, act_bytes: int) -> dict[str, float]:
-    """Bytes of the base weights: the linear layers bitsandbytes quantizes, at their quantization's
-    cost, then each part it leaves at the compute dtype (MoE experts included)."""
+def _weight_parts(shape: ModelShape, model: ModelConfig, act_bytes: int, device: str = "cuda") -> dict[str, float]:
+    """Bytes of the base weights on the device: the linear layers bitsandbytes quantizes, at their
+    quantization's cost, then each part it leaves at the compute dtype (MoE experts included); the
+    LM head at the linear layers' cost with `model.quantize_lm_head`, and the embeddings left out
+    with `model.offload_embeddings` (they are in CPU memory: `_host_parts`)."""
+    per_weight = _quantized_bytes(model, act_bytes)
+    parts = {"linear_layers": shape.linear_params * per_weight,
+             **{part: n * act_bytes for part, n in shape.unquantized_parts().items()}}
+    if model.quantize_lm_head and "lm_head" in parts:
+        parts["lm_head"] = shape.vocab * shape.hidden * per_weight
+    if model.offload_embeddings and device != "cpu":
+        parts.pop("embeddings", None)
+    return parts
+
+
+def _quantized_bytes(model: ModelConfig, act_bytes: int) -> float:
+    """Bytes a quantized linear weight takes (the compute dtype's without quantization)."""
     q = model.quantization
-    per_weight = FOUR_BIT_BYTES[model.double_quant] if q == "4bit" else EIGHT_BIT_BYTES if q == "8bit" else act_bytes
-    return {"linear_layers": shape.linear_params * per_weight,
-            **{part: n * act_bytes for part, n in shape.unquantized_parts().items()}}
+    return FOUR_BIT_BYTES[model.double_quant] if q == "4bit" else EIGHT_BIT_BYTES if q == "8bit" else act_bytes
 
 
-def _weight_bytes(shape: ModelShape, model: ModelConfig, act_bytes: int) -> float:
-    return sum(_weight_parts(shape, model, act_bytes).values())
+def _weight_bytes(shape: ModelShape, model: ModelConfig, act_bytes: int, device: str = "cuda") -> float:
+    return sum(_weight_parts(shape, model, act_bytes, device).values())
+
+
+def _host_parts(shape: ModelShape, recipe: Recipe, act_bytes: int, device: str) -> dict[str, float]:
+    """What the memory levers keep in CPU memory instead of the GPU's: the embedding table
+    (`model.offload_embeddings`); AdamW's moments with a copy of each weight and gradient
+    (`ppo.optimizer_state: cpu`, 16 bytes a trainable weight)."""
+    if device == "cpu":
+        return {}
+    host = {}
+    if recipe.model.offload_embeddings:
+        host["embeddings"] = shape.vocab * (shape.embed_width or shape.hidden) * act_bytes
+    if recipe.ppo.optimizer_state == "cpu":
+        host["optimizer"] = _adapter_params(shape, recipe)[0] * (ADAM_BYTES + ADAPTER_WEIGHT_BYTES + ADAPTER_GRAD_BYTES)
+    return host
+
+
+def _optimizer_bytes(shape: ModelShape, recipe: Recipe, device: str) -> float:
+    """AdamW's state on the device: two fp32 moments a trainable weight; with bitsandbytes' 8-bit
+    state, per tensor of at least MIN_8BIT_SIZE elements one byte a moment plus an fp32 absmax
+    per block of OPTIMIZER_8BIT_BLOCK and a 256-entry fp32 code per moment; none when held on
+    the CPU."""
+    state = recipe.ppo.optimizer_state
+    if state == "cpu" and device != "cpu":
+        return 0.0
+    if state != "8bit":
+        return _adapter_params(shape, recipe)[0] * ADAM_BYTES
+    total = 0.0
+    for numel, count in _trainable_tensors(shape, recipe):
+        if numel < MIN_8BIT_SIZE:
+            total += count * numel * ADAM_BYTES
+        else:
+            total += count * 2 * (numel + 4 * math.ceil(numel / OPTIMIZER_8BIT_BLOCK) + 4 * 256)
+    return total
+
+
+def _trainable_tensors(shape: ModelShape, recipe: Recipe) -> list[tuple[int, int]]:
+    """(elements, how many) of each trainable tensor: LoRA's A (r x in) and B (out x r) per adapted
+    layer of the policy and the value, and the value head's weight and bias."""
+    ad = recipe.adapters
+    tensors = []
+    for settings in (ad.policy, ad.value) if recipe.uses_critic else (ad.policy,):
+        for lin in shape.all_linears:
+            if settings.target_modules == "all-linear" or any(lin.matches(m) for m in settings.target_modules):
+                tensors += [(settings.r * lin.fan_in, lin.count), (settings.r * lin.fan_out, lin.count)]
+        for expert in shape.fused_experts:
+            if any(expert.matches(t) for t in settings.target_parameters):
+                tensors += [(settings.r * expert.fan_in, expert.count), (settings.r * expert.fan_out, expert.count)]
+    if recipe.uses_critic:
+        tensors += [(shape.hidden, 1), (1, 1)]
+    return tensors
 
 
 def _adapter_params(shape: ModelShape, recipe: Recipe) -> tuple[int, int]:
@@ -431,8 +499,10 @@ def _reward_bytes(recipe: Recipe, classifier_shapes: list[ModelShape], device: s
     classifiers = [s for s in recipe.reward.source_list() if s.kind == "classifier"]
     total = 0.0
     for source, shape in zip(classifiers, classifier_shapes):
+        # The policy's memory levers are its own: a classifier loads whole.
         model = recipe.model.model_copy(update={"quantization": source.quantization or recipe.model.quantization,
-                                                "compute_dtype": source.dtype or recipe.model.compute_dtype})
+                                                "compute_dtype": source.dtype or recipe.model.compute_dtype,
+                                                "offload_embeddings": False, "quantize_lm_head": False})
         total += _weight_bytes(shape, model, 4 if model.compute_dtype_name(device) == "float32" else 2)
     return total
 
@@ -442,9 +512,15 @@ def _dequantized_weight_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int)
     `model.dequantize_per_step` every linear layer is held dequantized through the step."""
     if recipe.model.quantization == "none" or not shape.converted:
         return 0.0
+    # A quantized LM head is one more quantized weight: dequantized whole for its matmul too.
+    head = shape.vocab * shape.hidden if recipe.model.quantize_lm_head and not shape.tied_embeddings else 0
+    largest = max(head, *(lin.fan_in * lin.fan_out for lin in shape.all_linears)) * act_bytes
     if recipe.model.dequantize_per_step is True:  # `auto` is decided by `estimate` before this
-        return shape.linear_params * act_bytes
-    return max(lin.fan_in * lin.fan_out for lin in shape.all_linears) * act_bytes
+        copy = (shape.linear_params + head) * act_bytes
+        budget = recipe.model.dequantize_budget_gb
+        # A partial copy: at most the budget, plus the one layer outside it dequantized for a pass.
+        return copy if budget is None or budget * GB >= copy else budget * GB + largest
+    return largest
 
 
 def kv_cache_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int) -> float:
@@ -455,7 +531,7 @@ def kv_cache_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int
 def static_kv_cache_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int, device: str) -> float:
     """With `rollout.compile` on for `device`: the static KV cache, its rows rounded up to the
     compiled batch bucket, which stays allocated through scoring and the update; else 0."""
-    if not recipe.rollout.compiles_on(device, recipe.decode_steps):
+    if not recipe.rollout.compiles_on(device, recipe.decode_steps, recipe.model.offload_embeddings):
         return 0.0
     return kv_cache_bytes(shape, recipe, act_bytes, bucket(batch))
 
@@ -529,23 +605,20 @@ def estimate(
     budget_gb: Optional[float] = None,
     classifier_shapes: Optional[list[ModelShape]] = None,
     processes: int = 1,
+    propose_levers: bool = True,
 ) -> Estimate:
     """Peak bytes per phase for `recipe` on a model of `shape`, on "cuda" or "cpu" (with the shapes
     of the recipe's classifier reward models, in the order of its sources), per process of a
-    data-parallel run of `processes`: each holds the whole model and a share of the rows."""
+    data-parallel run of `processes`: each holds the whole model and a share of the rows. Sizes
+    the recipe leaves `auto` are chosen for the budget first (without one: their leanest). When
+    no batch fits the budget, `propose_levers` looks for the memory levers that make it fit."""
+    recipe, choices = choose_auto_sizes(shape, recipe, device, budget_gb, processes, classifier_shapes)
     act = _dtype_bytes(recipe, device)
-    trainable, frozen = _adapter_params(shape, recipe)
     recipe = _dequantize_resolved(shape, recipe, act, budget_gb)
-    weight_parts = _weight_parts(shape, recipe.model, act)
-    components = {
-        "weights": sum(weight_parts.values()),
-        "adapters": (trainable + frozen) * ADAPTER_WEIGHT_BYTES,
-        "optimizer": trainable * ADAM_BYTES,
-        "reward_model": _reward_bytes(recipe, classifier_shapes or [], device),
-        "runtime": RUNTIME_BYTES[device],
-    }
+    weight_parts = _weight_parts(shape, recipe.model, act, device)
+    components = _resident(shape, recipe, act, device, classifier_shapes)
     static = sum(components.values())
-    grads = trainable * ADAPTER_GRAD_BYTES
+    grads = _adapter_params(shape, recipe)[0] * ADAPTER_GRAD_BYTES
     ro = recipe.rollout
     rows = ro.batch_size // processes  # a process generates and scores its share of the batch
     held = static_kv_cache_bytes(shape, recipe, act, rows, device)
@@ -558,8 +631,172 @@ def estimate(
     fitting: dict[str, int] = {}
     if budget_gb is not None:
         fitting = largest_fitting_sizes(shape, recipe, act, device, budget_gb * GB - static, grads, processes)
+    levers = {}
+    if budget_gb is not None and not fitting and propose_levers:
+        levers = levers_that_fit(shape, recipe, device, budget_gb, classifier_shapes, processes)
     return Estimate(shape, components, phases, budget_gb, fitting, bool(recipe.model.dequantize_per_step), processes,
-                    weight_parts, held)
+                    weight_parts, held, tuple(choices), _host_parts(shape, recipe, act, device), levers)
+
+
+def _resident(shape: ModelShape, recipe: Recipe, act: int, device: str,
+              classifier_shapes: Optional[list[ModelShape]]) -> dict[str, float]:
+    """What stays in memory through every phase, by component (`dequantize_per_step` decided)."""
+    trainable, frozen = _adapter_params(shape, recipe)
+    return {
+        "weights": _weight_bytes(shape, recipe.model, act, device),
+        "adapters": (trainable + frozen) * ADAPTER_WEIGHT_BYTES,
+        "optimizer": _optimizer_bytes(shape, recipe, device),
+        "reward_model": _reward_bytes(recipe, classifier_shapes or [], device),
+        "runtime": RUNTIME_BYTES[device],
+    }
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """A size the recipe left `auto`: the value the memory plan chose and why, in a clause."""
+
+    field: str
+    value: Any
+    reason: str
+
+    def __str__(self) -> str:
+        value = str(self.value).lower() if isinstance(self.value, bool) else self.value
+        return f"{self.field}={value} ({self.reason})"
+
+
+def choose_auto_sizes(
+    shape: ModelShape, recipe: Recipe, device: str, budget_gb: Optional[float], processes: int = 1,
+    classifier_shapes: Optional[list[ModelShape]] = None,
+) -> tuple[Recipe, list[AutoChoice]]:
+    """The recipe with its `auto` sizes chosen for `budget_gb` (GB for the whole process), and
+    each choice with its reason. ppo.grad_accum_steps: the fewest (the largest micro-batch) whose
+    update fits; model.gradient_checkpointing: off when the update fits without it at that same
+    micro-batch (recomputing costs a forward, a smaller micro-batch more passes over the weights);
+    rollout.forward_batch_size: the most rows, up to a process's share of the batch, whose scoring
+    fits. Without a budget, or when even the leanest does not fit: the leanest (micro-batches of
+    one row, checkpointing on, one row per scoring forward). The plan fills AUTO_PLAN_SHARE of the
+    budget."""
+    autos = recipe.auto_sizes
+    if not autos:
+        return recipe, []
+    act = _dtype_bytes(recipe, device)
+    planned = _dequantize_resolved(shape, recipe, act, budget_gb)
+    rows = recipe.rollout.batch_size // processes
+    held = static_kv_cache_bytes(shape, planned, act, rows, device)
+    resident = sum(_resident(shape, planned, act, device, classifier_shapes).values()) + held
+    room = None if budget_gb is None else AUTO_PLAN_SHARE * budget_gb * GB - resident
+    grads = _adapter_params(shape, planned)[0] * ADAPTER_GRAD_BYTES
+    per_minibatch = recipe.minibatch_size
+    accum = recipe.ppo.grad_accum_steps
+    micros = [per_minibatch // d for d in range(1, per_minibatch + 1) if per_minibatch % d == 0] if accum == AUTO \
+        else [per_minibatch // accum]  # largest first
+
+    def update_peak(micro: int, checkpointing: bool) -> float:
+        planned_ckpt = planned.model_copy(update={"model": planned.model.model_copy(
+            update={"gradient_checkpointing": checkpointing})})
+        return grads + update_bytes(shape, planned_ckpt, act, update_rows(per_minibatch, micro, processes), device)
+
+    def largest_micro(checkpointing: bool) -> int:
+        return next((m for m in micros if room is not None and update_peak(m, checkpointing) <= room), 0)
+
+    budget = "no budget given" if budget_gb is None else f"{budget_gb:.3g} GB"
+    planned_text = budget if budget_gb is None else f"the {AUTO_PLAN_SHARE * budget_gb:.3g} GB planned of {budget}"
+
+    def rows_text(n: int) -> str:
+        return f"{n} row{'s' if n != 1 else ''}"
+
+    values: dict[str, Any] = {}
+    choices: list[AutoChoice] = []
+    checkpointing = recipe.model.gradient_checkpointing
+    if checkpointing == AUTO:
+        with_it, without = largest_micro(True), largest_micro(False)
+        enough = without * recipe.sequence_tokens >= AUTO_MIN_FORWARD_TOKENS
+        checkpointing = not (without and (without >= with_it or enough))
+        if not (with_it or without):
+            reason = f"{budget}: the leanest" if room is None else f"no micro-batch fits {planned_text}: the leanest"
+        elif not checkpointing:
+            reason = ("the update fits without it at the same micro-batch" if without >= with_it else
+                      f"without it micro-batches of {rows_text(without)} ({without * recipe.sequence_tokens} tokens a "
+                      "forward) fit: no recomputing")
+        else:
+            reason = f"without it the largest micro-batch that fits {budget} is {rows_text(without)}, with it {with_it}"
+        values["model.gradient_checkpointing"] = checkpointing
+        choices.append(AutoChoice("model.gradient_checkpointing", checkpointing, reason))
+    if accum == AUTO:
+        micro = largest_micro(checkpointing)
+        if micro:
+            accum, reason = per_minibatch // micro, (f"micro-batches of {rows_text(micro)}, the largest whose update fits "
+                                                     f"{budget} ({(resident + update_peak(micro, checkpointing)) / GB:.2f} GB)")
+        else:
+            accum = per_minibatch
+            reason = (f"{budget}: the leanest, micro-batches of 1 row" if room is None else
+                      f"even micro-batches of 1 row need {(resident + update_peak(1, checkpointing)) / GB:.2f} GB, "
+                      f"more than {planned_text}: the leanest")
+        values["ppo.grad_accum_steps"] = accum
+        choices.append(AutoChoice("ppo.grad_accum_steps", accum, reason))
+    if recipe.rollout.forward_batch_size == AUTO:
+        scoring = max((n for n in range(rows, 0, -1)
+                       if room is not None and score_bytes(shape, planned, act, n) <= room), default=0)
+        if scoring:
+            reason = ("the whole batch's scoring fits" if scoring == rows else "the most rows whose scoring fits") + \
+                f" {budget} ({(resident + score_bytes(shape, planned, act, scoring)) / GB:.2f} GB)"
+        else:
+            reason = f"{budget}: the leanest" if room is None else \
+                f"even one row's scoring does not fit {planned_text}: the leanest"
+        values["rollout.forward_batch_size"] = scoring or 1
+        choices.append(AutoChoice("rollout.forward_batch_size", scoring or 1, reason))
+    return recipe.with_values(values), choices
+
+
+# The memory levers `estimate` may propose, each a recipe override, cheapest first: the same numbers
+# a little slower (embeddings looked up on the CPU, which also keeps rollout.compile off; AdamW
+# stepped on the CPU), then other numbers (8-bit AdamW moments), slower generation (no static KV
+# cache), a quantized LM head, and last smaller adapters. Options of one field exclude each other.
+LEVERS: tuple[tuple[str, Any], ...] = (
+    ("model.offload_embeddings", True), ("ppo.optimizer_state", "cpu"), ("ppo.optimizer_state", "8bit"),
+    ("rollout.compile", False), ("model.quantize_lm_head", True), ("adapters.value.r", 8),
+)
+
+
+def levers_that_fit(shape: ModelShape, recipe: Recipe, device: str, budget_gb: float,
+                    classifier_shapes: Optional[list[ModelShape]] = None, processes: int = 1) -> dict[str, Any]:
+    """The fewest memory levers (LEVERS, the cheapest of equally many) with which the recipe's own
+    batch fits `budget_gb`, its `auto` sizes chosen again; else with which some batch fits; {}
+    when none do. Levers that change nothing for this recipe and model are not tried."""
+    import itertools
+
+    usable = [(path, value) for path, value in LEVERS if _lever_applies(shape, recipe, device, path, value)]
+    combos = sorted((c for n in range(1, len(usable) + 1) for c in itertools.combinations(range(len(usable)), n)
+                     if len({usable[i][0] for i in c}) == n), key=lambda c: (len(c), sum(c)))
+    fallback: dict[str, Any] = {}
+    for combo in combos:
+        values = dict(usable[i] for i in combo)
+        try:
+            e = estimate(shape, recipe.with_values(values), device, budget_gb, classifier_shapes, processes,
+                         propose_levers=False)
+        except ValueError:  # an invalid combination (the recipe refuses it)
+            continue
+        if e.fits:
+            return values
+        if e.fitting and not fallback:
+            fallback = values
+    return fallback
+
+
+def _lever_applies(shape: ModelShape, recipe: Recipe, device: str, path: str, value: Any) -> bool:
+    """Whether a lever would change this recipe's memory on this model and device."""
+    if device == "cpu" and path in ("model.offload_embeddings", "ppo.optimizer_state"):
+        return False  # everything is in CPU memory already
+    if path in ("model.offload_embeddings", "model.quantize_lm_head") and shape.tied_embeddings:
+        return False  # refused for tied embeddings
+    if path == "model.quantize_lm_head" and recipe.model.quantization == "none":
+        return False
+    if path == "rollout.compile" and not recipe.rollout.compiles_on(device, recipe.decode_steps,
+                                                                      recipe.model.offload_embeddings):
+        return False
+    if path == "adapters.value.r" and (not recipe.uses_critic or recipe.adapters.value.r <= value):
+        return False
+    return field_value(recipe, path) != value
 
 
 SFT_PHASES = ("update", "evaluate")
@@ -574,7 +811,7 @@ def estimate_sft(shape: ModelShape, recipe: SFTRecipe, device: str = "cuda", bud
     recipe = _dequantize_resolved(shape, recipe, act, budget_gb)
     ad = recipe.adapter
     trainable = shape.lora_params(ad.r, ad.target_modules, ad.target_parameters)
-    weight_parts = _weight_parts(shape, recipe.model, act)
+    weight_parts = _weight_parts(shape, recipe.model, act, device)
     components = {
         "weights": sum(weight_parts.values()),
         "adapters": trainable * ADAPTER_WEIGHT_BYTES,
@@ -633,11 +870,21 @@ def _dequantize_resolved(shape: ModelShape, recipe: Recipe, act_bytes: int, budg
     if setting == "auto":
         room = None if budget_gb is None else budget_gb * GB - _weight_bytes(shape, recipe.model, act_bytes)
         copy_bytes = shape.linear_params * act_bytes
+        if recipe.model.dequantize_budget_gb is not None:
+            copy_bytes = min(copy_bytes, recipe.model.dequantize_budget_gb * GB)
         setting = recipe.model.quantization == "4bit" and room is not None and copy_bytes <= AUTO_DEQUANTIZE_SHARE * room
     return recipe.model_copy(update={"model": recipe.model.model_copy(update={"dequantize_per_step": setting})})
 
 
 MAX_BATCH = 4096  # the search for sizes that fit stops here
+# `auto` sizes plan for this share of the budget: the allocator's reserved memory runs ~6% above
+# what tensors hold, and the estimate is within a few percent of measured peaks (bench/README.md).
+AUTO_PLAN_SHARE = 0.9
+# Gradient checkpointing `auto` is off when, without it, the update still fits with forwards of at
+# least this many tokens (or the micro-batch it has with checkpointing): recomputing costs a third
+# of the update's work, and a forward of ~1,000 tokens keeps a GPU's large matmuls efficient, so
+# fewer, smaller micro-batches are expected to win. To be checked on the device (bench/gpu_step.py).
+AUTO_MIN_FORWARD_TOKENS = 1024
 
 
 def largest_fitting_sizes(
@@ -702,10 +949,23 @@ def load_shape(name: str, trust_remote_code: bool = False) -> ModelShape:
 
 def estimate_recipe(recipe: Recipe, device: str = "cuda", budget_gb: Optional[float] = None,
                     processes: int = 1) -> Estimate:
+    shape, classifiers = recipe_shapes(recipe)
+    return estimate(shape, recipe, device, budget_gb, classifiers, processes)
+
+
+def auto_sized_recipe(recipe: Recipe, device: str, budget_gb: Optional[float],
+                      processes: int = 1) -> tuple[Recipe, list[AutoChoice]]:
+    """`choose_auto_sizes` for a recipe, reading its model's (and classifiers') configs."""
+    shape, classifiers = recipe_shapes(recipe)
+    return choose_auto_sizes(shape, recipe, device, budget_gb, processes, classifiers)
+
+
+def recipe_shapes(recipe: Recipe) -> tuple[ModelShape, list[ModelShape]]:
+    """The policy model's shape and its classifier reward models', from their configs alone."""
     shape = load_shape(recipe.model.name, recipe.model.trust_remote_code)
     classifiers = [_classifier_shape(s.model, recipe.model.trust_remote_code)
                    for s in recipe.reward.source_list() if s.kind == "classifier"]
-    return estimate(shape, recipe, device, budget_gb, classifiers, processes)
+    return shape, classifiers
 
 
 def _classifier_shape(name: str, trust_remote_code: bool) -> Optional[ModelShape]:
@@ -736,9 +996,11 @@ def _weight_lines(est: Estimate, recipe: Recipe, device: str) -> list[str]:
     s, q = est.shape, recipe.model.quantization
     dtype = recipe.model.compute_dtype_name(device)
     kind = {"4bit": "4-bit", "8bit": "8-bit"}.get(q, dtype)
-    parts = sorted(((k, v) for k, v in est.weight_parts.items() if k != "linear_layers"), key=lambda kv: -kv[1])
+    quantized = {"linear_layers", "lm_head"} if recipe.model.quantize_lm_head and q != "none" else {"linear_layers"}
+    parts = sorted(((k, v) for k, v in est.weight_parts.items() if k not in quantized), key=lambda kv: -kv[1])
+    head = f", LM head {est.weight_parts['lm_head'] / GB:.2f} GB" if "lm_head" in quantized & set(est.weight_parts) else ""
     lines = [f"    {kind} linear layers {est.weight_parts['linear_layers'] / GB:.2f} GB "
-             f"({s.linear_params / 1e9:.2f}B parameters)",
+             f"({s.linear_params / 1e9:.2f}B parameters){head}",
              f"    {'unquantized' if q != 'none' else 'other weights'} ({dtype}): "
              + ", ".join(f"{PART_LABELS[k]} {v / GB:.2f} GB" for k, v in parts)]
     if q != "none" and "moe_experts" in est.weight_parts:
@@ -752,6 +1014,7 @@ def _weight_lines(est: Estimate, recipe: Recipe, device: str) -> list[str]:
 
 def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
     s, n = est.shape, est.processes
+    recipe = recipe.with_values({choice.field: choice.value for choice in est.auto_choices})
     rows = recipe.rollout.batch_size // n
     moe = f"; MoE: {s.experts} experts, {s.experts_per_token} per token" if s.experts else ""
     lines = [
@@ -765,6 +1028,9 @@ def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
         f"update micro-batch {update_rows(recipe.minibatch_size, recipe.micro_batch_size, n)}, gradient checkpointing "
         f"{'on' if recipe.model.gradient_checkpointing else 'off'}, dequantize per step "
         f"{'on' if est.dequantize_per_step else 'off'}",
+        *([f"auto sizes for {est.budget_gb:g} GB:" if est.budget_gb is not None else
+           "auto sizes (no --gpu-gb: shown at their leanest; a run chooses them for the device's free memory):"]
+          + [f"  {choice}" for choice in est.auto_choices] if est.auto_choices else []),
         "",
         "always resident:",
     ]
@@ -777,6 +1043,9 @@ def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
         lines.append(f"  {name:<14}{est.phases[name] / GB:8.2f} GB")
     if est.static_kv_cache:
         lines.append(f"  (rollout.compile: the static KV cache, {est.static_kv_cache / GB:.2f} GB, is held in every phase)")
+    if est.host:
+        lines.append("in CPU memory instead (the memory levers): "
+                     + ", ".join(f"{name} {value / GB:.2f} GB" for name, value in est.host.items()))
     lines.append(f"peak: {est.peak / GB:.2f} GB")
     if est.budget_gb is not None:
         verdict = "fits" if est.fits else "does NOT fit"
@@ -790,6 +1059,10 @@ def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
                          + (f" (the unquantized MoE experts alone take {experts / GB:.2f} GB)" if experts else ""))
         else:
             lines.append("no batch size fits: even one response per phase needs more than the budget")
+        if est.levers:
+            lines.append(f"to fit {est.budget_gb:g} GB: " + " ".join(
+                f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in est.levers.items())
+                + " (docs/memory.md: what each costs)")
     return "\n".join(lines)
 
 
@@ -810,6 +1083,9 @@ def as_json(est: Estimate) -> dict:
         "fits": est.fits,
         "fitting": est.fitting,
         "dequantize_per_step": est.dequantize_per_step,
+        "auto": {c.field: c.value for c in est.auto_choices},
+        "host_gb": {k: round(v / GB, 3) for k, v in est.host.items()},
+        "levers": est.levers,
         "processes": est.processes,
     }
 

@@ -82,7 +82,7 @@ def evaluate(
                 columns["score"] += said.total
             else:
                 samples = run_episodes(sampler, batch, episodes)
-                ids = samples.completion_ids
+                ids = samples.last_turn_ids
                 reward_batch = RewardBatch.from_rows(batch, samples.completions, ids, samples.model_input())
                 reward_batch.columns["messages"] = samples.transcripts
                 said = rewards.score(reward_batch)
@@ -91,7 +91,8 @@ def evaluate(
                 if name in columns:
                     columns[name] += values
             token_ids += ids
-            lengths += [float(len(seq)) for seq in ids]
+            # action tokens of the whole response or episode, as training's response/length counts them
+            lengths += samples.response_mask.sum(dim=1).float().tolist()
             if with_kl:
                 input_ids, attention_mask = samples.model_input()
                 old, ref, _ = score_passes(roles, input_ids, attention_mask, samples.query_ids.shape[1],

@@ -17,6 +17,7 @@ import torch
 from lora_ppo.atomic import atomic_folder
 from lora_ppo.data import trained_on_conversations
 from lora_ppo.errors import RecipeError, first_line
+from lora_ppo.library_notices import without_peft_rename_notice
 from lora_ppo.model_card import MODEL_CARD_FILE, adapter_card, merged_card
 from lora_ppo.parity import (
     ParityReport,
@@ -141,6 +142,7 @@ def _check_out(out: Path, checkpoint: Checkpoint, force: bool) -> Path:
 # ---- merging ----------------------------------------------------------------------------------
 
 
+@without_peft_rename_notice
 def _load_adapter(base_model, folder: Path, model_name: str):
     """The policy adapter on `base_model`, frozen, as PEFT loads it for inference."""
     from peft import PeftModel

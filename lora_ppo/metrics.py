@@ -1,5 +1,5 @@
 """The per-step metrics record written to metrics.jsonl, under grouped names
-(`objective/`, `policy/`, `value/`, `response/`, `time/`, `memory/`, `guard/`)."""
+(`objective/`, `policy/`, `value/`, `response/`, `time/`, `memory/`, `perf/`, `guard/`)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def step_metrics(
     update_s: float,
     step_s: float,
     phase_peaks_gb: dict[str, float],
+    perf: dict[str, float],
 ) -> dict[str, float]:
     """One step's record. `kl_coef` is the coefficient the step used (the controller may have
     moved it since); the KL penalty counts in the reward only when it is a reward term."""
@@ -52,8 +53,17 @@ def step_metrics(
         "memory/peak_gb": run_peak_gb(),
         # Per phase: GPU max_memory_allocated, or the CPU process's peak resident memory.
         **{f"memory/{name}_gb": gb for name, gb in phase_peaks_gb.items()},
+        # Achieved TFLOP/s per phase (and the share of the device's peak where it is known).
+        **perf,
         **rollout.episode_metrics,
     }
+    if rollout.generation_logprobs is not None:
+        # Sampling and scoring are two numerical paths (a KV-cached decode and a full forward): in
+        # bf16 they round apart. Summed over a response, that gap is the size below which a KL
+        # per response is rounding, not the policy moving (negative ones included).
+        gap = (rollout.generation_logprobs - rollout.old_logprobs).abs()[mask]
+        metrics["check/generation_logprob_diff"] = gap.mean().item() if gap.numel() else 0.0
+        metrics["check/kl_noise_floor"] = metrics["check/generation_logprob_diff"] * metrics["response/length"]
     if adv.returns is not None:
         metrics["value/explained_var"] = ppo_math.explained_variance(rollout.values, adv.returns, mask).item()
         metrics["value/mean"] = ppo_math.masked_mean(rollout.values, mask).item()

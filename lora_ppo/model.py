@@ -96,6 +96,7 @@ def load_base_model(cfg: ModelConfig):
     path = resolve_model_path(cfg.name)
     dtype = compute_dtype(cfg)
     dev = device()
+    _check_tied_levers(cfg)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path,
@@ -113,7 +114,51 @@ def load_base_model(cfg: ModelConfig):
     keep_4bit_weights_differentiable(model)
     if dev.type == "cpu":
         _copy_out_of_checkpoint_mapping(model)
+    if cfg.offload_embeddings:
+        model.set_input_embeddings(CpuEmbedding(model.get_input_embeddings(), dev))
     return model
+
+
+def _check_tied_levers(cfg: ModelConfig) -> None:
+    """Refuse the memory levers that need the embeddings and the LM head apart, on a model that
+    ties them (one table read by both), before the weights load."""
+    if not (cfg.offload_embeddings or cfg.quantize_lm_head):
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_model_path(cfg.name), trust_remote_code=cfg.trust_remote_code)
+    if getattr(config, "tie_word_embeddings", False) or getattr(config.get_text_config(), "tie_word_embeddings", False):
+        lever = "offload_embeddings" if cfg.offload_embeddings else "quantize_lm_head"
+        raise RecipeError(f"model.{lever}: {cfg.name} ties its embeddings to the LM head (one table for both), "
+                          "so they cannot be kept apart; leave it off for this model")
+
+
+class CpuEmbedding(nn.Module):
+    """The input embeddings kept in CPU memory (`model.offload_embeddings`): each forward's token
+    ids are looked up there and the rows sent to the model's device. The table is held outside the
+    module's parameters and buffers, so the model's device stays the GPU's (transformers moves a
+    model's inputs to the device of its first parameter) and no `.to()` moves it back."""
+
+    def __init__(self, embedding: nn.Module, dev: torch.device) -> None:
+        super().__init__()
+        object.__setattr__(self, "table", embedding.to("cpu"))  # not a submodule: its weight stays off the GPU
+        self.out_device = dev
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.table.weight
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.table.weight.shape[0]
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.table.weight.shape[1]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # The original module's forward (Gemma scales its rows), on the CPU.
+        return self.table(input_ids.to("cpu")).to(self.out_device, non_blocking=True)
 
 
 def _log_what_stays_unquantized(model: nn.Module, cfg: ModelConfig) -> None:
@@ -176,17 +221,20 @@ def dequantized_once(model: nn.Module, cfg: ModelConfig) -> contextlib.AbstractC
     model); otherwise a context that does nothing. Each training step and each evaluation runs
     inside one."""
     setting = cfg.dequantize_per_step
+    limit = None if cfg.dequantize_budget_gb is None else cfg.dequantize_budget_gb * 1e9
     if setting == "auto":
         if model not in _AUTO_DEQUANTIZE:
-            _AUTO_DEQUANTIZE[model] = _dequantized_copy_fits(model, compute_dtype(cfg))
+            _AUTO_DEQUANTIZE[model] = _dequantized_copy_fits(model, compute_dtype(cfg), limit)
         setting = _AUTO_DEQUANTIZE[model]
     if not setting:
         return contextlib.nullcontext()
-    return dequantized_4bit_layers(model, compute_dtype(cfg))
+    return dequantized_4bit_layers(model, compute_dtype(cfg), limit)
 
 
-def _dequantized_copy_fits(model: nn.Module, dtype: torch.dtype) -> bool:
+def _dequantized_copy_fits(model: nn.Module, dtype: torch.dtype, limit: Optional[float] = None) -> bool:
     copy_bytes = dequantized_4bit_bytes(model, dtype)
+    if limit is not None:
+        copy_bytes = min(copy_bytes, limit)  # at most the budget's layers are held
     if copy_bytes == 0:
         return False  # no 4-bit layers: nothing to dequantize
     free = free_memory_bytes(device())
@@ -198,13 +246,21 @@ def _dequantized_copy_fits(model: nn.Module, dtype: torch.dtype) -> bool:
 
 
 def free_memory_bytes(dev: torch.device) -> Optional[int]:
-    """Memory a step could still use: on a CUDA or XPU GPU what the driver reports free plus what
-    torch's allocator holds unused; on MPS the recommended working set less what tensors hold; on
-    CPU Linux's MemAvailable. None when it cannot be read."""
+    """Memory this process could still allocate: on a CUDA or XPU GPU what the driver reports free
+    plus what torch's allocator holds unused, and never more than the process's own allocator cap
+    (`set_per_process_memory_fraction`, set to share a card) leaves; on MPS the recommended working
+    set less what tensors hold; on CPU Linux's MemAvailable. None when it cannot be read."""
     if dev.type in ("cuda", "xpu"):
         gpu = accelerator_module(dev.type)
-        free, _total = gpu.mem_get_info(dev)
-        return free + gpu.memory_reserved(dev) - gpu.memory_allocated(dev)
+        free, total = gpu.mem_get_info(dev)
+        allocated = gpu.memory_allocated(dev)
+        available = free + gpu.memory_reserved(dev) - allocated
+        # The driver's free memory ignores the cap: a 12 GB cap on an 80 GB card reads ~80 GB free.
+        fraction = getattr(gpu, "get_per_process_memory_fraction", None)
+        cap = fraction(dev) if fraction is not None else None
+        if isinstance(cap, float) and 0.0 < cap < 1.0:
+            available = min(available, int(cap * total) - allocated)
+        return max(0, available)
     if dev.type == "mps":
         return torch.mps.recommended_max_memory() - torch.mps.current_allocated_memory()
     try:

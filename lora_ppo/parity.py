@@ -198,7 +198,8 @@ def _greedy_continuations(model, prompts: list[torch.Tensor], new_tokens: int) -
         if i + 1 < new_tokens:
             mask = torch.cat([mask, torch.ones_like(next_id)], dim=1)
             positions = positions[:, -1:] + 1
+            # `cache`, not `past_key_values` (a name transformers drops in 5.40)
             out = model(input_ids=next_id, attention_mask=mask, position_ids=positions,
-                        past_key_values=out.past_key_values, use_cache=True)
+                        cache=out.cache, use_cache=True)
     continuations = torch.cat(new, dim=1).cpu()  # [B, new_tokens]
     return [torch.cat([prompt, continuations[row]]) for row, prompt in enumerate(prompts)]

@@ -12,15 +12,17 @@ import torch
 
 from lora_ppo.agents.environment import load_environment
 from lora_ppo.agents.episodes import EpisodeSettings
-from lora_ppo.agents.tools import load_tools, tool_schemas
+from lora_ppo.agents.tools import load_tools, template_renders_tools, tool_schemas, tools_system_message
 from lora_ppo.builtin_model import portable_name
 from lora_ppo.compiled_generation import StaticDecoder, compiled_generation_on
 from lora_ppo.config import PPOConfig, Recipe, RolloutConfig
 from lora_ppo.data import PromptRow, PromptSet, load_prompt_sets
 from lora_ppo.model import check_context, dequantized_once, load_base_model, load_tokenizer
+from lora_ppo.optimizers import adamw
 from lora_ppo.quantization import compute_dtype
 from lora_ppo.rewards import RewardSources, build_reward_sources, check_reward_columns
 from lora_ppo.evaluation import Evaluation, evaluate
+from lora_ppo.library_notices import quiet_loading
 from lora_ppo.roles import RoleModel
 from lora_ppo.rollout import Sampler
 
@@ -52,7 +54,8 @@ class Parts:
         settings = {"logprobs_from_generation": recipe.logprobs_from_generation_on(float32)}
         if not self.compile_decided:
             self.compile_decided = True
-            if compiled_generation_on(recipe.rollout, self.roles.lm_head.weight.device, decode_steps):
+            if compiled_generation_on(recipe.rollout, self.roles.lm_head.weight.device, decode_steps,
+                                      recipe.model.offload_embeddings):
                 self.decoder = StaticDecoder(self.roles.peft, recipe.sequence_tokens)
         return Sampler(self.roles, self.tokenizer, recipe.rollout.model_copy(update=settings), self.decoder)
 
@@ -83,28 +86,38 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
     train_prompts, eval_prompts = load_prompt_sets(recipe.data, tokenizer, recipe.train.seed)
     check_reward_columns(recipe.reward, train_prompts.columns + (["messages"] if recipe.rollout.episodic else []),
                          recipe.data.source, reward_fn)
-    episodes = episode_settings(recipe.rollout)  # imported before the weights load: a typo fails fast
+    episodes = episode_settings(recipe.rollout, tokenizer)  # imported before the weights load: a typo fails fast
     if not recipe.adapters.reference_enabled:
         log.warning("adapters.reference is 'none': no KL penalty; the policy may drift far from the base model")
     reward_adapter = None if reward_fn is not None else recipe.reward.adapter_path
-    roles = RoleModel(load_base_model(recipe.model), recipe.adapters, with_value=recipe.uses_critic,
-                      reward_adapter=reward_adapter, base_name=portable_name(recipe.model.name))
-    # After the roles: a reward adapter lives on their backbone, and a classifier loads its weights.
-    rewards = build_reward_sources(recipe.reward, recipe.model, reward_fn, roles.reward_scores if reward_adapter else None)
+    with quiet_loading():  # the Python API shows what the CLI shows: no loading bar or kernel notice
+        roles = RoleModel(load_base_model(recipe.model), recipe.adapters, with_value=recipe.uses_critic,
+                          reward_adapter=reward_adapter, base_name=portable_name(recipe.model.name))
+        # After the roles: a reward adapter lives on their backbone, and a classifier loads its weights.
+        rewards = build_reward_sources(recipe.reward, recipe.model, reward_fn,
+                                       roles.reward_scores if reward_adapter else None)
     optimizer, scheduler = build_optimizer(roles, recipe.ppo, recipe.train.steps)
     return Parts(tokenizer, train_prompts, eval_prompts, rewards, roles, optimizer, scheduler, episodes)
 
 
-def episode_settings(cfg: RolloutConfig) -> Optional[EpisodeSettings]:
-    """What multi-turn episodes talk to (the environment and the tools, imported), or None."""
+def episode_settings(cfg: RolloutConfig, tokenizer) -> Optional[EpisodeSettings]:
+    """What multi-turn episodes talk to (the environment and the tools, imported), or None. Tools
+    reach the model through its chat template, or, where the template ignores `tools=`, through
+    the system message (said once in the log)."""
     if not cfg.episodic:
         return None
     tools = load_tools(cfg.tools)
+    schemas = tool_schemas(list(tools.values())) if tools else None
+    in_system = None
+    if schemas and not template_renders_tools(tokenizer, schemas):
+        in_system = tools_system_message(schemas)
+        log.info("rollout.tools: the chat template ignores tools=, so their schemas go into the system message, "
+                 "with the <tool_call> format the calls are read in (docs/agents.md)")
     return EpisodeSettings(
         max_turns=cfg.max_turns, max_episode_tokens=cfg.max_episode_tokens,
         environment=load_environment(cfg.environment) if cfg.environment else None,
         environment_name=cfg.environment or "", tools=tools,
-        tool_schemas=tool_schemas(list(tools.values())) if tools else None, tool_timeout_s=cfg.tool_timeout_s,
+        tool_schemas=schemas, tool_timeout_s=cfg.tool_timeout_s, tools_in_system=in_system,
     )
 
 
@@ -112,11 +125,11 @@ def build_optimizer(
     roles: RoleModel, cfg: PPOConfig, steps: int
 ) -> tuple[torch.optim.Optimizer, Optional[torch.optim.lr_scheduler.LRScheduler]]:
     """AdamW over the policy adapter (and the value adapter + head, at their own learning rate),
-    and the linear decay to 0 over every optimizer step of the run when the recipe asks for it."""
+    its moments kept where `ppo.optimizer_state` says, and the linear decay to 0 over every optimizer step of the run when the recipe asks for it."""
     groups = [{"params": roles.policy_parameters(), "lr": cfg.learning_rate}]
     if roles.has_value:
         groups.append({"params": roles.value_parameters(), "lr": cfg.value_learning_rate or cfg.learning_rate})
-    optimizer = torch.optim.AdamW(groups, weight_decay=0.0, eps=ADAM_EPS)
+    optimizer = adamw(groups, cfg.optimizer_state, ADAM_EPS)
     if cfg.lr_schedule != "linear":
         return optimizer, None
     total_updates = steps * cfg.num_epochs * cfg.num_minibatches

@@ -41,11 +41,13 @@ def modules_kept_unquantized(model: torch.nn.Module) -> list[str]:
 def quantization_config(cfg: ModelConfig, keep_unquantized: Sequence[str] = ()):
     """The BitsAndBytesConfig for the recipe, or None for an unquantized base. `keep_unquantized`:
     module names to load in compute dtype instead of transformers' default choice (see
-    `modules_kept_unquantized`)."""
+    `modules_kept_unquantized`); without any, `model.quantize_lm_head` keeps none (the LM head is
+    quantized too), else transformers' default (it keeps the LM head)."""
     from transformers import BitsAndBytesConfig
 
-    # bitsandbytes' name, for 4-bit too; None keeps transformers' default.
-    skip = {"llm_int8_skip_modules": list(keep_unquantized)} if keep_unquantized else {}
+    # bitsandbytes' name, for 4-bit too; absent keeps transformers' default, an empty list none.
+    skip = {"llm_int8_skip_modules": list(keep_unquantized)} if keep_unquantized else \
+        {"llm_int8_skip_modules": []} if cfg.quantize_lm_head else {}
     if cfg.quantization == "4bit":
         return BitsAndBytesConfig(
             load_in_4bit=True,

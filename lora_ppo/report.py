@@ -21,6 +21,7 @@ from lora_ppo.run_dir import REPORT_DIR, RunDir, read_jsonl
 COMPLETIONS_SHOWN = 12  # held-out prompts shown before and after
 PHASES = ("generate", "score_forward", "reward", "update")
 MEMORY_PHASES = ("generate", "score", "reward", "update")
+PERF_PHASES = ("generate", "score", "update")
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,17 @@ def plots_for(metrics: list[dict]) -> list[Plot]:
              (("value/explained_var", "explained variance"),), "explained variance"),
         Plot("length", "Response length and how many stop", (("response/length", "length"),), "tokens",
              (("response/stopped_frac", "stopped"),), "share stopped"),
+        # Episodes (rollout.environment / rollout.tools).
+        Plot("episode_return", "Episode return: the score plus the environment's rewards",
+             (("episode/return", "return"), ("episode/env_reward", "environment reward")), "mean per episode"),
+        Plot("episode", "Episodes: turns, tool calls and their errors, truncation",
+             (("episode/turns", "turns"), ("episode/tool_calls", "tool calls"), ("episode/tool_errors", "tool errors")),
+             "per episode", (("episode/truncated_frac", "truncated"),), "share truncated"),
         Plot("time", "Seconds per phase of a step", tuple((f"time/{p}", p) for p in PHASES), "seconds"),
         Plot("memory", "Peak memory per phase", tuple((f"memory/{p}_gb", p) for p in MEMORY_PHASES), "GB"),
+        Plot("throughput", "Achieved matmul rate per phase (a slow setup shows here)",
+             tuple((f"perf/{p}_tflops", p) for p in PERF_PHASES), "TFLOP/s",
+             (("perf/generate_tokens_per_s", "decode tokens/s"),), "tokens/s"),
         # A reward-model run (lora-ppo train-reward).
         Plot("reward_loss", "Pairwise loss", (("loss", "train"), ("eval/loss", "held-out")), "loss"),
         Plot("reward_accuracy", "Pairwise accuracy (chosen above rejected)",

@@ -12,6 +12,7 @@ arrives as a keyword with one value per completion. A function `f(prompts, compl
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import inspect
@@ -19,9 +20,10 @@ import math
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from safetensors import SafetensorError
@@ -456,14 +458,42 @@ def _name(fn: RewardFn) -> str:
     return getattr(fn, "__name__", repr(fn))
 
 
+class UserCodeClock:
+    """Whether the main thread is running code a recipe names (a reward function, an environment,
+    a tool), which, and since when: a stop request gives up on a step stuck there (signals.py)."""
+
+    def __init__(self) -> None:
+        self.since: Optional[float] = None
+        self.what = ""
+
+    @contextlib.contextmanager
+    def running(self, what: str) -> Iterator[None]:
+        if self.since is not None or threading.current_thread() is not threading.main_thread():
+            yield  # the outermost call is the one that counts, and only the main thread's
+            return
+        self.since, self.what = time.monotonic(), what
+        try:
+            yield
+        finally:
+            self.since, self.what = None, ""
+
+
+USER_CODE = UserCodeClock()
+
 # What `run_within` returns for a call still running at its timeout.
 STILL_RUNNING = object()
 
 
-def run_within(fn: Callable[[], Any], timeout_s: Optional[float], thread_name: str) -> Any:
+def run_within(fn: Callable[[], Any], timeout_s: Optional[float], thread_name: str, user_code: bool = True) -> Any:
     """`fn()`, or STILL_RUNNING when it has not returned within `timeout_s` seconds (None: no
     limit). The call runs in a daemon thread, which a hung function keeps, but which never keeps
-    the process from exiting; an exception inside is raised here."""
+    the process from exiting; an exception inside is raised here. `user_code`: `fn` runs code the
+    recipe names, counted by USER_CODE under `thread_name` (`reward NAME`, `tool NAME`)."""
+    with USER_CODE.running(thread_name) if user_code else contextlib.nullcontext():
+        return _run_within(fn, timeout_s, thread_name)
+
+
+def _run_within(fn: Callable[[], Any], timeout_s: Optional[float], thread_name: str) -> Any:
     if timeout_s is None:
         return fn()
     outcome: dict[str, Any] = {}
@@ -486,7 +516,8 @@ def run_within(fn: Callable[[], Any], timeout_s: Optional[float], thread_name: s
 
 def call_within(fn: RewardFn, batch: RewardBatch, name: str, timeout_s: Optional[float]) -> Any:
     """`call_reward`, given at most `timeout_s` seconds: past it, RewardError."""
-    value = run_within(lambda: call_reward(fn, batch), timeout_s, f"reward {name}")
+    builtin = (getattr(fn, "__module__", None) or "").startswith("lora_ppo.")  # a lexicon, a classifier, an adapter
+    value = run_within(lambda: call_reward(fn, batch), timeout_s, f"reward function {name}", user_code=not builtin)
     if value is STILL_RUNNING:
         raise RewardError(f"reward function {name} did not return within reward.timeout_s ({timeout_s:g} s)")
     return value

@@ -20,6 +20,7 @@ from lora_ppo.config import AdaptersConfig, LoraSettings, RewardAdapterSettings
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.logprobs import token_logprobs
 from lora_ppo.bnb_workarounds import eval_on_training_kernel
+from lora_ppo.library_notices import without_peft_rename_notice
 from lora_ppo.model_checks import (check_logit_path, fused_expert_parameters, logit_path_error, logit_transform_of,
                                    probe_ids)
 from lora_ppo.run_dir import FINAL_DIR, RECIPE_FILE, is_checkpoint
@@ -255,6 +256,7 @@ class RoleModel(Backbone):
             `lora-ppo train-reward` writes it) to score with, frozen, on the same backbone.
     """
 
+    @without_peft_rename_notice
     def __init__(self, base_model, adapters: AdaptersConfig, with_value: bool = True,
                  reward_adapter: Optional[str] = None, base_name: Optional[str] = None):
         from peft import PeftModel, get_peft_model
@@ -297,7 +299,7 @@ class RoleModel(Backbone):
     def _check_logit_path(self) -> None:
         """Refuse a model whose own forward gives other logits than `token_logits` (a transform
         lora_ppo does not know): checked once, on a probe, as the policy."""
-        ids = probe_ids(self.lm_head.weight.shape[0], self.lm_head.weight.device)
+        ids = probe_ids(self.lm_head.out_features, self.lm_head.weight.device)
         mask = torch.ones_like(ids)
         error = logit_path_error(lambda x: self.peft(input_ids=x, attention_mask=mask).logits,
                                  lambda x: self.token_logits(self.hidden_states(x, mask)), ids)
@@ -308,7 +310,7 @@ class RoleModel(Backbone):
         own role here. PEFT refuses it for layers that flatten the batch (OPT), for LoRA on 3-D
         expert parameters, and, with autograd, on 4-bit layers with a bias."""
         roles = [POLICY, REFERENCE] + ([VALUE] if self.has_value else [])
-        ids = probe_ids(self.lm_head.weight.shape[0], self.lm_head.weight.device)[:, :4]
+        ids = probe_ids(self.lm_head.out_features, self.lm_head.weight.device)[:, :4]
         try:
             with torch.set_grad_enabled(grad):
                 hidden = self.hidden_states_as_roles(ids, torch.ones_like(ids), roles)
@@ -510,6 +512,7 @@ class RewardModel(SingleAdapterModel):
     """The backbone with one trainable reward adapter and its scalar head, for pairwise reward
     training (`lora-ppo train-reward`). Its saved folder is what `reward.kind: adapter` loads."""
 
+    @without_peft_rename_notice
     def __init__(self, base_model, settings: RewardAdapterSettings, base_name: Optional[str] = None):
         # A reward model may start from a reward adapter, or from the policy (an SFT run's).
         super().__init__(base_model, settings, REWARD, (REWARD, POLICY), base_name, settings.dropout)

@@ -61,6 +61,9 @@ class Rollout:
     turn_rewards: Optional[torch.Tensor] = None  # [B, T_resp] environment rewards on turns' last actions
     transcripts: Optional[list[list[dict]]] = None  # each episode's messages
     episode_metrics: dict[str, float] = field(default_factory=dict)
+    # The sampled tokens' logprobs as generation computed them, where a scoring pass computed the
+    # old ones (check/kl_noise_floor: how far the two numerical paths round apart). [B, T_resp]
+    generation_logprobs: Optional[torch.Tensor] = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -300,6 +303,10 @@ class Samples:
         """Each prompt's tokens without its left padding, as `PPOTrainer.step` takes them."""
         return [ids[mask.bool()].tolist() for ids, mask in zip(self.query_ids, self.query_mask)]
 
+    def action_mask(self) -> list[list[bool]]:
+        """For `completion_ids()`: every token is the policy's (episodes mark their observations)."""
+        return [[True] * int(n) for n in self.response_mask.sum(dim=1).tolist()]
+
 
 @dataclass(frozen=True)
 class Sampler:
@@ -406,19 +413,22 @@ def collect_rollout(
     # 1-2. Generate with the policy, truncate after the stop token (what follows is padding).
     t0 = time.perf_counter()
     with peaks.phase("generate"):
-        # `auto` is decided where the sampler is built (Parts.sampler); undecided, no recording.
-        samples = sampler.sample(rows, record_logprobs=cfg.logprobs_from_generation is True, seeds=seeds)
+        # Recorded either way: as the old logprobs (`logprobs_from_generation`, decided where the
+        # sampler is built), or beside a scoring pass's, to measure how far the two paths round apart.
+        samples = sampler.sample(rows, record_logprobs=True, seeds=seeds)
     timings["generate"] = time.perf_counter() - t0
+    from_generation = cfg.logprobs_from_generation is True
 
     # 3-4. Old logprobs (unless sampling recorded them), reference logprobs and values on the
     # exact tokens sampled; then the reward sources' scores.
     scored = score_and_reward(sampler, rows, rewards, samples.query_ids.shape[1], samples.model_input(),
-                              samples.logprobs, samples.completions, samples.completion_ids(), samples.stopped,
-                              with_values, with_reference, peaks, timings)
+                              samples.logprobs if from_generation else None, samples.completions,
+                              samples.completion_ids(), samples.stopped, with_values, with_reference, peaks, timings)
     return Rollout(
         rows=list(rows), completions=samples.completions, query_ids=samples.query_ids,
         query_mask=samples.query_mask, response_ids=samples.response_ids, response_mask=samples.response_mask,
-        stopped=samples.stopped, timings=timings, **scored.as_fields(),
+        stopped=samples.stopped, timings=timings, generation_logprobs=None if from_generation else samples.logprobs,
+        **scored.as_fields(),
     )
 
 
@@ -484,7 +494,7 @@ def gather_rollout(world: World, rollout: Rollout, pad_id: int) -> Rollout:
         return rollout
     device = rollout.response_ids.device
     tensors = ("query_ids", "query_mask", "response_ids", "response_mask", "old_logprobs", "ref_logprobs",
-               "values", "raw_scores", "scores", "stopped", "observation_mask", "turn_rewards")
+               "values", "raw_scores", "scores", "stopped", "observation_mask", "turn_rewards", "generation_logprobs")
     shares = world.gather({
         **{name: None if getattr(rollout, name) is None else getattr(rollout, name).cpu() for name in tensors},
         "rows": rollout.rows, "completions": rollout.completions, "side_scores": rollout.side_scores,
@@ -522,6 +532,7 @@ def gather_rollout(world: World, rollout: Rollout, pad_id: int) -> Rollout:
         stopped=joined("stopped"), side_scores=concatenated("side_scores"), source_scores=concatenated("source_scores"),
         timings={key: max(share["timings"][key] for share in shares) for key in rollout.timings},
         observation_mask=joined("observation_mask", response_width), turn_rewards=joined("turn_rewards", response_width),
+        generation_logprobs=joined("generation_logprobs", response_width),
         transcripts=None if rollout.transcripts is None else concatenated("transcripts"),
         # every process plays the same number of episodes: their means average
         episode_metrics={key: sum(s["episode_metrics"][key] for s in shares) / len(shares)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -89,10 +90,12 @@ class RunDir:
         try:
             probe.write_bytes(b"lora_ppo")
         except OSError as err:
+            # On a read-only file system even removing a file that is not there fails (EROFS).
+            with contextlib.suppress(OSError):
+                probe.unlink(missing_ok=True)
             raise RecipeError(f"train.output_dir: cannot write in {str(existing)!r}: "
                               f"{err.strerror or first_line(err)}") from None
-        finally:
-            probe.unlink(missing_ok=True)
+        probe.unlink(missing_ok=True)
 
     def holds_run(self) -> bool:
         """Whether a run already wrote here (its recipe or metrics)."""
@@ -139,16 +142,24 @@ class RunDir:
                 "or set train.overwrite=true (the old run is then moved aside, not deleted)"
             )
 
-    def open(self, recipe_yaml: str, resume_lines: Optional[tuple[int, int]] = None) -> Optional[Path]:
+    def open(self, recipe_yaml: str, resume_lines: Optional[tuple[int, int]] = None,
+             resumed_run: Optional["RunDir"] = None) -> Optional[Path]:
         """Get the folder ready for a run: a resumed run keeps its lines up to `resume_lines`
-        (metrics, samples); a fresh run starts in an empty folder, any run already here moved
-        aside. Returns where an old run was moved, if one was."""
-        if resume_lines is not None:
+        (metrics, samples); one resumed from another folder's checkpoint (`resumed_run`) starts
+        here with a copy of those lines and its held-out records; a fresh run starts in an empty
+        folder, any run already here moved aside. Returns where an old run was moved, if one was."""
+        if resume_lines is not None and (resumed_run is None or self.same_folder(resumed_run)):
             self.resume(recipe_yaml, *resume_lines)
             return None
         moved = self.move_aside() if self.holds_run() else None
         self.start(recipe_yaml)
+        if resume_lines is not None and resumed_run is not None:
+            for name, keep in ((METRICS_FILE, resume_lines[0]), (SAMPLES_FILE, resume_lines[1]), (EVAL_BEFORE_FILE, None)):
+                copy_lines(resumed_run.root / name, self.root / name, keep)
         return moved
+
+    def same_folder(self, other: "RunDir") -> bool:
+        return self.root.resolve() == other.root.resolve()
 
     def start(self, recipe_yaml: str) -> None:
         """Create the folder for a fresh run and write its resolved recipe."""
@@ -159,6 +170,7 @@ class RunDir:
         """Prepare the folder for a resumed run: lines written after the checkpoint are dropped
         (the resumed run writes them again), the old summary goes, the recipe is rewritten
         (a resume may change fields such as train.steps)."""
+        self.root.mkdir(parents=True, exist_ok=True)  # a checkpoint continued in a new folder
         truncate_lines(self.metrics, metrics_lines)
         truncate_lines(self.samples, samples_lines)
         self.summary.unlink(missing_ok=True)
@@ -183,6 +195,15 @@ def read_jsonl(path: Path) -> list[dict]:
     if not Path(path).exists():
         return []
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def copy_lines(source: Path, target: Path, keep: Optional[int]) -> None:
+    """The first `keep` lines (None: all) of a text file into `target`; a missing file stays missing."""
+    if Path(source).exists():
+        with open(source, "rb") as f:
+            lines = f.readlines()
+        with open(target, "wb") as f:
+            f.writelines(lines if keep is None else lines[:keep])
 
 
 def truncate_lines(path: Path, keep: int) -> None:

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 SAMPLES_PER_LOG = 4  # completions written to samples.jsonl each time samples are logged
 HISTORY = 16  # steps of metrics the alarms look back over
+TURN_LIMIT_WARN_FRAC = 0.5  # "most episodes" cut by rollout.max_turns at the first step
 
 
 class StepLog:
@@ -47,6 +48,7 @@ class StepLog:
     def record(self, state: TrainState, metrics: dict, rollout: Rollout) -> None:
         """One step's metrics (alarm flags added) and, every train.sample_every steps, samples."""
         self._alarms(metrics)
+        self._warn_turn_limit(metrics)
         state.last_metrics = metrics
         append_jsonl(self.run.metrics, metrics)
         state.metrics_lines += 1
@@ -84,9 +86,21 @@ class StepLog:
                 log.warning("step %d: alarm %s: %s", metrics["step"], name, alarm.message)
         self.history = [*self.history, metrics][-HISTORY:]
 
+    def _warn_turn_limit(self, metrics: dict) -> None:
+        """Once, at a run's first step: most episodes were still going when rollout.max_turns (1 by
+        default) ended them, so the environment never got the turns it expects."""
+        cut = metrics.get("episode/turn_limit_frac", 0.0)
+        if metrics["step"] == 1 and cut > TURN_LIMIT_WARN_FRAC:
+            log.warning("step 1: rollout.max_turns (%d) ended %.0f%% of the episodes before the environment did "
+                        "(episode/truncated_frac): it expects more turns; raise rollout.max_turns",
+                        self.recipe.rollout.max_turns, 100 * cut)
+
     def _show(self, state: TrainState, metrics: dict) -> None:
         line = {"score": f"{metrics['objective/scores']:.3f}", "kl": f"{metrics['objective/kl']:.2f}",
                 "len": f"{metrics['response/length']:.1f}", "s/step": f"{metrics['time/step']:.1f}"}
+        if self.recipe.rollout.environment is not None and "episode/return" in metrics:
+            # the score plus the environment's rewards: with `reward.kind: none`, what is learnt
+            line = {"return": f"{metrics['episode/return']:.3f}", **line}
         self.bar.update(1)
         self.bar.set_postfix(line)
         if not self.progress and state.step % self.recipe.train.log_every == 0:

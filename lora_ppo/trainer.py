@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from lora_ppo import checkpoint, ppo_math
-from lora_ppo.agents.episodes import collect_episode_rollout
+from lora_ppo.agents.episodes import EpisodeBatch, collect_episode_rollout, run_episodes
 from lora_ppo.agents.given import rollout_from_tokens
 from lora_ppo.alarms import LOGPROB_TOLERANCE, first_step_logprob_error
 from lora_ppo.config import Recipe, recipe_to_yaml, with_absolute_paths
@@ -26,11 +26,13 @@ from lora_ppo.model import dequantized_once
 from lora_ppo.parts import build, evaluate_policy
 from lora_ppo.progress import LineProgress
 from lora_ppo.quantization import compute_dtype
+from lora_ppo.perf import ModelFlops, StepShape, StepWork, current_device_peak_tflops
 from lora_ppo.rewards import recorded_reward
-from lora_ppo.roles import POLICY, REWARD, VALUE, RoleModel
+from lora_ppo.roles import POLICY, REFERENCE, REWARD, VALUE, RoleModel
 from lora_ppo.rollout import Rollout, Samples, collect_rollout, gather_rollout, row_seeds
 from lora_ppo.run_dir import write_jsonl
 from lora_ppo.signals import StopRequest, stop_on_signals
+from lora_ppo.sizing import with_auto_sizes
 from lora_ppo.state import TrainState
 from lora_ppo.step_log import StepLog
 from lora_ppo.summary import build_summary
@@ -64,9 +66,10 @@ class PPOTrainer:
         # or `reward.kind: python`, never the recipe's own reward section it replaced.
         recipe = recipe.model_copy(update={"reward": recorded_reward(recipe.reward, reward_fn)})
         recipe = with_absolute_paths(recipe)  # recipe.yaml works from any folder (eval, export, resume)
+        self.world = world if world is not None else join_world()
+        recipe = with_auto_sizes(recipe, resume, self.world)  # recorded in recipe.yaml as chosen
         self.recipe = recipe
         self.recipe_yaml = recipe_to_yaml(recipe)
-        self.world = world if world is not None else join_world()
         check_splits(recipe, self.world.size)
         self.progress = progress and self.world.is_main
         self.run, self.resume_from = checkpoint.open_run(recipe, resume, check_taken=self.world.is_main)
@@ -82,6 +85,7 @@ class PPOTrainer:
             recipe.model.gradient_checkpointing, recipe.ppo.update_roles_together,
         )
         self.state = TrainState(kl_coef=recipe.ppo.kl_coef)
+        self.work = step_work(recipe, self.roles, self.sampler.cfg.logprobs_from_generation is True, self.world.size)
         self.logprob_tolerance = LOGPROB_TOLERANCE[str(compute_dtype(recipe.model)).removeprefix("torch.")]
         self.logprobs_checked = False  # the first step this process runs stops the run on a failed self-check
         self._opened = False  # the run folder and step log, opened by train() or the first step()
@@ -209,6 +213,7 @@ class PPOTrainer:
             state.step, rollout, adv, update, kl_coef=kl_coef, skipped=bad is not None,
             consecutive_skips=state.consecutive_skips, lr=parts.optimizer.param_groups[0]["lr"],
             update_s=t_end - t_update, step_s=t_end - t_start, phase_peaks_gb=peaks.peaks_gb,
+            perf=self._throughput(rollout, t_end - t_update if bad is None else 0.0),
         )
         if world.size > 1:
             metrics["dist/adapter_spread"] = self._adapter_spread()
@@ -216,6 +221,13 @@ class PPOTrainer:
             metrics["time/compile"] = parts.decoder.compile_s
             metrics["generation/recompiles"] = float(parts.decoder.recompiles)
         return metrics
+
+    def _throughput(self, rollout: Rollout, update_s: float) -> dict[str, float]:
+        """`perf/*`: each phase's achieved TFLOP/s (and share of the device's peak), decode tokens/s."""
+        seconds = {"generate": rollout.timings.get("generate", 0.0), "score": rollout.timings.get("score_forward", 0.0),
+                   "update": update_s}
+        return self.work.metrics(StepShape.of(rollout.query_mask, rollout.response_mask, rollout.context_mask),
+                                 seconds)
 
     def _adapter_spread(self) -> float:
         """How far apart the processes' trained weights are (max - min of a float64 checksum):
@@ -316,12 +328,16 @@ class PPOTrainer:
 
     # ---- rollouts made by the caller -----------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Union[str, list[dict]]], **settings: Any) -> Samples:
+    def generate(self, prompts: Sequence[Union[str, list[dict]]], **settings: Any) -> Union[Samples, EpisodeBatch]:
         """Sample completions with the policy for `prompts` (text, or conversations, rendered as the
         recipe's data are: chat template, system prompt). `settings` change the recipe's rollout
         sampling for this call (`max_new_tokens`, `temperature`, `top_k`, `top_p`, `stop_token`).
         Returns `Samples`: `query_ids`, `response_ids`, `response_mask`, `completions` (text), ...;
-        `trainer.step` takes `samples.queries()` and `samples.completion_ids()` back."""
+        `trainer.step` takes `samples.queries()`, `samples.completion_ids()` and
+        `samples.action_mask()` back. With `rollout.environment` or `rollout.tools` it plays the
+        recipe's episodes (tools called, the environment stepped) and returns them as an
+        `EpisodeBatch` with the same three methods (observations marked False in the mask) and
+        `transcripts`, `env_rewards()`."""
         fmt = PromptFormat(self.parts.tokenizer, self.recipe.data.chat_template, self.recipe.data.system_prompt)
         try:
             rows = [PromptRow(prompt, *fmt.render(prompt)) for prompt in prompts]
@@ -329,6 +345,8 @@ class PPOTrainer:
             raise ValueError(f"generate: a prompt cannot be used: {problem}") from None
         sampler = self.sampler.with_settings(**settings) if settings else self.sampler
         with dequantized_once(self.roles.peft, self.recipe.model):
+            if self.parts.episodes is not None:
+                return run_episodes(sampler, rows, self.parts.episodes)
             return sampler.sample(rows)
 
     def step(self, queries: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -389,7 +407,8 @@ class PPOTrainer:
 
     def _open_run_dir(self) -> None:
         lines = None if self.resume_from is None else (self.state.metrics_lines, self.state.samples_lines)
-        moved = self.run.open(self.recipe_yaml, lines)
+        resumed_run = None if self.resume_from is None else checkpoint.run_of(self.resume_from, self.run)
+        moved = self.run.open(self.recipe_yaml, lines, resumed_run)
         if moved is not None:  # train.overwrite: the old run kept, out of the way
             log.warning("%s held a run: moved it to %s", self.run.root, moved)
 
@@ -410,6 +429,21 @@ class PPOTrainer:
             checkpoint.save(folder, self._trainables(), self.state, self.recipe_yaml, keep_last, process_rngs)
         self.world.barrier()
         return folder
+
+
+def step_work(recipe: Recipe, roles: RoleModel, logprobs_from_generation: bool, processes: int) -> StepWork:
+    """What each phase of this run's steps computes, for `perf/*`: the roles scored (and whether
+    each reads logprobs), the update's epochs and roles, and the device's peak."""
+    scored: dict[Optional[str], bool] = {}
+    if not logprobs_from_generation:
+        scored[POLICY] = True
+    if recipe.adapters.reference_enabled:
+        scored[REFERENCE if roles.reference_adapter else None] = True
+    if recipe.uses_critic:
+        scored[VALUE] = False
+    return StepWork(ModelFlops.of(roles.peft, roles.lm_head), scored, recipe.ppo.num_epochs, recipe.uses_critic,
+                    recipe.model.gradient_checkpointing, current_device_peak_tflops(roles.lm_head.weight.device),
+                    processes)
 
 
 def check_splits(recipe: Recipe, processes: int) -> None:

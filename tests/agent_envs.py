@@ -50,3 +50,13 @@ class BreaksAtEpisode5:
         if self.number >= 5:
             raise ValueError("the game server is down")
         return Observation(done=True)
+
+
+def add(a: int, b: int) -> int:
+    """Add two numbers (a tool named in test recipes as `tests.agent_envs:add`).
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b

@@ -49,7 +49,7 @@ def build_tiny_tokenizer(folder: Path):
     return fast
 
 
-def build_tiny_llama(folder: Path, vocab_size: int, seed: int = 0):
+def build_tiny_llama(folder: Path, vocab_size: int, seed: int = 0, tied: bool = True):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -62,7 +62,7 @@ def build_tiny_llama(folder: Path, vocab_size: int, seed: int = 0):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         eos_token_id=2,
         pad_token_id=2,
         bos_token_id=0,
@@ -79,6 +79,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = build_tiny_tokenizer(folder)
     build_tiny_llama(folder, len(tokenizer))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_untied_model_dir(tmp_path_factory) -> Path:
+    """The tiny Llama with an LM head of its own (as most large models have): what the embedding
+    and LM head memory levers need."""
+    folder = tmp_path_factory.mktemp("tiny-llama-untied")
+    tokenizer = build_tiny_tokenizer(folder)
+    build_tiny_llama(folder, len(tokenizer), tied=False)
     return folder
 
 
@@ -99,8 +109,9 @@ def tiny_recipe_dict(model_dir: Path, output_dir: Path, **sections) -> dict:
     return recipe
 
 
-# Wall-clock measurements differ between any two runs; everything else in metrics must match exactly.
-TIMING_PREFIXES = ("time/", "tokens_per_s", "memory/")
+# Wall-clock measurements (and rates made from them) differ between any two runs; everything else in
+# metrics must match exactly.
+TIMING_PREFIXES = ("time/", "tokens_per_s", "memory/", "perf/")
 
 
 def write_recipe(path: Path, model_dir: Path, output_dir: Path, **train) -> Path:

@@ -157,6 +157,39 @@ def test_the_turn_limit_truncates_an_episode_and_counts_it(tmp_path, tiny_model_
     t = trainer(tmp_path, tiny_model_dir, {"environment": "tests.agent_envs:Endless", "max_turns": 2})
     metrics, _ = t.train_step()
     assert metrics["episode/turns"] == 2.0 and metrics["episode/truncated_frac"] == 1.0
+    assert metrics["episode/turn_limit_frac"] == 1.0
+
+
+def test_environment_rewards_show_as_the_episode_return_and_one_turn_of_three_is_warned(
+        tmp_path, tiny_model_dir, caplog, capsys):
+    """`reward.kind: none` and the default max_turns (1) against an environment of three turns
+    (reward 0.5 each): the score reads 0 but the return, on the progress line and in the
+    metrics, is 0.5; step 1 warns once that the turn limit cut every episode."""
+    t = trainer(tmp_path, tiny_model_dir, {"environment": "tests.agent_envs:Again"},
+                reward={"kind": "none", "function": None}, train={"eval": False, "steps": 2, "save_every": 0})
+    with caplog.at_level("WARNING", logger="lora_ppo.step_log"):
+        t.train()
+    first, second = [__import__("json").loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert first["objective/scores"] == 0.0 and first["episode/return"] == 0.5 == second["episode/return"]
+    assert first["episode/turn_limit_frac"] == 1.0
+    warned = [r.getMessage() for r in caplog.records if "max_turns" in r.getMessage()]
+    assert warned == ["step 1: rollout.max_turns (1) ended 100% of the episodes before the environment did "
+                      "(episode/truncated_frac): it expects more turns; raise rollout.max_turns"]
+    assert "step 1/2  return 0.500  score 0.000  kl " in capsys.readouterr().err
+
+
+def test_generate_on_an_environment_recipe_plays_episodes_that_step_takes_back(tmp_path, tiny_model_dir):
+    """`trainer.generate()` plays the recipe's episodes (the environment answers); queries(),
+    completion_ids() and action_mask() go back to step(), which trains on the action tokens only."""
+    t = trainer(tmp_path, tiny_model_dir, {"environment": "tests.agent_envs:Again", "max_turns": 2})
+    played = t.generate(["The film was", "I hated"])
+    assert [[m["role"] for m in messages] for messages in played.transcripts] == [
+        ["user", "assistant", "user", "assistant"]] * 2
+    assert played.env_rewards() == [1.0, 1.0]  # Again rewards each of the two turns 0.5
+    masks = played.action_mask()
+    assert all(len(m) == len(ids) and False in m for m, ids in zip(masks, played.completion_ids()))
+    metrics = t.step(played.queries(), played.completion_ids(), [1.0, 0.0], played.action_mask())
+    assert metrics["response/length"] == pytest.approx(sum(map(sum, masks)) / 2)
 
 
 def test_an_environment_that_raises_stops_the_run_in_one_line_and_keeps_the_checkpoint(tmp_path, tiny_model_dir):
@@ -259,6 +292,30 @@ def test_step_refuses_mismatched_inputs_in_one_line(tmp_path, tiny_model_dir):
         t.step([[5]], [[]], [1.0])
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"scores": ["0.1", "0.2"]}, r"step: scores\[0\] is text \('0.1'\); give one finite number per response"),
+    ({"scores": [1.0, float("nan")]}, r"step: scores\[1\] is not a finite number \(nan\)"),
+    ({"action_mask": [[True, True], [False, False, False]]},
+     r"step: action_mask row 1 marks no token as the policy's: a response needs at least one action token"),
+    ({"action_mask": True}, r"step: action_mask must be one list of booleans per response \(2\), got True"),
+    ({"action_mask": [[True, True]]}, r"step: action_mask must be one list of booleans per response \(2\), got 1 rows"),
+    ({"action_mask": [[True, True], "TTF"]}, r"step: action_mask row 1 must be a list of booleans, got 'TTF'"),
+    ({"responses": [[7, 8], [9, 100_000, 2]]},
+     r"step: response 1 has the token id 100000 at position 1, outside the model's vocabulary \(ids 0 to \d+\)"),
+    ({"queries": [[5, -1], [6]]}, r"step: query 0 has the token id -1 at position 1, outside the model's vocabulary"),
+])
+def test_step_refuses_each_bad_argument_with_one_line_naming_it_and_the_row(tmp_path, tiny_model_dir, change, message):
+    """Caught before anything is scored: the step counter stays, and right input then steps."""
+    t = trainer(tmp_path, tiny_model_dir)
+    given = {"queries": [[5, 6], [6]], "responses": [[7, 8], [9, 10, 2]], "scores": [1.0, 0.0], "action_mask": None,
+             **change}
+    with pytest.raises(ValueError, match=f"^{message}"):
+        t.step(**given)
+    assert t.steps_done == 0
+    accepted = t.step([[5, 6], [6]], [[7, 8], [9, 10, 2]], [torch.tensor(1.0), 0], action_mask=[[1, 0], [True] * 3])
+    assert accepted["step"] == 1
+
+
 def test_generate_on_a_run_with_an_environment_plays_its_episodes(tmp_path, tiny_model_dir):
     """`lora-ppo generate` on a multi-turn run prints each episode's turns after the prompt:
     the policy's two turns and the environment's "again" between them."""
@@ -271,3 +328,15 @@ def test_generate_on_a_run_with_an_environment_plays_its_episodes(tmp_path, tiny
     record = [__import__("json").loads(line) for line in result.stdout.splitlines() if line.startswith("{")][0]
     text = record["policy"]
     assert text.startswith("[assistant] ") and text.count("\n[user] again\n[assistant] ") == 1
+
+
+def test_the_generate_step_loop_trains_on_each_responses_tokens_not_the_padding_after_its_stop(tmp_path,
+                                                                                               tiny_model_dir):
+    """Samples whose first row stopped after 2 tokens: completion_ids() hands step() 2 + 4 real
+    tokens, so a step counts 3 per response, not the padded width of 4."""
+    from tests.test_rollout import _samples_with_a_stop_before_the_end
+
+    t = trainer(tmp_path, tiny_model_dir)
+    samples = _samples_with_a_stop_before_the_end()
+    metrics = t.step(samples.queries(), samples.completion_ids(), [1.0, 0.0], samples.action_mask())
+    assert metrics["response/length"] == 3.0 and metrics["response/stopped_frac"] == 0.5

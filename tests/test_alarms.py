@@ -51,6 +51,14 @@ def test_each_alarm_fires_on_its_failure_and_names_what_to_change(history, setti
     assert field in alarms[0].message and "\n" not in alarms[0].message
 
 
+def test_entropy_low_from_the_first_step_is_not_said_to_have_fallen():
+    (started_low,) = check_alarms([{"step": 1, "policy/entropy": 0.037}], SETTINGS)
+    assert "entropy is 0.037 nats per token, under 0.05 since the first step" in started_low.message
+    assert "from" not in started_low.message.split(":")[0]
+    (fell,) = check_alarms(with_values("policy/entropy", [1.2, 0.8, 0.04]), SETTINGS)
+    assert "entropy fell to 0.040 nats per token (from 1.200)" in fell.message
+
+
 def test_alarms_need_a_trend_not_a_single_value():
     # Pinned from the first step (the quickstart's openers run to the limit by design): no collapse.
     assert "pinned_length" not in names(with_values("response/stopped_frac", [0.0, 0.0, 0.0],

@@ -78,3 +78,27 @@ def test_dequantize_auto_holds_the_copy_only_when_it_takes_half_the_free_memory_
     monkeypatch.setattr(model_module, "free_memory_bytes", lambda device: 10**12 if not held else 1)
     with dequantized_once(roles.peft, cfg):  # the first decision stands for the run
         assert all("forward" in vars(m) for m in bnb_4bit_layers(roles)) is held
+
+
+def test_a_dequantization_budget_holds_the_layers_that_fit_and_keeps_the_numbers(roles, tokenizer):
+    """`model.dequantize_budget_gb`: the layers whose copies fit, in the model's order, a layer too
+    large for what is left skipped; the others compute from 4 bits; logprobs as without it."""
+    ids, mask, start = prompt_and_random_response(tokenizer, ["This movie was"])
+    layers = bnb_4bit_layers(roles)
+    sizes = [m.weight.quant_state.shape.numel() * 4 for m in layers]  # fp32 copies
+    budget = sizes[0] + sizes[1] + 1  # the first two layers, and no third (none is 1 byte)
+    with roles.as_role(POLICY):
+        plain = roles.response_logprobs(ids, mask, start, 1.0)[0]
+        with dequantized_4bit_layers(roles.peft, torch.float32, max_bytes=budget) as held:
+            patched = ["forward" in vars(m) for m in layers]
+            partial = roles.response_logprobs(ids, mask, start, 1.0)[0]
+    assert held == sizes[0] + sizes[1] and patched == [True, True] + [False] * (len(layers) - 2)
+    torch.testing.assert_close(partial, plain, atol=1e-5, rtol=1e-5)
+    # A budget below the first layer's copy, where a later smaller one fits: the smaller one is held.
+    smallest = min(range(len(sizes)), key=sizes.__getitem__)
+    if sizes[smallest] < sizes[0]:
+        with dequantized_4bit_layers(roles.peft, torch.float32, max_bytes=sizes[smallest]) as held:
+            assert held == sizes[smallest] and "forward" in vars(layers[smallest]) and "forward" not in vars(layers[0])
+    with dequantized_once(roles.peft, ModelConfig(name="tiny", dequantize_per_step=True,
+                                                  dequantize_budget_gb=budget / 1e9)) as held:
+        assert held == sizes[0] + sizes[1]

@@ -167,16 +167,98 @@ def test_disk_full_while_saving_is_one_clear_error_and_previous_checkpoint_intac
 
     monkeypatch.setattr(checkpoint.torch, "save", full_disk)
     result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
-    assert lines[-1].startswith("error: could not save checkpoint")
-    assert "No space left on device" in lines[-1] and "earlier checkpoints are intact" in lines[-1]
+    assert lines[-1].startswith(f"error: could not save checkpoint {tmp_path / 'run' / 'checkpoints' / 'step-2'}: "
+                                "no space left on the device; it needs about ")
+    assert "earlier checkpoints are intact" in lines[-1]
     assert "Traceback" not in result.output
     ckpts = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-1"]
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
     trainer = lora_ppo.PPOTrainer(lora_ppo.load_recipe(recipe), progress=False, resume="auto")
     assert trainer.steps_done == 1
+
+
+
+def _one_step_trainer(output_dir: Path, tiny_model_dir: Path, **train):
+    recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(tiny_model_dir, output_dir,
+                                                        train={"eval": False, "steps": 4, **train}))
+    return recipe, lora_ppo.PPOTrainer(recipe, progress=False)
+
+
+@pytest.mark.parametrize("checkpoint_name, kept", [("final", 3), ("checkpoints/step-2", 2)])
+def test_a_checkpoint_of_another_run_continues_in_a_new_output_dir(tmp_path, finished_run, tiny_model_dir,
+                                                                    checkpoint_name, kept):
+    """`PPOTrainer(recipe, resume=<run>/final)` with a new train.output_dir (docs/recipe.md: it may
+    change on resume): the recipe is checked against the checkpoint's own run, the new folder
+    starts with that run's lines up to the checkpoint, and the old run is left as it was."""
+    before = {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()}
+    recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(
+        tiny_model_dir, tmp_path / "branch", reward={"also_log": ["textblob"]},
+        train={"steps": 4, "sample_every": 1, "save_every": 2}))
+    trainer = lora_ppo.PPOTrainer(recipe, progress=False, resume=finished_run / checkpoint_name)
+    assert trainer.steps_done == kept
+    trainer.train()
+    old, new = deterministic_metrics(finished_run), deterministic_metrics(tmp_path / "branch")
+    assert [m["step"] for m in new] == list(range(1, 5)) and new[:kept] == old[:kept]
+    assert checkpoint.is_checkpoint(tmp_path / "branch" / "final")
+    assert {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()} == before
+
+    taken = lora_ppo.recipe_from_dict(tiny_recipe_dict(
+        tiny_model_dir, tmp_path / "branch", reward={"also_log": ["textblob"]}, train={"steps": 5}))
+    with pytest.raises(RecipeError, match="train.output_dir: .* already holds a run"):
+        lora_ppo.PPOTrainer(taken, progress=False, resume=finished_run / "final")
+
+
+def _assert_needs_more_than_is_free(message: str, folder: Path) -> None:
+    found = re.fullmatch(rf"could not save checkpoint {re.escape(str(folder))}: no space left on the device; it needs "
+                         rf"about (\d+) kB free in {re.escape(str(folder.parent))} and (\d+) kB are free; earlier "
+                         r"checkpoints are intact \(free some space, then resume with --resume auto\)", message)
+    assert found, message
+    assert int(found.group(1)) > int(found.group(2))
+
+
+def test_a_real_full_disk_while_a_checkpoint_is_written_leaves_the_previous_one_resumable(tmp_path, tiny_model_dir):
+    """On a real tmpfs: step 1's checkpoint fits; the disk is then filled to just over what the
+    next checkpoint's tensors take, so it passes the free-space check and its files fill the device
+    mid-write. One DiskFullError naming the folder; no staging folder or step-2 left; step 1 resumes."""
+    from tests.mounts import fill_until_free, tmpfs
+
+    with tmpfs(tmp_path / "disk", size_kb=2048) as disk:
+        recipe, trainer = _one_step_trainer(disk / "run", tiny_model_dir, save_every=1)
+        queries = [[5, 17, 42], [9, 33, 61, 7]]
+        responses = [[12, 40, 2], [8, 8, 19, 2]]
+        trainer.step(queries, responses, [1.0, 0.0])
+        ckpts = disk / "run" / "checkpoints"
+        assert checkpoint.is_checkpoint(ckpts / "step-1")
+        needed = checkpoint.saved_bytes(trainer._trainables())
+        filler = fill_until_free(disk, needed + 8192)
+        assert needed <= shutil.disk_usage(disk).free < needed + 16384
+        with pytest.raises(checkpoint.DiskFullError) as raised:
+            trainer.step(queries, responses, [1.0, 0.0])
+        _assert_needs_more_than_is_free(str(raised.value), ckpts / "step-2")
+        assert sorted(p.name for p in ckpts.iterdir()) == ["step-1"]  # no staging folder, no step-2
+        filler.unlink()
+        resumed = lora_ppo.PPOTrainer(recipe, progress=False, resume="auto")
+        assert resumed.steps_done == 1 and resumed.resume_from == ckpts / "step-1"
+
+
+def test_a_checkpoint_that_cannot_fit_is_refused_in_one_line_before_a_byte_is_written(tmp_path, tiny_model_dir):
+    """The CLI on a real tmpfs with less free space than the final checkpoint's tensors: one line,
+    exit 2, and nothing of final/ (nor a staging folder) in the run folder."""
+    from tests.mounts import fill_until_free, tmpfs
+
+    with tmpfs(tmp_path / "disk", size_kb=2048) as disk:
+        fill_until_free(disk, 64 * 1024)
+        recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, disk / "run", eval=False, steps=1, save_every=0)
+        result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress"])
+        lines = result.stderr.strip().splitlines()
+        assert result.exit_code == 2, result.output
+        _assert_needs_more_than_is_free(lines[-1].removeprefix("error: "), disk / "run" / "final")
+        assert "Traceback" not in result.output
+        assert sorted(p.name for p in (disk / "run").iterdir()) == ["metrics.jsonl", "recipe.yaml", "samples.jsonl"]
+        assert not RunDir(disk / "run").has_checkpoint()
 
 
 def test_changed_recipe_is_refused_with_the_differences_and_harmless_changes_allowed(tmp_path, tiny_model_dir):

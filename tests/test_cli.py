@@ -104,7 +104,8 @@ def test_smoke_train_end_to_end_writes_every_output(tmp_path, tiny_model_dir, ca
         "objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl", "policy/clipfrac",
         "policy/entropy", "loss/policy", "loss/value", "value/explained_var", "time/generate",
         "time/score_forward", "time/update", "tokens_per_s", "memory/peak_gb",
-        "memory/generate_gb", "memory/score_gb", "memory/update_gb",
+        "memory/generate_gb", "memory/score_gb", "memory/update_gb", "perf/generate_tflops", "perf/score_tflops",
+        "perf/update_tflops", "perf/generate_tokens_per_s",
     ]:
         assert key in metrics[0], key
     # Per-phase peaks are real resident memory: more than a process with torch loaded, each at

@@ -97,7 +97,17 @@ def test_resume_allowed_fields():
         "data.eval_batch_size", "data.eval_samples_per_prompt", "model.dequantize_per_step",
         "rollout.compile",  # the same sampling either way (docs/performance.md)
         "train.output_dir",  # a run folder moved elsewhere resumes where it is
+        "train.memory_budget_gb",  # it chooses `auto` sizes; a resumed run keeps those it recorded
     }
+
+
+def test_resume_takes_auto_sizes_as_the_run_recorded_them():
+    saved = recipe_from_dict({}, ["ppo.grad_accum_steps=2", "rollout.forward_batch_size=8"]).model_dump(mode="json")
+    auto = recipe_from_dict({}, ["ppo.grad_accum_steps=auto", "rollout.forward_batch_size=auto"])
+    assert resume_differences(saved, auto) == []
+    # A number the run did not record is a change like any other.
+    assert resume_differences(saved, recipe_from_dict({}, ["ppo.grad_accum_steps=4"])) == ["ppo.grad_accum_steps",
+                                                                                            "rollout.forward_batch_size"]
 
 
 def test_resume_differences_ignore_allowed_fields_only():
@@ -169,3 +179,18 @@ def test_an_override_removes_a_field_so_a_recipe_can_become_a_mix():
     assert [(s.kind, s.weight) for s in recipe.reward.source_list()] == [("vader", 1.0), ("textblob", 0.5)]
     with pytest.raises(RecipeError, match=r"^override '~reward.model': the recipe does not set reward.model$"):
         recipe_from_dict(data, ["~reward.model"])
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"rollout": {"batch_size": 6, "samples_per_prompt": 4}},
+     "rollout.batch_size (6) must be divisible by rollout.samples_per_prompt (4)"),
+    # divisible by num_minibatches (2) alone, not by num_minibatches * grad_accum_steps (6)
+    ({"rollout": {"batch_size": 8}, "ppo": {"num_minibatches": 2, "grad_accum_steps": 3}},
+     "rollout.batch_size (8) must be divisible by ppo.num_minibatches * ppo.grad_accum_steps (6)"),
+])
+def test_a_batch_that_does_not_split_into_groups_or_micro_batches_is_refused(sections, message):
+    """Caught in the recipe, before anything loads: otherwise groups of samples would straddle
+    prompts, or the last micro-batches of each minibatch be silently dropped."""
+    with pytest.raises(RecipeError) as raised:
+        recipe_from_dict(sections)
+    assert message in str(raised.value)

@@ -205,6 +205,38 @@ def test_free_memory_per_device(monkeypatch, dev, expected):
     assert free_memory_bytes(dev) == expected
 
 
+@pytest.mark.parametrize("fraction, expected", [
+    (1.0, 1000 + 300 - 200),  # no cap: what the driver and the allocator's cache leave
+    (0.5, 1000 + 300 - 200),  # a cap of 2500 bytes of 5000 leaves 2300: the driver's 1100 binds
+    (0.1, 500 - 200),  # a cap of 500 bytes: 300 more may be allocated, whatever the driver says
+])
+@pytest.mark.parametrize("kind", ["cuda", "xpu"])
+def test_free_memory_honours_the_process_allocator_cap(monkeypatch, kind, fraction, expected):
+    gpu = _Recorder()
+    gpu.get_per_process_memory_fraction = lambda device=None: fraction
+    monkeypatch.setattr(torch, kind, gpu)
+    assert free_memory_bytes(torch.device(kind, 0)) == expected
+
+
+def test_dequantize_auto_stays_off_under_a_cap_the_copy_does_not_fit(monkeypatch):
+    """The bug the cap fix is for: a 12 GB cap on an 80 GB card read as 78 GB free, and
+    `dequantize_per_step: auto` chose a 14 GB dequantized copy. Under the cap 7 GB are free."""
+    import lora_ppo.model as model_module
+
+    gpu, gb = _Recorder(), 10**9
+    gpu.mem_get_info = lambda device=None: (78 * gb, 80 * gb)
+    gpu.memory_reserved = lambda device=None: 5 * gb
+    gpu.memory_allocated = lambda device=None: 5 * gb
+    gpu.get_per_process_memory_fraction = lambda device=None: 12 / 80
+    monkeypatch.setattr(torch, "cuda", gpu)
+    monkeypatch.setattr(model_module, "device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(model_module, "dequantized_4bit_bytes", lambda model, dtype: 3 * gb)
+    assert free_memory_bytes(torch.device("cuda", 0)) == 7 * gb  # 12 GB cap - 5 GB held, not 78 GB
+    assert model_module._dequantized_copy_fits(torch.nn.Linear(1, 1), torch.bfloat16)  # 3 GB <= half of 7
+    monkeypatch.setattr(model_module, "dequantized_4bit_bytes", lambda model, dtype: 14 * gb)
+    assert not model_module._dequantized_copy_fits(torch.nn.Linear(1, 1), torch.bfloat16)
+
+
 @pytest.mark.parametrize("backend, expected", [
     ("nccl", torch.device("cuda", 1)), ("xccl", torch.device("xpu", 1)), ("gloo", torch.device("cpu")),
 ])

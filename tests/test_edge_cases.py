@@ -5,6 +5,7 @@ a checkpoint, and every divisibility rule of a recipe, each refused in one line.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,19 @@ def test_recipes_that_divide_are_accepted(sections, minibatch, micro_batch):
     assert (recipe.minibatch_size, recipe.micro_batch_size) == (minibatch, micro_batch)
     reward = recipe_from_dict({"train": {"batch_size": 12, "grad_accum_steps": 4}}, schema=RewardRecipe)
     assert (reward.train.batch_size, reward.train.grad_accum_steps) == (12, 4)
+
+
+def test_a_checkpoint_adapter_with_weights_the_model_has_no_place_for_is_refused(tmp_path, make_roles, r4_checkpoint):
+    """One extra LoRA matrix (a layer the model does not have) in an otherwise fitting adapter:
+    loading it would silently drop trained weights, so it is refused, naming the adapter."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(r4_checkpoint, folder)
+    weights_file = folder / "policy" / "adapter_model.safetensors"
+    weights = load_file(str(weights_file))
+    name = next(k for k in weights if ".layers.0." in k)
+    weights[name.replace(".layers.0.", ".layers.7.")] = weights[name].clone()  # the tiny model has 2 layers
+    save_file(weights, str(weights_file))
+    with pytest.raises(checkpoint.CheckpointError, match=f"^checkpoint {folder}: policy adapter does not fit this model"):
+        checkpoint.load(folder, trainables(make_roles()), TrainState)

@@ -40,7 +40,8 @@ def test_every_plot_has_content(report):
     metrics = read_jsonl(report.parents[1] / "metrics.jsonl")
     names = {p.name for p in plots_for(metrics)}
     # A PPO run with a critic and a side metric fills every figure.
-    assert names == {"score", "kl", "entropy", "clipping", "selfcheck", "value", "length", "time", "memory"}
+    assert names == {"score", "kl", "entropy", "clipping", "selfcheck", "value", "length", "time", "memory",
+                     "throughput"}
     for name in names:
         pixels = _pixels(report.parent / "plots" / f"{name}.png")
         assert pixels.shape[0] > 200 and pixels.shape[1] > 300
@@ -53,7 +54,7 @@ def test_page_references_each_plot_and_holds_the_tables(report, finished_run):
     # Self-contained: the images are inlined, so the page can be mailed on its own.
     inlined = re.findall(r"<img[^>]+src='data:image/png;base64,", page)
     assert len(inlined) == len(list((report.parent / "plots").glob("*.png")))
-    for name in ("score", "kl", "entropy", "clipping", "value", "length", "time", "memory"):
+    for name in ("score", "kl", "entropy", "clipping", "value", "length", "time", "memory", "throughput"):
         assert f"data-file='plots/{name}.png'" in page
     summary = json.loads((finished_run / "summary.json").read_text())
     assert "held-out" in page and f"{summary['heldout_score_after']:.3f}" in page
@@ -118,3 +119,21 @@ def test_episodes_show_as_transcripts(tmp_path, finished_run):
              "[user] That is not right, try again.\n[assistant] 4")
     assert shown in page
     assert "[user] What is 2 + 2?" not in page  # the prompt has its own column
+
+
+def test_an_environment_run_plots_its_episodes(tmp_path, finished_run):
+    """Episode metrics (turns, truncation, tool calls and errors, return, environment reward) get
+    two figures with every series drawn; a single-turn run gets neither (test above)."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    episode = {"episode/turns": 2.5, "episode/truncated_frac": 0.25, "episode/tool_calls": 1.0,
+               "episode/tool_errors": 0.5, "episode/return": 0.75, "episode/env_reward": 0.5}
+    metrics = [{**m, **{k: v * m["step"] for k, v in episode.items()}} for m in read_jsonl(run / "metrics.jsonl")]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics), encoding="utf-8")
+    plots = {p.name: p for p in plots_for(metrics)}
+    drawn = {key for name in ("episode", "episode_return") for key, _ in plots[name].left + plots[name].right}
+    assert drawn == set(episode)
+    write_report(run)
+    for name in ("episode", "episode_return"):
+        pixels = _pixels(run / "report" / "plots" / f"{name}.png")
+        assert len({tuple(px) for px in pixels.reshape(-1, pixels.shape[-1])[::7].tolist()}) > 20, name

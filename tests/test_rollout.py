@@ -84,3 +84,42 @@ def test_empty_batches_keep_no_column():
     assert out.shape == mask.shape == (0, 0) and stopped.shape == (0,)
     ids, attention = left_pad([], PAD, "cpu")
     assert ids.shape == attention.shape == (0, 0)
+
+
+def _samples_with_a_stop_before_the_end():
+    """Row 0 stopped after 2 tokens (padding follows), row 1 ran to the limit; prompts left-padded."""
+    from lora_ppo.rollout import Samples
+
+    return Samples(query_ids=ids([[PAD, 11, 12], [13, 14, 15]]), query_mask=ids([[0, 1, 1], [1, 1, 1]]),
+                   response_ids=ids([[21, STOP, PAD, PAD], [22, 23, 24, 25]]),
+                   response_mask=masks([[1, 1, 0, 0], [1, 1, 1, 1]]), stopped=masks([1, 0]),
+                   completions=["a", "bcde"])
+
+
+def test_a_reward_reading_the_last_token_reads_the_stop_token_not_the_padding_after_it():
+    """What a reward adapter (or a classifier at the last token) is given: the rollout's own
+    model input, whose attention mask ends at the stop token; the padding after it is not read."""
+    from lora_ppo.rewards import AdapterReward, RewardBatch, RewardSources
+    from lora_ppo.data import PromptRow
+    from lora_ppo.roles import last_real_index
+
+    samples = _samples_with_a_stop_before_the_end()
+    read = []
+
+    def last_token_scorer(input_ids, attention_mask):  # reads as a reward adapter does
+        last = input_ids.gather(1, last_real_index(attention_mask).unsqueeze(1)).squeeze(1)
+        read.extend(last.tolist())
+        return last.float()
+
+    rows = [PromptRow("p0", "p0", (11, 12)), PromptRow("p1", "p1", (13, 14, 15))]
+    batch = RewardBatch.from_rows(rows, samples.completions, samples.completion_ids(), samples.model_input())
+    assert RewardSources.of(AdapterReward(last_token_scorer, 8)).score(batch).total == [float(STOP), 25.0]
+    assert read == [STOP, 25]
+
+
+def test_completion_ids_are_each_responses_real_tokens_with_its_stop_token():
+    """What the documented generate() / step() loop hands to step() and to reward functions."""
+    samples = _samples_with_a_stop_before_the_end()
+    assert samples.completion_ids() == [[21, STOP], [22, 23, 24, 25]]
+    assert samples.action_mask() == [[True, True], [True] * 4]
+    assert samples.queries() == [[11, 12], [13, 14, 15]]

@@ -104,3 +104,42 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_anything_loads(t
     assert result.exit_code == 2 and lines == [f"error: train.output_dir: cannot write in {str(tmp_path)!r}: "
                                                "Read-only file system"]
     assert not (tmp_path / "runs").exists() and not list(tmp_path.glob(".lora_ppo-write-test*"))
+
+
+@pytest.mark.parametrize("below", ["run", "a/b/run"])
+def test_a_real_read_only_file_system_as_output_dirs_parent_is_one_line(tmp_path, tiny_model_dir, below):
+    """A read-only tmpfs mounted where the run folder would go: where even removing the probe file
+    fails (EROFS, not ENOENT), it is one line and exit 2, before the model loads."""
+    from typer.testing import CliRunner
+
+    from lora_ppo.cli import app
+    from tests.conftest import write_recipe
+    from tests.mounts import tmpfs
+
+    with tmpfs(tmp_path / "ro", size_kb=64, read_only=True) as mounted:
+        recipe = write_recipe(tmp_path / "r.yaml", tiny_model_dir, mounted / below)
+        result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress"])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip().splitlines() == [
+            f"error: train.output_dir: cannot write in {str(mounted)!r}: Read-only file system"]
+
+
+def test_a_disk_that_fills_up_under_the_runs_logs_is_one_line(tmp_path, tiny_model_dir):
+    """A real tmpfs with one page free once the run starts: the first write that needs more (the
+    recipe or the metrics) fails with ENOSPC, which is one line and exit 2, not a traceback."""
+    from typer.testing import CliRunner
+
+    from lora_ppo.cli import app
+    from tests.conftest import write_recipe
+    from tests.mounts import PAGE, fill_until_free, tmpfs
+
+    with tmpfs(tmp_path / "disk", size_kb=256) as disk:
+        fill_until_free(disk, PAGE)
+        recipe = write_recipe(tmp_path / "r.yaml", tiny_model_dir, disk / "run", eval=False)
+        result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress"])
+        assert result.exit_code == 2, result.output
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: cannot write {disk / 'run'}") and last.endswith(
+            ": No space left on device; the checkpoints saved so far are intact (resume with --resume auto once the "
+            "folder can be written)")
+        assert "Traceback" not in result.output

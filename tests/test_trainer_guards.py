@@ -108,6 +108,52 @@ def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(tmp_path, tiny_m
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+def test_one_sigterm_abandons_a_step_stuck_in_a_reward_function_without_timeout(tmp_path, tiny_model_dir, monkeypatch):
+    """A reward with no reward.timeout_s that hangs at step 2: the first SIGTERM (sent from inside
+    it, so the moment is fixed) abandons the step once it has been stuck STUCK_GRACE_S (0 here),
+    instead of waiting for a second signal. Exit 130, step 1's checkpoint resumes."""
+    import threading
+
+    from lora_ppo import signals
+
+    monkeypatch.setattr(signals, "STUCK_GRACE_S", 0.0)
+    released = threading.Event()
+    calls = []
+
+    def hangs_at_step_2(prompts, completions):
+        calls.append(len(completions))
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            released.wait(timeout=30)  # abandoned long before; without the fix the step goes on
+        return [0.0] * len(completions)
+
+    recipe = _recipe(tiny_model_dir, tmp_path / "run", steps=3, save_every=1)
+    trainer = lora_ppo.PPOTrainer(recipe, reward_fn=hangs_at_step_2, progress=False)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+    finally:
+        released.set()
+    assert len(calls) == 2 and trainer.steps_done == 1
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-1"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert lora_ppo.PPOTrainer(recipe, reward_fn=hangs_at_step_2, progress=False, resume="auto").steps_done == 1
+
+
+def test_a_step_is_stuck_only_while_in_user_code_after_the_request():
+    from lora_ppo.rewards import UserCodeClock
+    from lora_ppo.signals import StopRequest, stuck_for
+
+    clock, request = UserCodeClock(), StopRequest()
+    clock.since = 10.0
+    assert stuck_for(request, clock, now=50.0) == 0.0  # no stop asked
+    request.requested, request.at = True, 30.0
+    assert stuck_for(request, clock, now=50.0) == 20.0  # counted from the request, not the call's start
+    clock.since = 40.0
+    assert stuck_for(request, clock, now=50.0) == 10.0  # a call that started after it, from its start
+    clock.since = None
+    assert stuck_for(request, clock, now=50.0) == 0.0  # generating or updating: never abandoned
+
 def test_a_run_stopped_before_its_first_checkpoint_is_started_over(tmp_path, tiny_model_dir, monkeypatch):
     """Ctrl-C in the first held-out evaluation: no checkpoint exists, so no resume hint (it could
     not work), and running the same command again starts over, the old folder moved aside."""

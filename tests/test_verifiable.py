@@ -120,6 +120,11 @@ def test_to_number_more_forms(answer, number):
     ("The answer is -12", "12"),
     ("It costs $1,000", "100"),
     ("It costs $1,0000", "1000"),
+    # digits after a comma or a point are part of the number before them, never one of their own
+    ("The answer is 1,2345", "2345"),
+    ("It costs .5 dollars", "5"),
+    ("Version 3.14.15 of it", "15"),
+    ("The answer is 12,34", "34"),
 ])
 def test_answer_forms_that_must_not_match(response, reference):
     assert not answers_match(response, reference)

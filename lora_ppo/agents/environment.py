@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 from lora_ppo.data import PromptRow
 from lora_ppo.errors import RecipeError
-from lora_ppo.rewards import RewardError, import_function
+from lora_ppo.rewards import USER_CODE, RewardError, import_function
 
 Messages = list[dict[str, Any]]
 OBSERVATION_ROLES = ("user", "tool", "system")
@@ -76,7 +76,8 @@ class EnvironmentSession:
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         try:
-            return fn()
+            with USER_CODE.running(f"environment {self.name}"):
+                return fn()
         except Exception as err:
             raise EpisodeError(f"environment {self.name} raised {type(err).__name__} while {what} for row {self.index} "
                                f"(prompt {describe_row(self.row)}): {err}") from err

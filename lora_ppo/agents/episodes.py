@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from lora_ppo.agents.environment import EnvironmentSession, EpisodeError, Messages, Observation
-from lora_ppo.agents.tools import parse_tool_calls, run_tool, tool_message
+from lora_ppo.agents.tools import cut_short, parse_tool_calls, run_tool, tool_message, with_system_text
 from lora_ppo.data import PromptRow
 from lora_ppo.memory import PhasePeaks
 from lora_ppo.rewards import RewardSources
@@ -38,6 +38,9 @@ class EpisodeSettings:
     tools: dict[str, Callable] = field(default_factory=dict)  # name -> function (`rollout.tools`)
     tool_schemas: Optional[list[dict]] = None
     tool_timeout_s: Optional[float] = None
+    # The system message text that carries the schemas when the chat template ignores `tools=`
+    # (tools.template_renders_tools); None: the template writes them itself.
+    tools_in_system: Optional[str] = None
 
 
 @dataclass
@@ -52,6 +55,8 @@ class _Episode:
     turns: int = 0
     done: bool = False  # the environment (or the end of tool calls) ended it
     truncated: bool = False  # the budget or the turn limit ended it first
+    turn_limit: bool = False  # ... the turn limit (rollout.max_turns)
+    cut_by: str = ""  # the setting that cut the last turn before its stop token ("" if it stopped)
     stopped: bool = False  # the last turn ended with the stop token
     last_completion: str = ""
     last_action_ids: list[int] = field(default_factory=list)
@@ -77,7 +82,7 @@ class EpisodeBatch:
     turn_rewards: torch.Tensor
     stopped: torch.Tensor
     completions: list[str]  # each episode's last assistant message
-    completion_ids: list[list[int]]  # its action tokens
+    last_turn_ids: list[list[int]]  # its action tokens (the reward sources' `completion_ids`)
     transcripts: list[Messages]
     metrics: dict[str, float]
 
@@ -85,16 +90,44 @@ class EpisodeBatch:
         return join_prompt_response(self.query_ids, self.query_mask, self.response_ids,
                                     self.response_mask | self.observation_mask)
 
+    # What `PPOTrainer.step` takes back (`PPOTrainer.generate` returns episodes on such recipes).
+    def queries(self) -> list[list[int]]:
+        """Each episode's prompt tokens (as rendered with the tools), without the left padding."""
+        return [ids[mask.bool()].tolist() for ids, mask in zip(self.query_ids, self.query_mask)]
+
+    def completion_ids(self) -> list[list[int]]:
+        """Each episode's tokens after its prompt: its turns and the observations between them."""
+        return [ids[mask].tolist() for ids, mask in zip(self.response_ids, self.response_mask | self.observation_mask)]
+
+    def action_mask(self) -> list[list[bool]]:
+        """For `completion_ids()`: True on the policy's own tokens, False on observations."""
+        context = self.response_mask | self.observation_mask
+        return [actions[mask].tolist() for actions, mask in zip(self.response_mask, context)]
+
+    def env_rewards(self) -> list[float]:
+        """Each episode's sum of the rewards its environment gave."""
+        return self.turn_rewards.sum(dim=1).tolist()
+
 
 class ChatRenderer:
-    """The token ids the chat template gives the first messages and each observation."""
+    """The token ids the chat template gives the first messages and each observation; the tools
+    go to the template (`tools=`), or, where it ignores them, into the system message."""
 
-    def __init__(self, tokenizer, tool_schemas: Optional[list[dict]]):
-        self.tokenizer, self.tools = tokenizer, tool_schemas
+    def __init__(self, tokenizer, tool_schemas: Optional[list[dict]], tools_in_system: Optional[str] = None):
+        self.tokenizer, self.tools, self.tools_in_system = tokenizer, tool_schemas, tools_in_system
 
     def render(self, messages: Messages, add_generation_prompt: bool) -> str:
+        if self.tools_in_system is not None:
+            return self.tokenizer.apply_chat_template(with_system_text(messages, self.tools_in_system), tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
+
+    @property
+    def parser_tokenizer(self):
+        """The tokenizer whose response_template reads the calls; None (the fallback formats) when
+        the system message asked for the Hermes format."""
+        return None if self.tools_in_system is not None else self.tokenizer
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -145,7 +178,7 @@ def run_episodes(
     `role`: who plays (the policy; the reference, to compare).
     """
     tokenizer = sampler.tokenizer
-    renderer = ChatRenderer(tokenizer, settings.tool_schemas)
+    renderer = ChatRenderer(tokenizer, settings.tool_schemas, settings.tools_in_system)
     episodes = [_start(row, settings, renderer, first_index + i) for i, row in enumerate(rows)]
     per_turn = sampler.cfg.max_new_tokens
     for turn in range(settings.max_turns):
@@ -154,6 +187,8 @@ def run_episodes(
             break
         budget = [episodes[i].budget_left(settings.max_episode_tokens) for i in live]
         new_tokens = per_turn if budget[0] is None else max(1, min(per_turn, max(budget)))
+        limit = (f"rollout.max_new_tokens: {per_turn}" if new_tokens == per_turn else
+                 f"rollout.max_episode_tokens: {settings.max_episode_tokens}")
         contexts = [replace(episodes[i].row, ids=tuple(episodes[i].context + episodes[i].tokens)) for i in live]
         turn_seeds = None
         if seeds is not None:
@@ -171,6 +206,7 @@ def run_episodes(
             text = samples.completions[j] if len(ids) == int(samples.response_mask[j].sum()) else \
                 tokenizer.decode(ids, skip_special_tokens=True)
             _act(e, ids, logprobs, text, stopped)
+            e.cut_by = "" if stopped else limit
             if not e.truncated:
                 _observe(e, settings, renderer, turn + 1 == settings.max_turns)
     return _batch(episodes, tokenizer.pad_token_id, sampler.roles.lm_head.weight.device, record_logprobs,
@@ -204,7 +240,9 @@ def _act(e: _Episode, ids: list[int], logprobs: list[float], text: str, stopped:
 
 def _observe(e: _Episode, settings: EpisodeSettings, renderer: ChatRenderer, last_turn: bool) -> None:
     """The answer to the turn just written: tool results, the environment's step, or the end."""
-    calls = parse_tool_calls(e.last_completion, renderer.tokenizer, settings.tool_schemas) if settings.tools else []
+    calls = parse_tool_calls(e.last_completion, renderer.parser_tokenizer, settings.tool_schemas) if settings.tools else []
+    if e.cut_by:
+        calls = cut_short(calls, e.cut_by)
     if calls:
         results = [run_tool(call, settings.tools, settings.tool_timeout_s) for call in calls]
         e.tool_calls += len(calls)
@@ -220,7 +258,7 @@ def _observe(e: _Episode, settings: EpisodeSettings, renderer: ChatRenderer, las
         e.done = True
         return
     if last_turn:
-        e.truncated = True  # the environment wanted more turns than rollout.max_turns
+        e.truncated = e.turn_limit = True  # the environment wanted more turns than rollout.max_turns
         return
     ids = renderer.observation_ids(e.messages, answer.messages, e.last_action_ids)
     left = e.budget_left(settings.max_episode_tokens)
@@ -253,6 +291,7 @@ def _batch(episodes: list[_Episode], pad_id: int, device, record_logprobs: bool,
     metrics = {
         "episode/turns": sum(e.turns for e in episodes) / max(B, 1),
         "episode/truncated_frac": sum(e.truncated for e in episodes) / max(B, 1),
+        "episode/turn_limit_frac": sum(e.turn_limit for e in episodes) / max(B, 1),
         "episode/observation_tokens": float(observation.sum()) / max(B, 1),
         "episode/env_reward": float(turn_rewards.sum()) / max(B, 1),
     }
@@ -264,7 +303,7 @@ def _batch(episodes: list[_Episode], pad_id: int, device, record_logprobs: bool,
         response_ids=response_ids.to(device), response_mask=action.to(device), observation_mask=observation.to(device),
         old_logprobs=logprobs.to(device) if record_logprobs else None, turn_rewards=turn_rewards.to(device),
         stopped=torch.tensor([e.stopped and not e.truncated for e in episodes], dtype=torch.bool, device=device),
-        completions=[e.last_completion for e in episodes], completion_ids=[e.last_action_ids for e in episodes],
+        completions=[e.last_completion for e in episodes], last_turn_ids=[e.last_action_ids for e in episodes],
         transcripts=[e.messages for e in episodes], metrics=metrics,
     )
 
@@ -293,11 +332,14 @@ def collect_episode_rollout(
     timings["generate"] = time.perf_counter() - t0
 
     scored = score_and_reward(sampler, rows, rewards, batch.query_ids.shape[1], batch.model_input(),
-                              batch.old_logprobs, batch.completions, batch.completion_ids, batch.stopped,
+                              batch.old_logprobs, batch.completions, batch.last_turn_ids, batch.stopped,
                               with_values, with_reference, peaks, timings, {"messages": batch.transcripts})
+    # The episode's return: the score plus every reward the environment gave (with `reward.kind:
+    # none` the score is 0 and this is the whole of it); the held-out score is the same measure.
+    episode_return = (scored.scores + batch.turn_rewards.sum(dim=1)).mean().item()
     return Rollout(
         rows=list(rows), completions=batch.completions, query_ids=batch.query_ids, query_mask=batch.query_mask,
         response_ids=batch.response_ids, response_mask=batch.response_mask, stopped=batch.stopped, timings=timings,
         observation_mask=batch.observation_mask, turn_rewards=batch.turn_rewards, transcripts=batch.transcripts,
-        episode_metrics=batch.metrics, **scored.as_fields(),
+        episode_metrics={**batch.metrics, "episode/return": episode_return}, **scored.as_fields(),
     )

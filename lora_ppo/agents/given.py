@@ -3,7 +3,9 @@ score per response, turned into the same `Rollout` a `train()` step builds by sa
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import math
+import numbers
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -14,11 +16,53 @@ from lora_ppo.rollout import (
 )
 
 
-def _ids(seq, what: str, i: int) -> list[int]:
-    ids = seq.tolist() if isinstance(seq, torch.Tensor) else list(seq)
-    if not ids or not all(isinstance(x, int) for x in ids):
+def _ids(seq, what: str, i: int, vocab_size: int) -> list[int]:
+    ids = seq.tolist() if isinstance(seq, torch.Tensor) else list(seq) if _is_sequence(seq) else None
+    if not ids or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
         raise ValueError(f"step: {what} {i} must be a non-empty sequence of token ids, got {str(seq)[:60]!r}")
+    outside = next(((at, x) for at, x in enumerate(ids) if not 0 <= x < vocab_size), None)
+    if outside is not None:
+        raise ValueError(f"step: {what} {i} has the token id {outside[1]} at position {outside[0]}, outside the "
+                         f"model's vocabulary (ids 0 to {vocab_size - 1})")
     return ids
+
+
+def _is_sequence(value: Any) -> bool:
+    return isinstance(value, (Sequence, torch.Tensor)) and not isinstance(value, (str, bytes))
+
+
+def _scores(scores: Any, n: int) -> list[float]:
+    """One finite number per response; text is refused even when it reads as one ("0.1"), as
+    reward functions' text is."""
+    if not _is_sequence(scores):
+        raise ValueError(f"step: scores must be one number per response, got {str(scores)[:60]!r}")
+    values = scores.tolist() if isinstance(scores, torch.Tensor) else list(scores)
+    values = [v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in values]  # TRL's form
+    for i, score in enumerate(values):
+        number = isinstance(score, numbers.Real) and not isinstance(score, bool)
+        if not number or not math.isfinite(float(score)):
+            kind = "text" if isinstance(score, (str, bytes)) else "not a finite number"
+            raise ValueError(f"step: scores[{i}] is {kind} ({score!r}); give one finite number per response")
+    return [float(score) for score in values]
+
+
+def _action_rows(action_mask: Any, lengths: list[int]) -> list[list[bool]]:
+    """One row of booleans per response, as long as it, with at least one action token."""
+    if not _is_sequence(action_mask) or len(action_mask) != len(lengths):
+        got = f"{len(action_mask)} rows" if _is_sequence(action_mask) else repr(action_mask)[:60]
+        raise ValueError(f"step: action_mask must be one list of booleans per response ({len(lengths)}), got {got}")
+    rows = []
+    for i, (row, length) in enumerate(zip(action_mask, lengths)):
+        values = row.tolist() if isinstance(row, torch.Tensor) else list(row) if _is_sequence(row) else None
+        if values is None or not all(isinstance(a, bool) or a in (0, 1) for a in values):
+            raise ValueError(f"step: action_mask row {i} must be a list of booleans, got {str(row)[:60]!r}")
+        if len(values) != length:
+            raise ValueError(f"step: action_mask row {i} has {len(values)} entries for a response of {length} tokens")
+        if not any(values):
+            raise ValueError(f"step: action_mask row {i} marks no token as the policy's: a response needs at least "
+                             "one action token (the score sits on its last one)")
+        rows.append([bool(a) for a in values])
+    return rows
 
 
 def rollout_from_tokens(
@@ -35,17 +79,20 @@ def rollout_from_tokens(
     actions (all of them by default), then old and reference logprobs and values scored as in
     `collect_rollout`. A response that ends with the stop token counts as stopped; the recipe's
     `missing_eos_penalty` applies to the others, as in a sampled rollout."""
-    if not (len(queries) == len(responses) == len(scores)) or not queries:
-        raise ValueError(f"step: got {len(queries)} queries, {len(responses)} responses and {len(scores)} scores; "
-                         "they must be as many, and at least one")
-    if action_mask is not None and len(action_mask) != len(responses):
-        raise ValueError(f"step: action_mask has {len(action_mask)} rows for {len(responses)} responses")
+    if not all(map(_is_sequence, (queries, responses, scores))) or not (len(queries) == len(responses) == len(scores)) \
+            or not len(queries):
+        counts = [len(x) if _is_sequence(x) else repr(x)[:20] for x in (queries, responses, scores)]
+        raise ValueError(f"step: got {counts[0]} queries, {counts[1]} responses and {counts[2]} scores; they must be "
+                         "as many, and at least one")
     roles, cfg, tokenizer = sampler.roles, sampler.cfg, sampler.tokenizer
     device = roles.lm_head.weight.device
     peaks = peaks if peaks is not None else PhasePeaks()
     pad = tokenizer.pad_token_id
-    query_lists = [_ids(q, "query", i) for i, q in enumerate(queries)]
-    response_lists = [_ids(r, "response", i) for i, r in enumerate(responses)]
+    vocab_size = roles.peft.get_input_embeddings().num_embeddings
+    query_lists = [_ids(q, "query", i, vocab_size) for i, q in enumerate(queries)]
+    response_lists = [_ids(r, "response", i, vocab_size) for i, r in enumerate(responses)]
+    score_values = _scores(scores, len(response_lists))
+    action_rows = None if action_mask is None else _action_rows(action_mask, [len(r) for r in response_lists])
     rows = [PromptRow(tokenizer.decode(q, skip_special_tokens=True), "", tuple(q)) for q in query_lists]
     query_ids, query_mask = left_pad(rows, pad, device)
     T, B = max(map(len, response_lists)), len(query_lists)
@@ -54,9 +101,7 @@ def rollout_from_tokens(
     observation = torch.zeros((B, T), dtype=torch.bool)
     for i, r in enumerate(response_lists):
         response_ids[i, : len(r)] = torch.tensor(r)
-        acts = [True] * len(r) if action_mask is None else [bool(a) for a in action_mask[i]]
-        if len(acts) != len(r):
-            raise ValueError(f"step: action_mask row {i} has {len(acts)} entries for a response of {len(r)} tokens")
+        acts = [True] * len(r) if action_rows is None else action_rows[i]
         action[i, : len(r)] = torch.tensor(acts)
         observation[i, : len(r)] = ~action[i, : len(r)]
     stop_id = stop_token_id(tokenizer, cfg.stop_token)
@@ -67,7 +112,7 @@ def rollout_from_tokens(
         old_logprobs, ref_logprobs, values = score_passes(
             roles, input_ids, attention_mask, query_ids.shape[1], cfg.temperature, cfg.forward_batch_size,
             with_values=with_values, with_reference=with_reference, together=cfg.score_roles_together)
-    raw_scores = torch.tensor([float(s) for s in scores], dtype=torch.float32, device=device)
+    raw_scores = torch.tensor(score_values, dtype=torch.float32, device=device)
     completions = tokenizer.batch_decode([[t for t, a in zip(r, action[i].tolist()) if a]
                                           for i, r in enumerate(response_lists)], skip_special_tokens=True)
     multi_turn = bool(observation.any())

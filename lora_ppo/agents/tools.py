@@ -67,6 +67,49 @@ def tool_schemas(functions: Sequence[Callable]) -> list[dict]:
     return schemas
 
 
+# How the tools reach a model whose chat template ignores `tools=` (SmolLM2's, many base models'):
+# a system message in the Hermes / Qwen2.5 wording, asking for the first format parse_tool_calls
+# reads. {schemas}: one JSON schema per line.
+TOOLS_SYSTEM_MESSAGE = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{schemas}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+# The conversation a template is tried on, with and without the tools.
+PROBE = [{"role": "user", "content": "What can you do?"}]
+
+
+def template_renders_tools(tokenizer: Any, schemas: list[dict]) -> bool:
+    """Whether the tokenizer's chat template writes `tools=` into the prompt: rendered with and
+    without them, the two texts differ. A template that fails on `tools=` does not render them."""
+    without = tokenizer.apply_chat_template(PROBE, tokenize=False, add_generation_prompt=True)
+    try:
+        with_tools = tokenizer.apply_chat_template(PROBE, tools=schemas, tokenize=False, add_generation_prompt=True)
+    except Exception:  # a template's own error (jinja, or raise_exception) on an argument it does not expect
+        return False
+    return with_tools != without
+
+
+def tools_system_message(schemas: list[dict]) -> str:
+    """The system message text that describes `schemas` to a model whose template ignores them."""
+    return TOOLS_SYSTEM_MESSAGE.format(schemas="\n".join(json.dumps(schema, ensure_ascii=False) for schema in schemas))
+
+
+def with_system_text(messages: list[dict], text: str) -> list[dict]:
+    """`messages` with `text` closing their system message, or a system message of its own first."""
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0].get('content', '')}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
 def _module_label(fn: Callable) -> str:
     """The module as the user named it: its name, or for a file loaded by path the file's name."""
     module = getattr(fn, "__module__", None) or "?"
@@ -155,6 +198,15 @@ def _call_from_json(obj: Any) -> ToolCall:
         why = f'"arguments" must be a JSON object, not {json.dumps(arguments)[:40]}'
         return ToolCall(obj["name"], {PARSE_ERROR_KEY: why})
     return ToolCall(obj["name"], arguments)
+
+
+def cut_short(calls: list[ToolCall], limit: str) -> list[ToolCall]:
+    """The calls of a turn that `limit` (the setting that ended it, "rollout.max_new_tokens: 24")
+    cut off before its stop token: a last call that cannot be read was cut, and says so."""
+    if not calls or PARSE_ERROR_KEY not in calls[-1].arguments:
+        return calls
+    why = f"the tool call was cut off by the token limit ({limit}) before it ended"
+    return [*calls[:-1], ToolCall(calls[-1].name, {PARSE_ERROR_KEY: why})]
 
 
 def _unreadable(raw: str, why: str) -> ToolCall:

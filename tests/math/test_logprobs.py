@@ -158,3 +158,26 @@ def test_token_logprobs_apply_the_transform_before_the_softmax():
         got, entropy = token_logprobs(lambda h: transform(head(h)), hidden, targets, 0.7, chunk_tokens=chunk)
         torch.testing.assert_close(got, expected.float(), atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(entropy, expected_entropy.float(), atol=1e-6, rtol=1e-5)
+
+
+def test_a_chunks_vocabulary_activations_are_not_kept_for_the_backward():
+    """The memory promise of chunking: under autograd each chunk is recomputed in the backward,
+    so what the forward keeps is the hidden states, never a [chunk, V] block of logits or
+    probabilities. Counted with saved-tensor hooks: less than one chunk's logits in all."""
+    torch.manual_seed(0)
+    B, T, H, V, chunk = 2, 64, 8, 4096, 32
+    head = torch.nn.Linear(H, V, bias=False)
+    hidden = torch.randn(B, T, H, requires_grad=True)
+    targets = torch.randint(0, V, (B, T))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size() if t.data_ptr() != head.weight.data_ptr() else 0)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logprobs, entropy = token_logprobs(head, hidden, targets, chunk_tokens=chunk)
+    one_chunks_logits = (chunk // B) * B * V * 4  # float32
+    assert sum(saved) < one_chunks_logits
+    (logprobs.sum() + entropy.sum()).backward()  # the recomputation gives the gradient
+    assert hidden.grad is not None and torch.isfinite(hidden.grad).all()

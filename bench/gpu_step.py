@@ -1,0 +1,369 @@
+"""GPU step benchmark: where the time of a PPO step goes on a real-size model, under a memory cap.
+
+Builds a random-init model of a real model's shape (default Llama-3.1-8B's) straight into a
+pre-quantized 4-bit checkpoint, one weight at a time on the GPU (bench/random_models.py: no bf16
+copy is ever written or held), measures the card's bf16 matmul rate, then for each `--gpu-gb`
+budget (default 12 and 24) caps the process's CUDA allocator at that budget minus the CUDA
+context and runs `--steps` PPO steps of a recipe (default recipes/single_gpu_8b.yaml: its `auto`
+sizes are chosen for the capped free memory, as a user's run chooses them), every prompt as long
+as `data.max_prompt_tokens` allows and every response at full length. For each budget it writes:
+
+- the auto sizes chosen, per-step seconds, peaks and `perf/*` (model FLOPs per phase per second),
+  and each phase's rate as a share of the measured matmul rate;
+- a torch.profiler table of one update micro-batch (policy and value forward and backward) and
+  one optimizer step by kernel family (4-bit dequantize, matmul, attention, softmax and
+  reductions, optimizer, other elementwise), with the device time under the LM head + logprob
+  and LoRA ranges (forward) and the top kernels by name;
+- one extra step per update variant (both roles in one pass, checkpointing off, half and double
+  the micro-batch), on the same loaded run: the update's seconds, TFLOP/s and peak, or where it ran
+  out of memory;
+- the KL check: objective/kl per step of the near-reference policy (per token, against the bf16
+  self-check tolerance), and on a fresh sample the per-token mean of generation logprobs minus
+  scoring logprobs, and the KL measured from each (scoring the policy together with the reference
+  in one stacked forward, or alone).
+
+Prints one JSON object and writes it to `--out`.
+
+    python bench/gpu_step.py [--config bench/model_configs/llama-3.1-8b] [--gpu-gb 12 24] [--steps 2]
+                             [--tokenizer DIR] [--out bench/results/gpu_step_h100.json] [overrides ...]
+
+On an H100 a budget takes about 3 minutes (loading, a minute of compiling, the steps), the update
+variants (first budget only) 2 more, the model build 1-2: within a device call's 10 minutes, run
+one budget per call (`--gpu-gb 12`, then `--gpu-gb 24 --no-update-variants`; the built model is
+reused from `--work` while the machine stays warm).
+
+Without `--tokenizer` a small byte-level BPE tokenizer (the tests' one, with a chat template) is
+built: token ids only need to fit the model's vocabulary. Without a GPU it runs uncapped on CPU as
+a smoke test of itself (use a small `--config`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import re
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from gpu_memory_check import long_prompts  # noqa: E402  (bench/, beside this script)
+from random_models import build_random_4bit_model, small_tokenizer  # noqa: E402
+
+GB = 1e9
+# Kernel families, matched in order against a kernel's lower-cased name (first match wins).
+KERNEL_FAMILIES = (
+    ("4-bit dequantize", ("dequant", "kdequantize", "bnb")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "softmax_warp_forward_causal", "efficient_attention")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "_mm_", "splitk", "sm90_", "sm80_",
+                "aten::mm", "aten::addmm", "aten::bmm")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("softmax and reductions", ("softmax", "logsumexp", "reduce", "log_softmax", "cunn_", "gather", "scatter")),
+)
+RANGES = ("lm_head_logprobs", "lora")
+# Update variants tried on the loaded run, one extra step each (no reload, no recompile): the
+# candidates for "fill the card", measured against the `auto` choice.
+UPDATE_VARIANTS = {
+    "roles_together": lambda s: {"roles_together": True},
+    "checkpointing_off": lambda s: {"gradient_checkpointing": False},
+    "micro_batch_half": lambda s: {"micro_batch_size": max(1, s.micro_batch_size // 2)},
+    "micro_batch_double": lambda s: {"micro_batch_size": min(s.minibatch_size, 2 * s.micro_batch_size)},
+}
+
+
+def family(name: str) -> str:
+    lower = name.lower()
+    return next((fam for fam, keys in KERNEL_FAMILIES if any(k in lower for k in keys)), "other elementwise")
+
+
+def matmul_tflops(torch, device: str) -> float:
+    """The card's bf16 matmul rate (TFLOP/s) on a large square product (fp32 on CPU)."""
+    n, dtype = (8192, torch.bfloat16) if device == "cuda" else (1024, torch.float32)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    repeats = 20 if device == "cuda" else 3
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * repeats / (time.perf_counter() - t0) / 1e12
+
+
+@contextmanager
+def profiler_ranges(trainer):
+    """Name the LM head + logprob work and every LoRA A/B forward in the profile (record_function
+    ranges): kernel names alone do not say which matmul is the LM head or an adapter's."""
+    import torch
+    from torch.autograd.profiler import record_function
+
+    from lora_ppo import logprobs
+
+    real_chunk = logprobs._chunk_logprobs
+
+    def chunk(*args, **kwargs):
+        with record_function("lm_head_logprobs"):
+            return real_chunk(*args, **kwargs)
+
+    handles, open_ranges = [], []
+    for name, module in trainer.roles.peft.named_modules():
+        if re.search(r"\.lora_[AB]\.[^.]+$", name):
+            handles.append(module.register_forward_pre_hook(
+                lambda *_: open_ranges.append(record_function("lora").__enter__())))
+            handles.append(module.register_forward_hook(lambda *_: open_ranges.pop().__exit__(None, None, None)))
+    logprobs._chunk_logprobs = chunk
+    try:
+        yield
+    finally:
+        logprobs._chunk_logprobs = real_chunk
+        for handle in handles:
+            handle.remove()
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+
+
+def profile_update(trainer, rollout) -> dict:
+    """One update micro-batch (policy and value, forward and backward) and one optimizer step
+    under torch.profiler: device time by kernel family, by range, and the top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lora_ppo.update import _TokenWeightedMeans, compute_advantages, minibatch_backward
+
+    r, parts = trainer.recipe, trainer.parts
+    adv = compute_advantages(rollout, r.ppo, trainer.state.kl_coef, rollout.scores, r.rollout.samples_per_prompt)
+    rows = torch.arange(r.micro_batch_size, device=rollout.response_ids.device)
+    settings = trainer.update_settings
+    one_micro = type(settings)(r.micro_batch_size, r.micro_batch_size, settings.temperature,
+                               settings.gradient_checkpointing, settings.roles_together)
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    parts.optimizer.zero_grad(set_to_none=True)
+    with profiler_ranges(trainer), profile(activities=activities) as prof:
+        with parts.roles.gradient_checkpointing(settings.gradient_checkpointing):
+            minibatch_backward(parts.roles, rollout, adv, rows, r.ppo, one_micro, trainer.state.kl_coef,
+                               _TokenWeightedMeans())
+        parts.optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
+    parts.optimizer.zero_grad(set_to_none=True)
+    # The adapters moved by one extra optimizer step: this trainer is not used for steps again.
+    events = prof.events()
+    # On CPU (a smoke test) every op's own time stands in for kernels.
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA] if cuda else list(events)
+    time_of = (lambda e: e.device_time) if cuda else (lambda e: e.self_cpu_time_total)
+    total = sum(time_of(e) for e in kernels)
+    families: dict[str, float] = {}
+    for e in kernels:
+        families[family(e.name)] = families.get(family(e.name), 0.0) + time_of(e)
+    ranges = {}
+    for label in RANGES:
+        tops = [e for e in events if e.name == label]
+        ranges[label] = sum(_device_time_under(e, cuda) for e in tops) / 1e3
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name] = by_name.get(e.name, 0.0) + time_of(e)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    return {
+        "micro_batch_rows": r.micro_batch_size, "device_ms": round(total / 1e3, 2),
+        "by_family_ms": {k: round(v / 1e3, 2) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
+        "by_family_share": {k: round(v / max(total, 1e-9), 3) for k, v in families.items()},
+        "forward_ranges_ms": {k: round(v, 2) for k, v in ranges.items()},
+        "top_kernels_ms": [[name[:120], round(t / 1e3, 2)] for name, t in top],
+    }
+
+
+def _device_time_under(event, cuda: bool) -> float:
+    """Device time (us) of every kernel launched under a CPU range, its sub-ranges included."""
+    total, stack = 0.0, [event]
+    while stack:
+        e = stack.pop()
+        total += sum(k.device_time for k in e.kernels) if cuda else 0.0
+        stack.extend(e.cpu_children)
+    return total if cuda else event.cpu_time
+
+
+def update_variants(trainer) -> dict:
+    """One extra step per UPDATE_VARIANTS entry on the loaded run, its update settings changed (the
+    rollout work is the same): seconds, TFLOP/s and peak of the update, or the out-of-memory."""
+    import dataclasses
+
+    import torch
+
+    base_settings, base_work = trainer.update_settings, trainer.work
+    results = {}
+    for name, change in UPDATE_VARIANTS.items():
+        settings = dataclasses.replace(base_settings, **change(base_settings))
+        if settings == base_settings:
+            results[name] = "same as the auto choice"
+            continue
+        trainer.update_settings = settings
+        trainer.work = dataclasses.replace(base_work, checkpointing=settings.gradient_checkpointing)
+        try:
+            metrics, _ = trainer.train_step()
+            results[name] = {"micro_batch": settings.micro_batch_size, "roles_together": settings.roles_together,
+                             "gradient_checkpointing": settings.gradient_checkpointing,
+                             **{k: round(metrics[k], 4) for k in ("time/update", "perf/update_tflops",
+                                                                   "memory/update_gb") if k in metrics}}
+        except torch.OutOfMemoryError as err:
+            results[name] = f"out of memory: {str(err).splitlines()[0][:160]}"
+            trainer.parts.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+        print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)
+    trainer.update_settings, trainer.work = base_settings, base_work
+    return results
+
+
+def kl_check(trainer, prompts) -> dict:
+    """On a fresh sample of the near-reference policy: the per-token mean of generation logprobs
+    minus scoring logprobs, and the KL estimate (k1, nats per token) from each pairing."""
+    import torch
+
+    from lora_ppo.model import dequantized_once
+    from lora_ppo.roles import POLICY, REFERENCE
+    from lora_ppo.rollout import score_passes
+
+    r, roles, sampler = trainer.recipe, trainer.roles, trainer.sampler
+    rows = prompts[: r.rollout.batch_size]
+    with dequantized_once(roles.peft, r.model):
+        samples = sampler.sample(rows, record_logprobs=True)
+        ids, mask = samples.model_input()
+        start = samples.query_ids.shape[1]
+        args = (roles, ids, mask, start, r.rollout.temperature, r.rollout.forward_batch_size)
+        stacked_old, stacked_ref, _ = score_passes(*args, with_values=False, together=True)
+        alone_old, alone_ref, _ = score_passes(*args, with_values=False, together=False)
+    m = samples.response_mask
+
+    def mean(x: torch.Tensor) -> float:
+        return float(x[m].double().mean())
+
+    gen = samples.logprobs
+    return {
+        "tokens": int(m.sum()),
+        "kl_per_token_scoring_stacked": mean(stacked_old - stacked_ref),
+        "kl_per_token_scoring_alone": mean(alone_old - alone_ref),
+        "kl_per_token_generation_vs_reference_stacked": mean(gen - stacked_ref),
+        "generation_minus_scoring_policy": mean(gen - stacked_old),
+        "generation_minus_scoring_policy_abs": mean((gen - stacked_old).abs()),
+        "stacked_minus_alone_policy_abs": mean((stacked_old - alone_old).abs()),
+        "stacked_minus_alone_reference_abs": mean((stacked_ref - alone_ref).abs()),
+        "roles": [POLICY, REFERENCE],
+    }
+
+
+def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float, matmul_rate: float) -> dict:
+    import torch
+
+    import lora_ppo
+    from lora_ppo.alarms import LOGPROB_TOLERANCE
+    from lora_ppo.data import PromptStream
+    from lora_ppo.quantization import compute_dtype
+
+    cuda = torch.cuda.is_available()
+    context = cap = 0.0
+    if cuda:
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        context = total - free - torch.cuda.memory_reserved()
+        cap = gpu_gb * GB - context
+        torch.cuda.set_per_process_memory_fraction(cap / total)
+        torch.cuda.reset_peak_memory_stats()
+    overrides = [f"model.name={model_dir}", "data.eval_source=null", "data.eval_size=0", "train.eval=false",
+                 "rollout.stop_token=null", f"train.output_dir={Path(args.work) / f'run-{gpu_gb:g}'}",
+                 "train.overwrite=true", *args.overrides]
+    recipe = lora_ppo.load_recipe(args.recipe, overrides)
+    result: dict = {"gpu_gb": gpu_gb, "cuda_context_gb": round(context / GB, 3), "allocator_cap_gb": round(cap / GB, 3)}
+    t0 = time.perf_counter()
+    try:
+        trainer = lora_ppo.PPOTrainer(recipe, progress=False)
+        trainer.stream = PromptStream(prompts, recipe.train.seed)
+        result["load_s"] = round(time.perf_counter() - t0, 1)
+        r = trainer.recipe
+        result["auto"] = {"ppo.grad_accum_steps": r.ppo.grad_accum_steps, "micro_batch": r.micro_batch_size,
+                          "rollout.forward_batch_size": r.rollout.forward_batch_size,
+                          "model.gradient_checkpointing": r.model.gradient_checkpointing,
+                          "rollout.compile": trainer.parts.decoder is not None}
+        steps, rollout = [], None
+        for _ in range(args.steps):
+            metrics, rollout = trainer.train_step()
+            step = {k: round(v, 4) for k, v in metrics.items()
+                    if k.startswith(("memory/", "time/", "perf/", "objective/kl", "check/"))}
+            for phase in ("generate", "score", "update"):
+                if f"perf/{phase}_tflops" in metrics:
+                    step[f"{phase}_share_of_measured_matmul"] = round(metrics[f"perf/{phase}_tflops"] / matmul_rate, 4)
+            step["objective/kl_per_token"] = round(metrics["objective/kl"] / max(metrics["response/length"], 1), 6)
+            steps.append(step)
+            print(json.dumps(step), file=sys.stderr, flush=True)
+        result["steps"] = steps
+        tolerance = LOGPROB_TOLERANCE[str(compute_dtype(r.model)).removeprefix("torch.")]
+        result["kl_within_bf16_tolerance"] = all(abs(s["objective/kl_per_token"]) <= tolerance for s in steps)
+        result["kl_check"] = kl_check(trainer, prompts)
+        if args.update_variants and gpu_gb == args.gpu_gb[0]:  # the first budget only: each costs a step
+            result["update_variants"] = update_variants(trainer)
+        result["profile"] = profile_update(trainer, rollout)
+    except torch.OutOfMemoryError as err:
+        result["error"] = f"out of memory: {str(err).splitlines()[0]}"
+    result["max_phase_peak_gb"] = max((v for s in result.get("steps", []) for k, v in s.items()
+                                        if k.startswith("memory/") and k != "memory/peak_gb"), default=None)
+    if cuda:
+        result["max_reserved_gb"] = round(torch.cuda.max_memory_reserved() / GB, 3)
+    trainer = None
+    gc.collect()
+    if cuda:
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "bench" / "model_configs" / "llama-3.1-8b"))
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: a small one, built)")
+    parser.add_argument("--recipe", default=str(REPO / "recipes" / "single_gpu_8b.yaml"))
+    parser.add_argument("--gpu-gb", type=float, nargs="+", default=[12.0, 24.0])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--work", default="/tmp/lora_ppo_gpu_step")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--no-update-variants", dest="update_variants", action="store_false",
+                        help="skip the extra steps that try other update settings")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoTokenizer
+
+    import lora_ppo
+
+    cuda = torch.cuda.is_available()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir = args.tokenizer or small_tokenizer(work / "tokenizer")
+    model_dir = work / (Path(args.config).name + "-4bit")
+    t0 = time.perf_counter()
+    build_random_4bit_model(Path(args.config), tokenizer_dir, model_dir)
+    build_s = time.perf_counter() - t0
+    rate = matmul_tflops(torch, "cuda" if cuda else "cpu")
+    base = lora_ppo.load_recipe(args.recipe, [f"model.name={model_dir}", *args.overrides])
+    prompts, prompt_tokens = long_prompts(AutoTokenizer.from_pretrained(model_dir), base.data)
+    result = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__, "config": args.config, "recipe": args.recipe, "overrides": args.overrides,
+        "prompt_tokens": prompt_tokens, "max_new_tokens": base.rollout.max_new_tokens, "batch": base.rollout.batch_size,
+        "build_s": round(build_s, 1), "measured_matmul_tflops": round(rate, 1),
+        "budgets": [run_budget(args, model_dir, prompts, prompt_tokens, gb, rate) for gb in args.gpu_gb],
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The sizes a recipe leaves `auto` (micro-batch, scoring batch, gradient checkpointing), chosen
+for a run's memory budget by the estimate's memory plan, or taken from the run's recipe.yaml when
+it resumes: what a run records is what it ran with."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+from lora_ppo.config import AUTO, Recipe, field_value
+from lora_ppo.devices import device, device_type
+from lora_ppo.distributed import World
+from lora_ppo.estimate import GB, RUNTIME_BYTES, auto_sized_recipe
+from lora_ppo.model import free_memory_bytes
+from lora_ppo.run_dir import RunDir, find_run_root
+
+log = logging.getLogger(__name__)
+
+
+def with_auto_sizes(recipe: Recipe, resume: Optional[str | Path], world: World) -> Recipe:
+    """The recipe with the sizes it leaves `auto` chosen by the memory plan for the budget
+    (train.memory_budget_gb, else the device's free memory, the least of every process's), or,
+    resuming, as the run chose and recorded them. The choice and its reasons go to the log."""
+    if not recipe.auto_sizes:
+        return recipe
+    saved = saved_run_recipe(recipe, resume)
+    if saved is not None:
+        recorded = {path: field_value(saved, path) for path in recipe.auto_sizes}
+        if all(value not in (None, AUTO) for value in recorded.values()):
+            return recipe.with_values(recorded)
+    kind = "cpu" if device_type() == "cpu" else "cuda"
+    budget_gb, source = recipe.train.memory_budget_gb, "train.memory_budget_gb"
+    if budget_gb is None:
+        free = world.gather(free_memory_bytes(device()))
+        if None not in free:  # what tensors may take, and the process's fixed cost the estimate counts
+            budget_gb, source = (min(free) + RUNTIME_BYTES[kind]) / GB, "free on the device now"
+    planned, choices = auto_sized_recipe(recipe, kind, budget_gb, world.size)
+    where = "no budget known" if budget_gb is None else f"{budget_gb:.1f} GB, {source}"
+    if world.is_main:
+        log.info("auto sizes for %s: %s", where, "; ".join(str(choice) for choice in choices))
+    return planned
+
+
+def saved_run_recipe(recipe: Recipe, resume: Optional[str | Path]) -> Optional[dict]:
+    """The recipe.yaml of the run a resume continues (None for a new run, or none found)."""
+    if resume is None:
+        return None
+    root = recipe.train.output_dir if str(resume) == "auto" else find_run_root(Path(resume))
+    path = None if root is None else RunDir(root).recipe
+    if path is None or not path.is_file():
+        return None
+    import yaml
+
+    try:
+        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None  # resolve_resume says what is wrong with it
+    return saved if isinstance(saved, dict) else None

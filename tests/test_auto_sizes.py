@@ -1,0 +1,131 @@
+"""Sizes left `auto` (ppo.grad_accum_steps, rollout.forward_batch_size, model.gradient_checkpointing):
+chosen by the memory plan to fit the budget it is given and no larger, recorded in the run's
+recipe.yaml, kept on resume, and shown by `lora-ppo estimate`."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from lora_ppo import estimate as est
+from lora_ppo.cli import app
+from lora_ppo.config import recipe_from_dict
+from lora_ppo.errors import RecipeError
+from tests.conftest import tiny_recipe_dict
+
+runner = CliRunner()
+GB = 1e9
+LLAMA_8B = est.ModelShape(4096, 14336, 32, 32, 8, 128, 128256, False)
+AUTO = {"ppo": {"grad_accum_steps": "auto", "num_minibatches": 2, "num_epochs": 2},
+        "rollout": {"forward_batch_size": "auto", "batch_size": 16, "max_new_tokens": 256},
+        "model": {"gradient_checkpointing": "auto"}, "data": {"max_prompt_tokens": 256}}
+
+
+def _recipe(**changes):
+    sections = {name: {**AUTO.get(name, {}), **changes.get(name, {})} for name in {*AUTO, *changes}}
+    return recipe_from_dict({"adapters": {"policy": {"r": 16}, "value": {"r": 16}}, **sections})
+
+
+def _peaks(shape, recipe, budget_gb):
+    """(score, update) peaks of a recipe whose sizes are all given, as `estimate` counts them."""
+    e = est.estimate(shape, recipe, device="cuda", budget_gb=budget_gb)
+    assert not e.auto_choices
+    return e.phases["score"], e.phases["update"]
+
+
+@pytest.mark.parametrize("budget_gb", [11, 12, 16, 24])
+def test_auto_sizes_fit_the_budget_and_one_size_larger_does_not(budget_gb):
+    recipe = _recipe()
+    planned, choices = est.choose_auto_sizes(LLAMA_8B, recipe, "cuda", budget_gb)
+    assert [c.field for c in choices] == ["model.gradient_checkpointing", "ppo.grad_accum_steps",
+                                          "rollout.forward_batch_size"]
+    assert planned.auto_sizes == []
+    plan = est.AUTO_PLAN_SHARE * budget_gb * GB
+    score, update = _peaks(LLAMA_8B, planned, budget_gb)
+    assert score <= plan and update <= plan
+    # One more scoring row, or the next larger micro-batch (fewer accumulation steps), would not fit.
+    if planned.rollout.forward_batch_size < 16:
+        assert _peaks(LLAMA_8B, planned.with_values({"rollout.forward_batch_size": planned.rollout.forward_batch_size + 1}),
+                      budget_gb)[0] > plan
+    fewer = [d for d in range(1, planned.ppo.grad_accum_steps) if 8 % d == 0]
+    if fewer:
+        assert _peaks(LLAMA_8B, planned.with_values({"ppo.grad_accum_steps": fewer[-1]}), budget_gb)[1] > plan
+    # 8B: without checkpointing a 512-token row's activations alone are gigabytes.
+    assert planned.model.gradient_checkpointing is True
+
+
+def test_a_larger_budget_never_gets_a_smaller_micro_batch_or_scoring_batch():
+    sizes = [est.choose_auto_sizes(LLAMA_8B, _recipe(), "cuda", gb)[0] for gb in (11, 12, 14, 16)]
+    micro = [r.micro_batch_size for r in sizes]
+    scoring = [r.rollout.forward_batch_size for r in sizes]
+    assert micro == sorted(micro) and scoring == sorted(scoring) and micro[0] < micro[-1]
+
+
+def test_checkpointing_goes_off_when_the_update_fits_without_it():
+    tiny = est.ModelShape(64, 128, 2, 4, 2, 16, 320, True)
+    planned, choices = est.choose_auto_sizes(tiny, _recipe(), "cuda", 4.0)
+    assert planned.model.gradient_checkpointing is False and planned.ppo.grad_accum_steps == 1
+    assert "fits without it at the same micro-batch" in str(choices[0])
+    # A recipe that fixes the micro-batch keeps it; only the other sizes are chosen.
+    fixed, choices = est.choose_auto_sizes(tiny, _recipe(ppo={"grad_accum_steps": 4}), "cuda", 4.0)
+    assert fixed.ppo.grad_accum_steps == 4 and [c.field for c in choices] == ["model.gradient_checkpointing",
+                                                                              "rollout.forward_batch_size"]
+
+
+def test_without_a_budget_or_room_the_sizes_are_the_leanest():
+    for budget in (None, 1.0):  # 1 GB: the 8B weights alone do not fit
+        planned, choices = est.choose_auto_sizes(LLAMA_8B, _recipe(), "cuda", budget)
+        assert (planned.ppo.grad_accum_steps, planned.rollout.forward_batch_size,
+                planned.model.gradient_checkpointing) == (8, 1, True)
+        assert all("leanest" in choice.reason for choice in choices)
+
+
+def test_auto_accumulation_still_checks_the_minibatches():
+    with pytest.raises(RecipeError, match=r"rollout.batch_size \(16\) must be divisible by ppo.num_minibatches \(3\)"):
+        _recipe(ppo={"num_minibatches": 3})
+    with pytest.raises(ValueError, match="choose the sizes first"):
+        _ = _recipe().micro_batch_size
+
+
+def test_estimate_shows_the_choices(tmp_path):
+    result = runner.invoke(app, ["estimate", "recipes/single_gpu_8b.yaml", "model.name=bench/model_configs/llama-3.1-8b",
+                                 "ppo.grad_accum_steps=auto", "rollout.forward_batch_size=auto", "--gpu-gb", "12"])
+    assert result.exit_code == 0, result.output
+    planned, _ = est.auto_sized_recipe(
+        recipe_from_dict(yaml.safe_load(open("recipes/single_gpu_8b.yaml")),
+                         ["model.name=bench/model_configs/llama-3.1-8b", "ppo.grad_accum_steps=auto",
+                          "rollout.forward_batch_size=auto"]), "cuda", 12.0)
+    assert "auto sizes for 12 GB:" in result.stdout
+    assert f"  ppo.grad_accum_steps={planned.ppo.grad_accum_steps} (micro-batches of {planned.micro_batch_size} rows" \
+        in result.stdout
+    assert f"update micro-batch {planned.micro_batch_size}," in result.stdout
+
+
+def test_a_run_records_its_choice_and_a_resume_keeps_it(tmp_path, tiny_model_dir, caplog):
+    import lora_ppo
+
+    out = tmp_path / "run"
+    data = tiny_recipe_dict(tiny_model_dir, out, train={"steps": 1, "eval": False, "memory_budget_gb": 4.0},
+                            ppo={"grad_accum_steps": "auto", "num_epochs": 1, "num_minibatches": 2},
+                            rollout={"forward_batch_size": "auto"}, model={"gradient_checkpointing": "auto"})
+    recipe = recipe_from_dict(data)
+    expected, _ = est.auto_sized_recipe(recipe, "cpu", 4.0)
+    with caplog.at_level(logging.INFO, logger="lora_ppo"):
+        lora_ppo.PPOTrainer(recipe, progress=False).train()
+    saved = yaml.safe_load((out / "recipe.yaml").read_text())
+    recorded = (saved["ppo"]["grad_accum_steps"], saved["rollout"]["forward_batch_size"],
+                saved["model"]["gradient_checkpointing"])
+    assert recorded == (expected.ppo.grad_accum_steps, expected.rollout.forward_batch_size,
+                        expected.model.gradient_checkpointing) == (1, 4, False)
+    assert "auto sizes for 4.0 GB, train.memory_budget_gb: model.gradient_checkpointing=false" in caplog.text
+    # Resumed with the same `auto` recipe and a budget that would choose the leanest sizes: the
+    # run goes on with what it recorded.
+    more = recipe_from_dict(data, ["train.steps=2", "train.memory_budget_gb=0.001"])
+    trainer = lora_ppo.PPOTrainer(more, progress=False, resume="auto")
+    assert (trainer.recipe.ppo.grad_accum_steps, trainer.recipe.rollout.forward_batch_size,
+            trainer.recipe.model.gradient_checkpointing) == recorded
+    trainer.train()
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["ppo"]["grad_accum_steps"] == 1
