@@ -127,6 +127,9 @@ def train(
     try:
         _run("train", recipe, overrides, start, format_summary if world.is_main else None,
              progress=not no_progress, extra_args=("--num-processes", str(world.size)) if world.size > 1 else ())
+        # Every process past its last collective before any tears its group down: a gloo peer that
+        # exits while another still waits on it can abort that one (seen once in the suite).
+        world.barrier()
     finally:
         leave_world(world)
 

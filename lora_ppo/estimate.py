@@ -584,7 +584,7 @@ def backward_bytes(shape: ModelShape, recipe, act_bytes: int, tokens: int, logit
     per_layer = tokens * (
         ACT_HIDDEN_TERMS * shape.hidden + ACT_INTERMEDIATE_TERMS * shape.intermediate + ACT_KV_TERMS * shape.kv_width
     ) * act_bytes
-    if recipe.model.gradient_checkpointing:
+    if recipe.model.checkpointing_on:
         # Layer inputs stay; one layer's activations are rebuilt at a time during backward.
         acts = shape.layers * tokens * shape.hidden * act_bytes + BACKWARD_FACTOR * per_layer
     else:
@@ -839,7 +839,7 @@ def format_sft_estimate(est: Estimate, recipe: SFTRecipe, device: str) -> str:
         f"vocab {s.vocab}), quantization {recipe.model.quantization}, on {device}",
         f"recipe (train-sft): micro-batch {micro} rows of up to {recipe.data.max_length} tokens"
         f"{' (packed)' if recipe.sft.packing else ''}, held-out batch {recipe.data.eval_batch_size}, gradient "
-        f"checkpointing {'on' if recipe.model.gradient_checkpointing else 'off'}, dequantize per step "
+        f"checkpointing {'on' if recipe.model.checkpointing_on else 'off'}, dequantize per step "
         f"{'on' if est.dequantize_per_step else 'off'}",
         "",
         "always resident:",
@@ -1026,7 +1026,7 @@ def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
         f"recipe: batch {rows}, prompt <= {recipe.data.max_prompt_tokens} + "
         f"{recipe.rollout.response_tokens} {'episode' if recipe.rollout.episodic else 'new'} tokens, scoring rows {min(recipe.rollout.forward_batch_size, rows)}, "
         f"update micro-batch {update_rows(recipe.minibatch_size, recipe.micro_batch_size, n)}, gradient checkpointing "
-        f"{'on' if recipe.model.gradient_checkpointing else 'off'}, dequantize per step "
+        f"{'on' if recipe.model.checkpointing_on else 'off'}, dequantize per step "
         f"{'on' if est.dequantize_per_step else 'off'}",
         *([f"auto sizes for {est.budget_gb:g} GB:" if est.budget_gb is not None else
            "auto sizes (no --gpu-gb: shown at their leanest; a run chooses them for the device's free memory):"]
