@@ -11,13 +11,10 @@ from pathlib import Path
 SHARD_BYTES = 4 * 10**9  # safetensors shards of the 4-bit checkpoint
 
 
-def build_random_model(config_dir: Path, tokenizer_dir: str, folder: Path) -> None:
-    """Random-init weights of `config_dir`'s shape, saved in bf16 with the given tokenizer (whose
-    vocabulary must fit the model's); built on the GPU when there is one. Skipped if present."""
-    if (folder / "config.json").is_file():
-        return
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _config_and_tokenizer(config_dir: Path, tokenizer_dir: str):
+    """The model's config with the tokenizer's special tokens, and the tokenizer (whose vocabulary
+    must fit the model's)."""
+    from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(config_dir)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -25,6 +22,18 @@ def build_random_model(config_dir: Path, tokenizer_dir: str, folder: Path) -> No
         raise SystemExit(f"tokenizer has {len(tokenizer)} tokens, the model only {config.vocab_size}")
     config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
+    return config, tokenizer
+
+
+def build_random_model(config_dir: Path, tokenizer_dir: str, folder: Path) -> None:
+    """Random-init weights of `config_dir`'s shape, saved in bf16 with the given tokenizer (whose
+    vocabulary must fit the model's); built on the GPU when there is one. Skipped if present."""
+    if (folder / "config.json").is_file():
+        return
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config, tokenizer = _config_and_tokenizer(config_dir, tokenizer_dir)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -48,15 +57,10 @@ def build_random_4bit_model(config_dir: Path, tokenizer_dir: str, folder: Path, 
     import torch
     from bitsandbytes.functional import quantize_4bit
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
     from transformers.quantizers.base import get_keys_to_not_convert
 
-    config = AutoConfig.from_pretrained(config_dir)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    if len(tokenizer) > config.vocab_size:
-        raise SystemExit(f"tokenizer has {len(tokenizer)} tokens, the model only {config.vocab_size}")
-    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-    config.pad_token_id = tokenizer.pad_token_id
+    config, tokenizer = _config_and_tokenizer(config_dir, tokenizer_dir)
     with torch.device("meta"):  # names and shapes only
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     kept = set(get_keys_to_not_convert(skeleton))
