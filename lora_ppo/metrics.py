@@ -3,8 +3,13 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from lora_ppo import ppo_math
+from lora_ppo.config import Recipe
 from lora_ppo.memory import run_peak_gb
+from lora_ppo.perf import ModelFlops, StepWork, current_device_peak_tflops
+from lora_ppo.roles import POLICY, REFERENCE, VALUE, RoleModel
 from lora_ppo.rollout import Rollout
 from lora_ppo.update import Advantages, UpdateStats
 
@@ -72,3 +77,18 @@ def step_metrics(
     for name, values in {**sources, **rollout.side_scores}.items():
         metrics[f"objective/{name}"] = sum(values) / len(values)
     return metrics
+
+
+def step_work(recipe: Recipe, roles: RoleModel, logprobs_from_generation: bool, processes: int) -> StepWork:
+    """What each phase of this run's steps computes, for `perf/*`: the roles scored (and whether
+    each reads logprobs), the update's epochs and roles, and the device's peak."""
+    scored: dict[Optional[str], bool] = {}
+    if not logprobs_from_generation:
+        scored[POLICY] = True
+    if recipe.adapters.reference_enabled:
+        scored[REFERENCE if roles.reference_adapter else None] = True
+    if recipe.uses_critic:
+        scored[VALUE] = False
+    return StepWork(ModelFlops.of(roles.peft, roles.lm_head), scored, recipe.ppo.num_epochs, recipe.uses_critic,
+                    recipe.model.gradient_checkpointing, current_device_peak_tflops(roles.lm_head.weight.device),
+                    processes)

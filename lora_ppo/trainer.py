@@ -21,14 +21,14 @@ from lora_ppo.data import PromptFormat, PromptProblem, PromptRow, PromptStream, 
 from lora_ppo.distributed import World, join_world
 from lora_ppo.errors import RecipeError
 from lora_ppo.memory import PhasePeaks, run_peak_gb
-from lora_ppo.metrics import step_metrics
+from lora_ppo.metrics import step_metrics, step_work
 from lora_ppo.model import dequantized_once
 from lora_ppo.parts import build, evaluate_policy
 from lora_ppo.progress import LineProgress
+from lora_ppo.perf import StepShape
 from lora_ppo.quantization import compute_dtype
-from lora_ppo.perf import ModelFlops, StepShape, StepWork, current_device_peak_tflops
 from lora_ppo.rewards import recorded_reward
-from lora_ppo.roles import POLICY, REFERENCE, REWARD, VALUE, RoleModel
+from lora_ppo.roles import POLICY, REWARD, VALUE, RoleModel
 from lora_ppo.rollout import Rollout, Samples, collect_rollout, gather_rollout, row_seeds
 from lora_ppo.run_dir import write_jsonl
 from lora_ppo.signals import StopRequest, stop_on_signals
@@ -429,21 +429,6 @@ class PPOTrainer:
             checkpoint.save(folder, self._trainables(), self.state, self.recipe_yaml, keep_last, process_rngs)
         self.world.barrier()
         return folder
-
-
-def step_work(recipe: Recipe, roles: RoleModel, logprobs_from_generation: bool, processes: int) -> StepWork:
-    """What each phase of this run's steps computes, for `perf/*`: the roles scored (and whether
-    each reads logprobs), the update's epochs and roles, and the device's peak."""
-    scored: dict[Optional[str], bool] = {}
-    if not logprobs_from_generation:
-        scored[POLICY] = True
-    if recipe.adapters.reference_enabled:
-        scored[REFERENCE if roles.reference_adapter else None] = True
-    if recipe.uses_critic:
-        scored[VALUE] = False
-    return StepWork(ModelFlops.of(roles.peft, roles.lm_head), scored, recipe.ppo.num_epochs, recipe.uses_critic,
-                    recipe.model.gradient_checkpointing, current_device_peak_tflops(roles.lm_head.weight.device),
-                    processes)
 
 
 def check_splits(recipe: Recipe, processes: int) -> None:
