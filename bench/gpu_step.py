@@ -225,6 +225,8 @@ def update_variants(trainer) -> dict:
 def kl_check(trainer, prompts) -> dict:
     """On a fresh sample of the near-reference policy: the per-token mean of generation logprobs
     minus scoring logprobs, and the KL estimate (k1, nats per token) from each pairing."""
+    import dataclasses
+
     import torch
 
     from lora_ppo.model import dequantized_once
@@ -240,13 +242,28 @@ def kl_check(trainer, prompts) -> dict:
         args = (roles, ids, mask, start, r.rollout.temperature, r.rollout.forward_batch_size)
         stacked_old, stacked_ref, _ = score_passes(*args, with_values=False, together=True)
         alone_old, alone_ref, _ = score_passes(*args, with_values=False, together=False)
+        # The same comparison for generate() (no static cache, no compiled step), where the
+        # compiled path ran: which of the two sampling paths parts from the scoring pass.
+        eager = None
+        if sampler.decoder is not None:
+            eager = dataclasses.replace(sampler, decoder=None).sample(rows, record_logprobs=True)
+            e_ids, e_mask = eager.model_input()
+            eager_old = score_passes(roles, e_ids, e_mask, eager.query_ids.shape[1], r.rollout.temperature,
+                                     r.rollout.forward_batch_size, with_values=False, with_reference=False)[0]
     m = samples.response_mask
 
-    def mean(x: torch.Tensor) -> float:
-        return float(x[m].double().mean())
+    def mean(x: torch.Tensor, where: torch.Tensor = m) -> float:
+        return float(x[where].double().mean()) if where.any() else float("nan")
 
     gen = samples.logprobs
+    first = torch.zeros_like(m)
+    first[:, 0] = m[:, 0]  # the first new token comes from the (eager) prefill in both paths
+    eager_part = {} if eager is None else {
+        "eager_generation_minus_scoring_policy_abs": mean((eager.logprobs - eager_old).abs(), eager.response_mask)}
     return {
+        "generation_minus_scoring_first_token_abs": mean((gen - stacked_old).abs(), first),
+        "generation_minus_scoring_later_tokens_abs": mean((gen - stacked_old).abs(), m & ~first),
+        **eager_part,
         "tokens": int(m.sum()),
         "kl_per_token_scoring_stacked": mean(stacked_old - stacked_ref),
         "kl_per_token_scoring_alone": mean(alone_old - alone_ref),
