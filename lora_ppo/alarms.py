@@ -10,6 +10,7 @@ says what is wrong, what usually causes it, and which recipe fields to look at.
     pinned_length         responses that used to stop now run to rollout.max_new_tokens
     reward_gaming         the reward rose over 5 steps while an independent side metric fell
     logprob_mismatch      the update's first forward disagrees with the rollout's old logprobs (same weights)
+    sampling_mismatch     generation's logprobs of the sampled tokens are far from the scoring pass's
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 ALARMS = ("kl_runaway", "negative_kl", "entropy_collapse", "overclipping", "empty_responses", "pinned_length",
-          "reward_gaming", "logprob_mismatch")
+          "reward_gaming", "logprob_mismatch", "sampling_mismatch")
 KL_WINDOW = 4  # steps of growth before the KL counts as running away
 KL_HIGH = 8.0  # nats per response: early growth below this is the policy learning, not drifting
 TARGET_KL_FACTOR = 3.0  # "far above ppo.target_kl"
@@ -38,6 +39,10 @@ GAMING_DROP = 0.05  # how far the side metric must fall over the window
 # off by 0.1 to several nats. Past STOP_FACTOR times the limit at a run's first step, the run stops.
 LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}
 LOGPROB_STOP_FACTOR = 10.0
+# check/generation_logprob_diff (mean |generation - scoring| logprob of the sampled tokens, nats)
+# by compute dtype: bf16 KV-cached decoding rounds 0.04-0.05 apart from a full forward on the
+# embedded model, float32 ~1e-5 (bench/README.md); ten times that is a sampler reading other logits.
+SAMPLING_GAP_LIMIT = {"float32": 1e-2, "bfloat16": 0.5, "float16": 0.5}
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,13 @@ class AlarmSettings:
     target_kl: Optional[float] = None
     side_metrics: tuple[str, ...] = ()  # objective/<name> of the scores logged beside the reward
     logprob_tolerance: float = LOGPROB_TOLERANCE["float32"]
+    sampling_gap_limit: float = SAMPLING_GAP_LIMIT["float32"]
+
+    @classmethod
+    def for_dtype(cls, dtype: str, max_new_tokens: int, target_kl: Optional[float] = None,
+                  side_metrics: tuple[str, ...] = ()) -> "AlarmSettings":
+        """The settings with the limits of a compute dtype ("float32", "bfloat16", "float16")."""
+        return cls(max_new_tokens, target_kl, side_metrics, LOGPROB_TOLERANCE[dtype], SAMPLING_GAP_LIMIT[dtype])
 
 
 def check_alarms(history: Sequence[dict], settings: AlarmSettings) -> list[Alarm]:
@@ -61,7 +73,7 @@ def check_alarms(history: Sequence[dict], settings: AlarmSettings) -> list[Alarm
     if not history:
         return []
     checks = (_kl_runaway, _negative_kl, _entropy_collapse, _overclipping, _empty_responses, _pinned_length,
-              _reward_gaming, _logprob_mismatch)
+              _reward_gaming, _logprob_mismatch, _sampling_mismatch)
     return [alarm for check in checks for alarm in check(history, settings)]
 
 
@@ -173,6 +185,16 @@ def _logprob_mismatch(history, settings) -> list[Alarm]:
                   f"from the rollout's (limit {settings.logprob_tolerance:g}) with the same weights: the policy "
                   "that samples is not the one being optimised. Try rollout.logprobs_from_generation: false and "
                   "rollout.score_roles_together: false; if it stays, report the model (docs/models.md).")]
+
+
+def _sampling_mismatch(history, settings) -> list[Alarm]:
+    gap = _series(history, "check/generation_logprob_diff")
+    if not gap or gap[-1] <= settings.sampling_gap_limit:
+        return []
+    return [Alarm("sampling_mismatch", f"generation gave the sampled tokens logprobs {gap[-1]:.2g} nats per token away "
+                  f"from the scoring pass's (limit {settings.sampling_gap_limit:g}): the responses come from another "
+                  "distribution than the policy scored and trained, which PPO's ratios assume they share. Try "
+                  "rollout.compile: false; if it stays, report the model and the device (docs/models.md).")]
 
 
 def first_step_logprob_error(metrics: dict, tolerance: float) -> Optional[str]:

@@ -25,11 +25,9 @@ TURN_LIMIT_WARN_FRAC = 0.5  # "most episodes" cut by rollout.max_turns at the fi
 class StepLog:
     """The log of one run's steps, from `open` (after the run folder is ready) to `close`."""
 
-    def __init__(self, recipe: Recipe, run: RunDir, progress: bool, side_metrics: tuple[str, ...],
-                 logprob_tolerance: float):
+    def __init__(self, recipe: Recipe, run: RunDir, progress: bool, side_metrics: tuple[str, ...], dtype: str):
         self.recipe, self.run, self.progress = recipe, run, progress
-        self.settings = AlarmSettings(recipe.rollout.max_new_tokens, recipe.ppo.target_kl, side_metrics,
-                                      logprob_tolerance)
+        self.settings = AlarmSettings.for_dtype(dtype, recipe.rollout.max_new_tokens, recipe.ppo.target_kl, side_metrics)
         self.history: list[dict] = []
         self.trackers: Optional[Trackers] = None
         self.bar = None

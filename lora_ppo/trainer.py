@@ -86,11 +86,11 @@ class PPOTrainer:
         )
         self.state = TrainState(kl_coef=recipe.ppo.kl_coef)
         self.work = step_work(recipe, self.roles, self.sampler.cfg.logprobs_from_generation is True, self.world.size)
-        self.logprob_tolerance = LOGPROB_TOLERANCE[str(compute_dtype(recipe.model)).removeprefix("torch.")]
+        dtype = str(compute_dtype(recipe.model)).removeprefix("torch.")
+        self.logprob_tolerance = LOGPROB_TOLERANCE[dtype]
         self.logprobs_checked = False  # the first step this process runs stops the run on a failed self-check
         self._opened = False  # the run folder and step log, opened by train() or the first step()
-        self.step_log = StepLog(recipe, self.run, self.progress, tuple(self.parts.rewards.side),
-                                self.logprob_tolerance)
+        self.step_log = StepLog(recipe, self.run, self.progress, tuple(self.parts.rewards.side), dtype)
         if self.resume_from is not None:
             self.resume_from, self.state = checkpoint.load_newest(self.run, self.resume_from, str(resume) == "auto",
                                                                   self._trainables(), TrainState, self.world)
