@@ -486,6 +486,7 @@ class SingleAdapterModel(Backbone):
     `train-sft`): fresh, or started from `settings.init_from` (an adapter folder, or a run or
     checkpoint folder holding one of the adapters `start_from`)."""
 
+    @without_peft_rename_notice
     def __init__(self, base_model, settings: LoraSettings, adapter_name: str, start_from: Sequence[str],
                  base_name: Optional[str] = None, dropout: float = 0.0):
         from peft import PeftModel, get_peft_model
@@ -512,7 +513,6 @@ class RewardModel(SingleAdapterModel):
     """The backbone with one trainable reward adapter and its scalar head, for pairwise reward
     training (`lora-ppo train-reward`). Its saved folder is what `reward.kind: adapter` loads."""
 
-    @without_peft_rename_notice
     def __init__(self, base_model, settings: RewardAdapterSettings, base_name: Optional[str] = None):
         # A reward model may start from a reward adapter, or from the policy (an SFT run's).
         super().__init__(base_model, settings, REWARD, (REWARD, POLICY), base_name, settings.dropout)

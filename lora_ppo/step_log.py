@@ -90,7 +90,7 @@ class StepLog:
         cut = metrics.get("episode/turn_limit_frac", 0.0)
         if metrics["step"] == 1 and cut > TURN_LIMIT_WARN_FRAC:
             log.warning("step 1: rollout.max_turns (%d) ended %.0f%% of the episodes before the environment did "
-                        "(episode/truncated_frac): it expects more turns; raise rollout.max_turns",
+                        "(episode/turn_limit_frac): it expects more turns; raise rollout.max_turns",
                         self.recipe.rollout.max_turns, 100 * cut)
 
     def _show(self, state: TrainState, metrics: dict) -> None:

@@ -9,6 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.conftest import tiny_recipe_dict
@@ -16,16 +17,22 @@ from tests.conftest import tiny_recipe_dict
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_wrapping_the_model_with_peft_raises_no_deprecation_notice(tiny_model_dir):
-    from lora_ppo.config import AdaptersConfig, ModelConfig
+@pytest.mark.parametrize("stage", ["ppo", "sft", "reward"])
+def test_wrapping_the_model_with_peft_raises_no_deprecation_notice(tiny_model_dir, stage):
+    from lora_ppo.config import AdaptersConfig, LoraSettings, ModelConfig, RewardAdapterSettings
     from lora_ppo.model import load_base_model
-    from lora_ppo.roles import RoleModel
+    from lora_ppo.roles import POLICY, RewardModel, RoleModel, SingleAdapterModel
 
     base = load_base_model(ModelConfig(name=str(tiny_model_dir)))
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # `is_gradient_checkpointing` is one
         warnings.simplefilter("error", DeprecationWarning)
-        RoleModel(base, AdaptersConfig(policy={"r": 4, "alpha": 8}, value={"r": 4, "alpha": 8}))
+        if stage == "ppo":
+            RoleModel(base, AdaptersConfig(policy={"r": 4, "alpha": 8}, value={"r": 4, "alpha": 8}))
+        elif stage == "sft":  # SFTModel's own wrapping is SingleAdapterModel's
+            SingleAdapterModel(base, LoraSettings(r=4, alpha=8), POLICY, (POLICY,))
+        else:
+            RewardModel(base, RewardAdapterSettings(r=4, alpha=8))
 
 
 def test_parity_greedy_decoding_uses_the_cache_keyword_and_matches_generate(tiny_model_dir):

@@ -117,3 +117,16 @@ def test_dropout_acts_in_training_steps_only(tiny_model_dir):
         with model.training_mode():
             assert not torch.equal(model.target_logprobs(batch), model.target_logprobs(batch))
     assert not model.peft.training
+
+
+def test_the_packing_probe_reads_the_vocabulary_of_a_4bit_lm_head(tiny_untied_model_dir):
+    """With `model.quantize_lm_head` the head's weight is bitsandbytes' packed tensor (vocabulary x
+    hidden / 2 rows): the probe's token ids must come from the head's vocabulary, not that shape."""
+    from lora_ppo.config import ModelConfig
+    from lora_ppo.model import load_base_model
+    from lora_ppo.sft.model import SFTModel
+
+    cfg = ModelConfig(name=str(tiny_untied_model_dir), quantization="4bit", quantize_lm_head=True)
+    model = SFTModel(load_base_model(cfg), SFTAdapterSettings(r=4))
+    assert model.lm_head.weight.shape[0] > model.lm_head.out_features  # packed: the trap this avoids
+    model.check_packing()  # the tiny Llama parts packed rows; ids past the vocabulary would raise

@@ -49,9 +49,10 @@ class SFTModel(SingleAdapterModel):
         """Refuse packing where this model's attention lets packed rows see each other, or ignores the
         positions: a packed probe row must not change with the row packed before it, and must match
         itself computed alone. Raises RecipeError."""
-        ids = probe_ids(self.lm_head.weight.shape[0], self.lm_head.weight.device)[0, :6]
+        vocab = self.lm_head.out_features  # not weight.shape[0]: a 4-bit head's weight is packed
+        ids = probe_ids(vocab, self.lm_head.weight.device)[0, :6]
         first, second = ids[:3], ids[3:]
-        other_first = (first + 1) % self.lm_head.weight.shape[0]  # other tokens before the same row
+        other_first = (first + 1) % vocab  # other tokens before the same row
         positions = torch.tensor([[0, 1, 2, 0, 1, 2]], device=ids.device)
 
         def packed(before: torch.Tensor) -> torch.Tensor:
