@@ -127,6 +127,27 @@ def test_bad_rows_are_dropped_and_counted(tiny_tokenizer):
     assert no_answer.rows == [] and no_answer.dropped == {"no_target_token": 1}
 
 
+def test_every_kept_row_has_a_target_after_its_first_token(tiny_tokenizer):
+    """The loss reads targets from position 1 on (nothing precedes token 0): a row whose only
+    target would be its first token has nothing to train and is dropped, never a 0-token step."""
+    cfg = SFTDataConfig(max_length=32)
+    # A tokenizer without an end-of-sequence token: a one-token text is its first token alone.
+    no_eos = copy.deepcopy(tiny_tokenizer)
+    no_eos.eos_token = None
+    one_token = tiny_tokenizer.convert_ids_to_tokens(tiny_tokenizer("a")["input_ids"])[0]
+    texts = prepare_sft_rows([{"text": one_token}, {"text": "The film."}], ["text"], cfg, SFTConfig(), no_eos, "d")
+    assert [row.ids[0] for row in texts.rows] == [no_eos("The film.")["input_ids"][0]]
+    assert texts.dropped == {"no_target_token": 1}
+    # A conversation that opens with its answer has no prompt before it: dropped, named.
+    first = [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Hi."}]
+    for completion_only in (True, False):
+        opened = prepare_sft_rows([{"messages": first}, {"messages": CONVERSATION}], ["messages"],
+                                  SFTDataConfig(max_length=256),
+                                  SFTConfig(completion_only=completion_only), tiny_tokenizer, "d")
+        assert len(opened.rows) == 1 and opened.dropped == {"assistant_turn_first": 1}
+        assert all(row.targets[0] is False and any(row.targets) for row in opened.rows)
+
+
 def test_long_rows_are_truncated_or_refused_as_the_recipe_says(tiny_tokenizer):
     row = tokenize(tiny_tokenizer, {"prompt": "The film was", "completion": " great and wonderful" * 4})
     cut, note = limit_length(row, 8, "truncate", "row 3")

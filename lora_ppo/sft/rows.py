@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from lora_ppo.config import SFTConfig, SFTDataConfig
@@ -23,7 +23,8 @@ from lora_ppo.errors import RecipeError
 
 log = logging.getLogger(__name__)
 
-NO_TARGET = "no_target_token"  # nothing for the loss: a conversation without an assistant turn
+NO_TARGET = "no_target_token"  # nothing for the loss: a conversation without an assistant turn, a one-token text
+ASSISTANT_FIRST = "assistant_turn_first"  # a conversation that opens with its answer: no prompt before it
 TRUNCATED = "truncated"  # kept, cut to data.max_length (counted, not dropped)
 FORMATS = ("messages", "prompt_completion", "text")
 # transformers' own test for a template that marks assistant tokens.
@@ -92,6 +93,15 @@ class RowTokenizer:
 
     def row(self, row: dict) -> SFTRow:
         """Raises PromptProblem for a row that cannot be a demonstration."""
+        made = self._row(row)
+        # Nothing comes before the first token to predict it from: it is never a target, whatever
+        # the template marked (the loss reads targets from position 1 on).
+        targets = (False,) + made.targets[1:]
+        if not any(targets):
+            raise PromptProblem(NO_TARGET)
+        return replace(made, targets=targets)
+
+    def _row(self, row: dict) -> SFTRow:
         cfg = self.cfg
         if self.format == "text":
             ids = tuple(self.tokenizer(_text(row.get(cfg.text_column)), add_special_tokens=True)["input_ids"])
@@ -135,6 +145,8 @@ class RowTokenizer:
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = tuple(encoded["input_ids"])
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        if last == 0:
+            raise PromptProblem(ASSISTANT_FIRST)
         prompt_text = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
         prompt_ids = tuple(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
         if not self.completion_only:
@@ -144,8 +156,6 @@ class RowTokenizer:
                                                              add_generation_prompt=True)) if first_trained else 0
             marked = self._assistant_tokens(messages, text, encoded["offset_mapping"])
             targets = tuple(m and start >= trained_from for m, (start, _) in zip(marked, encoded["offset_mapping"]))
-            if not any(targets):
-                raise PromptProblem(NO_TARGET)
         prompt = given if given is not None else messages[:last]
         return SFTRow(ids, targets, prompt, prompt_ids, messages[last]["content"])
 
