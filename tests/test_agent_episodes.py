@@ -316,6 +316,22 @@ def test_step_refuses_each_bad_argument_with_one_line_naming_it_and_the_row(tmp_
     assert accepted["step"] == 1
 
 
+def test_step_takes_numpy_arrays_as_it_takes_lists(tmp_path, tiny_model_dir):
+    """Token ids, scores and action masks as numpy arrays (what a data pipeline hands over) step
+    exactly as the same values in lists."""
+    import numpy as np
+
+    queries, responses = [[5, 6], [6]], [[7, 8], [9, 10, 2]]
+    mask = [[True, False], [True, True, True]]
+    as_lists = trainer(tmp_path, tiny_model_dir, name="lists")
+    as_lists.step(queries, responses, [1.0, 0.0], action_mask=mask)
+    as_arrays = trainer(tmp_path, tiny_model_dir, name="arrays")
+    as_arrays.step([np.array(q) for q in queries], [np.array(r, dtype=np.int32) for r in responses],
+                   np.array([1.0, 0.0], dtype=np.float32), action_mask=[np.array(row) for row in mask])
+    for a, b in zip(trained_tensors(as_lists), trained_tensors(as_arrays)):
+        assert torch.equal(a, b)
+
+
 def test_generate_on_a_run_with_an_environment_plays_its_episodes(tmp_path, tiny_model_dir):
     """`lora-ppo generate` on a multi-turn run prints each episode's turns after the prompt:
     the policy's two turns and the environment's "again" between them."""

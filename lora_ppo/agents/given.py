@@ -17,9 +17,10 @@ from lora_ppo.rollout import (
 
 
 def _ids(seq, what: str, i: int, vocab_size: int) -> list[int]:
-    ids = seq.tolist() if isinstance(seq, torch.Tensor) else list(seq) if _is_sequence(seq) else None
-    if not ids or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+    ids = _as_list(seq)
+    if not ids or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in ids):
         raise ValueError(f"step: {what} {i} must be a non-empty sequence of token ids, got {str(seq)[:60]!r}")
+    ids = [int(x) for x in ids]
     outside = next(((at, x) for at, x in enumerate(ids) if not 0 <= x < vocab_size), None)
     if outside is not None:
         raise ValueError(f"step: {what} {i} has the token id {outside[1]} at position {outside[0]}, outside the "
@@ -27,16 +28,23 @@ def _ids(seq, what: str, i: int, vocab_size: int) -> list[int]:
     return ids
 
 
-def _is_sequence(value: Any) -> bool:
-    return isinstance(value, (Sequence, torch.Tensor)) and not isinstance(value, (str, bytes))
+def _as_list(value: Any) -> Optional[list]:
+    """The items of a list, tuple, tensor or array (numpy, pandas: anything with `tolist`), as a list;
+    None for text or a single value."""
+    if isinstance(value, (str, bytes)):
+        return None
+    if hasattr(value, "tolist"):
+        items = value.tolist()
+        return items if isinstance(items, list) else None  # a 0-d tensor or array gives one value
+    return list(value) if isinstance(value, Sequence) else None
 
 
-def _scores(scores: Any, n: int) -> list[float]:
+def _scores(scores: Any) -> list[float]:
     """One finite number per response; text is refused even when it reads as one ("0.1"), as
     reward functions' text is."""
-    if not _is_sequence(scores):
+    values = _as_list(scores)
+    if values is None:
         raise ValueError(f"step: scores must be one number per response, got {str(scores)[:60]!r}")
-    values = scores.tolist() if isinstance(scores, torch.Tensor) else list(scores)
     values = [v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in values]  # TRL's form
     for i, score in enumerate(values):
         number = isinstance(score, numbers.Real) and not isinstance(score, bool)
@@ -48,12 +56,13 @@ def _scores(scores: Any, n: int) -> list[float]:
 
 def _action_rows(action_mask: Any, lengths: list[int]) -> list[list[bool]]:
     """One row of booleans per response, as long as it, with at least one action token."""
-    if not _is_sequence(action_mask) or len(action_mask) != len(lengths):
-        got = f"{len(action_mask)} rows" if _is_sequence(action_mask) else repr(action_mask)[:60]
+    given = _as_list(action_mask)
+    if given is None or len(given) != len(lengths):
+        got = f"{len(given)} rows" if given is not None else repr(action_mask)[:60]
         raise ValueError(f"step: action_mask must be one list of booleans per response ({len(lengths)}), got {got}")
     rows = []
-    for i, (row, length) in enumerate(zip(action_mask, lengths)):
-        values = row.tolist() if isinstance(row, torch.Tensor) else list(row) if _is_sequence(row) else None
+    for i, (row, length) in enumerate(zip(given, lengths)):
+        values = _as_list(row)
         if values is None or not all(isinstance(a, bool) or a in (0, 1) for a in values):
             raise ValueError(f"step: action_mask row {i} must be a list of booleans, got {str(row)[:60]!r}")
         if len(values) != length:
@@ -79,11 +88,12 @@ def rollout_from_tokens(
     actions (all of them by default), then old and reference logprobs and values scored as in
     `collect_rollout`. A response that ends with the stop token counts as stopped; the recipe's
     `missing_eos_penalty` applies to the others, as in a sampled rollout."""
-    if not all(map(_is_sequence, (queries, responses, scores))) or not (len(queries) == len(responses) == len(scores)) \
-            or not len(queries):
-        counts = [len(x) if _is_sequence(x) else repr(x)[:20] for x in (queries, responses, scores)]
+    given = [(x, _as_list(x)) for x in (queries, responses, scores)]
+    if any(items is None for _, items in given) or len({len(items) for _, items in given}) != 1 or not given[0][1]:
+        counts = [len(items) if items is not None else repr(x)[:20] for x, items in given]
         raise ValueError(f"step: got {counts[0]} queries, {counts[1]} responses and {counts[2]} scores; they must be "
                          "as many, and at least one")
+    queries, responses, scores = (items for _, items in given)
     roles, cfg, tokenizer = sampler.roles, sampler.cfg, sampler.tokenizer
     device = roles.lm_head.weight.device
     peaks = peaks if peaks is not None else PhasePeaks()
@@ -91,7 +101,7 @@ def rollout_from_tokens(
     vocab_size = roles.peft.get_input_embeddings().num_embeddings
     query_lists = [_ids(q, "query", i, vocab_size) for i, q in enumerate(queries)]
     response_lists = [_ids(r, "response", i, vocab_size) for i, r in enumerate(responses)]
-    score_values = _scores(scores, len(response_lists))
+    score_values = _scores(scores)
     action_rows = None if action_mask is None else _action_rows(action_mask, [len(r) for r in response_lists])
     rows = [PromptRow(tokenizer.decode(q, skip_special_tokens=True), "", tuple(q)) for q in query_lists]
     query_ids, query_mask = left_pad(rows, pad, device)
