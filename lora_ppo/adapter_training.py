@@ -64,6 +64,7 @@ class AdapterTrainer:
         seed_everything(recipe.train.seed)
         self.tokenizer = load_tokenizer(recipe.model)
         self.state = AdapterTrainState()
+        self.final_eval: Optional[dict[str, float]] = None  # the last step's held-out scores, the run's "after"
 
     def start_training(self, model: Backbone, parameters: list[torch.nn.Parameter], rows: list) -> None:
         """The seeded order of the training `rows` (`self.stream`), AdamW over `parameters`, the
@@ -152,7 +153,7 @@ class AdapterTrainer:
             if trackers is not None:
                 trackers.finish()
         self.save_checkpoint(self.run.final)
-        after = self.evaluate()
+        after = self.final_eval if self.final_eval is not None else self.evaluate()
         self.write_samples(self.run.eval_after)
         summary = {
             "steps": self.state.step,
@@ -170,8 +171,13 @@ class AdapterTrainer:
     def _one_step(self, bar, trackers: Optional[Trackers]) -> None:
         r, state = self.recipe.train, self.state
         metrics = self.train_step()
-        if r.eval_every and state.step % r.eval_every == 0 and state.step < self.total_steps:
-            metrics.update({self.eval_metric.format(k): v for k, v in self.evaluate().items()})
+        # The last step is always evaluated: its scores are the run's "after", and the held-out
+        # curves in metrics.jsonl and the trackers end where the run does.
+        last = state.step == self.total_steps
+        if last or (r.eval_every and state.step % r.eval_every == 0):
+            scores = self.evaluate()
+            metrics.update({self.eval_metric.format(k): v for k, v in scores.items()})
+            self.final_eval = scores if last else None
         state.last_metrics = metrics
         append_jsonl(self.run.metrics, metrics)
         state.metrics_lines += 1

@@ -46,6 +46,8 @@ def test_the_held_out_loss_falls_and_the_run_folder_says_so(sft_run):
     metrics = [json.loads(line) for line in (sft_run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 9))
     assert "sft/eval_loss" in metrics[3] and "sft/eval_loss" not in metrics[4]
+    # The held-out curve ends where the run does, at the summary's "after".
+    assert metrics[-1]["sft/eval_loss"] == summary["heldout_loss_after"]
     assert all(0.0 <= m["sft/padding_frac"] < 1.0 and m["sft/target_tokens"] > 0 for m in metrics)
     before = [json.loads(line) for line in (sft_run / "eval_before.jsonl").read_text().splitlines()]
     after = [json.loads(line) for line in (sft_run / "eval_after.jsonl").read_text().splitlines()]
