@@ -397,7 +397,7 @@ class DataConfig(Section):
     else none.
     """
     eval_size: int = Field(64, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
-    """How many held-out prompts to evaluate on."""
+    """How many held-out prompts to evaluate on (fixed on resume when `eval_source` is null: it decides the training prompts)."""
     eval_batch_size: Optional[int] = Field(None, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """Responses generated at once when evaluating; null: `rollout.batch_size`. Generation on CPU costs little
     more per step for more rows, so a larger batch evaluates faster.
@@ -840,7 +840,7 @@ class PreferenceDataConfig(Section):
     eval_split: str = "test"
     """The split of `eval_source`."""
     eval_size: int = Field(256, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
-    """How many held-out pairs to measure accuracy and margin on."""
+    """How many held-out pairs to measure accuracy and margin on (fixed on resume when `eval_source` is null: it decides the training pairs)."""
 
 
 class RewardTrainConfig(Section):
@@ -964,7 +964,7 @@ class SFTDataConfig(Section):
     eval_split: str = "test"
     """The split of `eval_source`."""
     eval_size: int = Field(64, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
-    """How many held-out rows to measure the loss and perplexity on."""
+    """How many held-out rows to measure the loss and perplexity on (fixed on resume when `eval_source` is null: it decides the training rows)."""
     eval_batch_size: int = Field(16, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """Held-out rows per forward pass."""
     eval_samples: int = Field(8, ge=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
@@ -1106,6 +1106,9 @@ def resume_differences(saved: dict[str, Any], recipe: Section) -> list[str]:
     changed = sorted(k for k in set(old) | set(new) if old.get(k, "<unset>") != new.get(k, "<unset>")
                      and not (k in AUTO_SIZES and new.get(k) == AUTO))
     allowed = resume_allowed(type(recipe))
+    if old.get("data.eval_source") is None or new.get("data.eval_source") is None:
+        # Held-out rows split off data.source: how many decides which rows the run trains on.
+        allowed = allowed - {"data.eval_size"}
     return [k for k in changed if k not in allowed]
 
 

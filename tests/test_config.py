@@ -7,6 +7,7 @@ import pytest
 
 from lora_ppo.config import (
     RewardRecipe,
+    SFTRecipe,
     RESUME_ALLOWED,
     ModelConfig,
     Recipe,
@@ -118,6 +119,20 @@ def test_resume_differences_ignore_allowed_fields_only():
     assert resume_differences(saved, changed) == ["adapters.value.r", "ppo.kl_coef"]
     del saved["train"]["seed"]
     assert resume_differences(saved, recipe_from_dict({})) == ["train.seed"]
+
+
+def test_the_held_out_size_is_fixed_on_resume_where_it_is_split_off_the_training_data():
+    """Without data.eval_source the held-out rows come out of data.source: another eval_size would
+    train the rest of the run on other rows (some held out before)."""
+    split = recipe_from_dict({}, ["data.eval_source=null"])
+    saved = split.model_dump(mode="json")
+    assert resume_differences(saved, recipe_from_dict({}, ["data.eval_source=null", "data.eval_size=3"])) == \
+        ["data.eval_size"]
+    assert resume_differences(saved, recipe_from_dict({}, ["data.eval_source=null", "train.steps=5"])) == []
+    sft = recipe_from_dict(sft_dict := {"data": {"source": "builtin:arithmetic_sft", "eval_source": None}},
+                           schema=SFTRecipe)
+    changed = recipe_from_dict({**sft_dict, "data": {**sft_dict["data"], "eval_size": 3}}, schema=SFTRecipe)
+    assert resume_differences(sft.model_dump(mode="json"), changed) == ["data.eval_size"]
 
 
 @pytest.mark.parametrize("compute_dtype, device, bf16_supported, expected", [
