@@ -32,6 +32,8 @@ AUTO_SIZES = ("ppo.grad_accum_steps", "rollout.forward_batch_size", "model.gradi
 # or evaluates, or how fast a step runs, never what a step computes. RESUME_ALLOWED is derived
 # from these marks; any other difference from the run's recipe.yaml is refused.
 MAY_CHANGE_ON_RESUME = {"resume": "may change"}
+# `data.eval_source: auto` for a builtin training set: the held-out set shipped beside it.
+HELD_OUT_COMPANIONS = {"builtin:movie_review_openers": "builtin:movie_review_openers_heldout"}
 
 
 class Section(BaseModel):
@@ -1106,10 +1108,17 @@ def resume_differences(saved: dict[str, Any], recipe: Section) -> list[str]:
     changed = sorted(k for k in set(old) | set(new) if old.get(k, "<unset>") != new.get(k, "<unset>")
                      and not (k in AUTO_SIZES and new.get(k) == AUTO))
     allowed = resume_allowed(type(recipe))
-    if old.get("data.eval_source") is None or new.get("data.eval_source") is None:
+    if _splits_held_out_rows(old) or _splits_held_out_rows(new):
         # Held-out rows split off data.source: how many decides which rows the run trains on.
         allowed = allowed - {"data.eval_size"}
     return [k for k in changed if k not in allowed]
+
+
+def _splits_held_out_rows(flat: dict[str, Any]) -> bool:
+    """Whether a recipe (flattened) takes its held-out rows out of `data.source`: no eval_source,
+    or `auto` for a source without a held-out companion (`data.resolved_eval_source`)."""
+    source = flat.get("data.eval_source")
+    return source is None or (source == AUTO and flat.get("data.source") not in HELD_OUT_COMPANIONS)
 
 
 def _path_part(part: Any) -> str:

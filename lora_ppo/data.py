@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Generic, Optional, TypeVar, Union
 
 from lora_ppo.builtin_datasets import BUILTIN_DATASETS
-from lora_ppo.config import BUILTIN_PREFIX, DataConfig, PreferenceDataConfig
+from lora_ppo.config import BUILTIN_PREFIX, HELD_OUT_COMPANIONS, DataConfig, PreferenceDataConfig
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.state import PromptPosition
 
@@ -305,10 +305,6 @@ def split_off(items: list[Row], size: int, seed: int, max_share: float = 1.0) ->
     cut = min(size, max(0, len(order) - 1), int(max_share * len(order)))
     held_idx = set(order[:cut])
     return ([x for i, x in enumerate(items) if i not in held_idx], [x for i, x in enumerate(items) if i in held_idx])
-
-
-# `data.eval_source: auto` for a builtin training set: the held-out set shipped beside it.
-HELD_OUT_COMPANIONS = {"builtin:movie_review_openers": "builtin:movie_review_openers_heldout"}
 
 
 def resolved_eval_source(cfg: DataConfig) -> Optional[str]:

@@ -129,6 +129,11 @@ def test_the_held_out_size_is_fixed_on_resume_where_it_is_split_off_the_training
     assert resume_differences(saved, recipe_from_dict({}, ["data.eval_source=null", "data.eval_size=3"])) == \
         ["data.eval_size"]
     assert resume_differences(saved, recipe_from_dict({}, ["data.eval_source=null", "train.steps=5"])) == []
+    # `auto` splits too where the source has no held-out set beside it.
+    own = recipe_from_dict({}, ["data.source=my_prompts.txt"])
+    assert resume_differences(own.model_dump(mode="json"),
+                              recipe_from_dict({}, ["data.source=my_prompts.txt", "data.eval_size=3"])) == \
+        ["data.eval_size"]
     sft = recipe_from_dict(sft_dict := {"data": {"source": "builtin:arithmetic_sft", "eval_source": None}},
                            schema=SFTRecipe)
     changed = recipe_from_dict({**sft_dict, "data": {**sft_dict["data"], "eval_size": 3}}, schema=SFTRecipe)
