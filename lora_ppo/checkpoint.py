@@ -53,7 +53,7 @@ class CheckpointError(RuntimeError):
 
 
 class RunState(Protocol):
-    """A run's state besides weights, optimizer and RNGs (TrainState, RewardTrainState)."""
+    """A run's state besides weights, optimizer and RNGs (TrainState, AdapterTrainState)."""
 
     step: int
 

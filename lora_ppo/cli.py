@@ -252,8 +252,10 @@ def _run(command: str, recipe: Path, overrides: Optional[List[str]], start, summ
         if err.errno not in (*OUT_OF_SPACE, errno.EROFS):
             raise
         where = err.filename or (trainer.run.root if trainer is not None else "the run folder")
-        _fail(f"cannot write {where}: {err.strerror}; the checkpoints saved so far are intact (resume with "
-              "--resume auto once the folder can be written)")
+        saved = trainer is not None and trainer.run.has_checkpoint()
+        after = ("the checkpoints saved so far are intact (resume with --resume auto once the folder can be "
+                 "written)") if saved else "no checkpoint was saved yet (run again once the folder can be written)"
+        _fail(f"cannot write {where}: {err.strerror}; {after}")
     except KeyboardInterrupt:
         # Stopped before its first checkpoint, a run has nothing to resume: rerunning starts over.
         if summarise is not None and trainer is not None and trainer.run.has_checkpoint():
@@ -267,7 +269,7 @@ def _run(command: str, recipe: Path, overrides: Optional[List[str]], start, summ
 @app.command()
 def validate(recipe: Path = typer.Argument(..., help="YAML recipe file."),
              overrides: Optional[List[str]] = typer.Argument(None, help="Overrides like ppo.kl_coef=0.1.")) -> None:
-    """Check a recipe (PPO or reward model) without loading anything; print the resolved recipe."""
+    """Check a recipe (PPO, reward model or SFT) without loading anything; print the resolved recipe."""
     from lora_ppo.config import recipe_to_yaml
 
     typer.echo(recipe_to_yaml(_load_recipe(recipe, overrides, schema=None)), nl=False)

@@ -84,7 +84,7 @@ class ModelConfig(Section):
     """Recompute decoder activations during the update (generation always keeps its KV cache), so the update
     holds only each layer's inputs. On by default because memory is what stops a large model; a small model
     with memory to spare runs faster with it off. `auto` (PPO): off when the update fits the memory budget
-    without it at the same micro-batch (`train.memory_budget_gb`), else on; elsewhere (`train-reward`) on.
+    without it at the same micro-batch (`train.memory_budget_gb`), else on; elsewhere (`train-reward`, `train-sft`) on.
     """
     dequantize_per_step: Union[bool, Literal["auto"]] = Field("auto", json_schema_extra=MAY_CHANGE_ON_RESUME)
     """4-bit only: dequantize every 4-bit layer once per PPO step (and per evaluation) and compute from that

@@ -242,11 +242,22 @@ def _completions(run: RunDir) -> str:
         return "<p>No held-out completions saved (they are written at the evaluations before and after training).</p>"
     first = [r for r in before if r.get("sample", 0) == 0][:COMPLETIONS_SHOWN]
     later = {json.dumps(r["prompt"]): r for r in after if r.get("sample", 0) == 0}
+    # An SFT run's samples carry the dataset's answer and no score: that column instead.
+    with_reference = any("reference" in r for r in first)
+    scored = any(r.get("score") is not None for r in [*before, *after])
     rows = []
     for b in first:
         a = later.get(json.dumps(b["prompt"]), {"completion": "(not evaluated yet)"})
-        rows.append(f"<tr><td class='text'>{html.escape(_prompt_text(b['prompt']))}</td>"
-                    f"<td class='text'>{html.escape(_response_text(b))}</td><td class='num'>{_number(b.get('score'))}</td>"
-                    f"<td class='text'>{html.escape(_response_text(a))}</td><td class='num'>{_number(a.get('score'))}</td></tr>")
-    return ("<table><tr><th>prompt</th><th>before</th><th>score</th><th>after</th><th>score</th></tr>"
-            + "".join(rows) + "</table>")
+        cells = [_text_cell(_prompt_text(b["prompt"]))]
+        cells += [_text_cell(str(b.get("reference", "")))] if with_reference else []
+        for record in (b, a):
+            cells.append(_text_cell(_response_text(record)))
+            cells += [f"<td class='num'>{_number(record.get('score'))}</td>"] if scored else []
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    header = ["prompt", *(["reference"] if with_reference else []),
+              *(["before", "score", "after", "score"] if scored else ["before", "after"])]
+    return ("<table><tr>" + "".join(f"<th>{name}</th>" for name in header) + "</tr>" + "".join(rows) + "</table>")
+
+
+def _text_cell(text: str) -> str:
+    return f"<td class='text'>{html.escape(text)}</td>"

@@ -488,7 +488,7 @@ def run_within(fn: Callable[[], Any], timeout_s: Optional[float], thread_name: s
     """`fn()`, or STILL_RUNNING when it has not returned within `timeout_s` seconds (None: no
     limit). The call runs in a daemon thread, which a hung function keeps, but which never keeps
     the process from exiting; an exception inside is raised here. `user_code`: `fn` runs code the
-    recipe names, counted by USER_CODE under `thread_name` (`reward NAME`, `tool NAME`)."""
+    recipe names, counted by USER_CODE under `thread_name` (`reward function NAME`, `tool NAME`)."""
     with USER_CODE.running(thread_name) if user_code else contextlib.nullcontext():
         return _run_within(fn, timeout_s, thread_name)
 

@@ -139,7 +139,7 @@ def test_a_disk_that_fills_up_under_the_runs_logs_is_one_line(tmp_path, tiny_mod
         result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress"])
         assert result.exit_code == 2, result.output
         last = result.stderr.strip().splitlines()[-1]
+        # Full before the first checkpoint: nothing to resume, and the line does not promise any.
         assert last.startswith(f"error: cannot write {disk / 'run'}") and last.endswith(
-            ": No space left on device; the checkpoints saved so far are intact (resume with --resume auto once the "
-            "folder can be written)")
+            ": No space left on device; no checkpoint was saved yet (run again once the folder can be written)")
         assert "Traceback" not in result.output

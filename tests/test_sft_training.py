@@ -185,6 +185,7 @@ def test_merge_and_export_merges_an_sft_run(sft_run, tmp_path):
 
 
 def test_report_shows_the_loss_and_the_samples_before_and_after(sft_run, tmp_path):
+    import html
     import shutil
 
     from lora_ppo.report import plots_for, write_report
@@ -199,6 +200,9 @@ def test_report_shows_the_loss_and_the_samples_before_and_after(sft_run, tmp_pat
     assert f"{summary['heldout_loss_before']:.3f}" in page and f"{summary['heldout_loss_after']:.3f}" in page
     after = json.loads((run / "eval_after.jsonl").read_text().splitlines()[0])
     assert demonstration_rows(1, start=1000)[0]["prompt"] in page and after["completion"] in page
+    # The dataset's answer beside the samples, and no score columns (an SFT sample has none).
+    assert "<th>reference</th>" in page and html.escape(after["reference"]) in page
+    assert "<th>score</th>" not in page
 
 
 def _write(tmp_path: Path, model_dir: Path, rows, suffix: str = ".jsonl", **data) -> Path:
