@@ -248,13 +248,14 @@ class PromptFormat:
                     raise RecipeError("data.system_prompt: text prompts take a system prompt only with "
                                       "data.chat_template: true")
                 return None
-            return self._with_system([{"role": "user", "content": prompt}])
+            return self.with_system([{"role": "user", "content": prompt}])
         messages = checked_messages(prompt)
         if messages[-1]["role"] == "assistant":
             raise PromptProblem(ASSISTANT_LAST)
-        return self._with_system(messages)
+        return self.with_system(messages)
 
-    def _with_system(self, messages: Messages) -> Messages:
+    def with_system(self, messages: Messages) -> Messages:
+        """The messages after the recipe's system prompt, unless they open with one of their own."""
         if self.system_prompt and messages[0]["role"] != "system":
             return [{"role": "system", "content": self.system_prompt}, *messages]
         return messages
@@ -406,9 +407,12 @@ class PromptStream(Generic[Row]):
 
 
 def count_summary(prompt_set: PromptSet) -> Optional[str]:
-    if not prompt_set.dropped:
-        return None
-    return ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in prompt_set.dropped.items())
+    return drop_counts_text(prompt_set.dropped) or None
+
+
+def drop_counts_text(dropped: dict[str, int]) -> str:
+    """Rows dropped by reason, as a log line says them ("2 too long, 1 empty")."""
+    return ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in dropped.items())
 
 
 # ---- preference pairs (lora-ppo train-reward) -------------------------------------------------

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from lora_ppo.adapter_training import AdapterTrainer
 from lora_ppo.builtin_model import portable_name
 from lora_ppo.config import RewardRecipe
-from lora_ppo.data import PreferencePair, load_preference_sets
+from lora_ppo.data import PreferencePair, drop_counts_text, load_preference_sets
 from lora_ppo.memory import run_peak_gb
 from lora_ppo.model import dequantized_once, load_base_model
 from lora_ppo.roles import REWARD, RewardModel
@@ -74,7 +74,7 @@ class RewardTrainer(AdapterTrainer):
     def before_training(self) -> None:
         if self.train_pairs.dropped:
             log.warning("dropped preference pairs from %s: %s", self.recipe.data.source,
-                        ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in self.train_pairs.dropped.items()))
+                        drop_counts_text(self.train_pairs.dropped))
 
     def progress_fields(self, metrics: dict[str, float]) -> dict[str, str]:
         return {"loss": f"{metrics['loss']:.3f}", "accuracy": f"{metrics['accuracy']:.2f}"}

@@ -108,19 +108,14 @@ class RowTokenizer:
             ids += self.stop if ids[-1:] != self.stop else ()
             return SFTRow(ids, (False,) + (True,) * (len(ids) - 1))
         if self.format == "messages":
-            messages = self._with_system(checked_messages(row.get(cfg.messages_column)))
+            messages = self.prompts.with_system(checked_messages(row.get(cfg.messages_column)))
             return self._conversation(None, messages, first_trained=0)
         prompt, completion = row.get(cfg.prompt_column), row.get(cfg.completion_column)
         if isinstance(prompt, str) and isinstance(completion, str) and not cfg.chat_template:
             return self._text_pair(prompt, completion)
-        turns = self._with_system(_as_turns(prompt, "user"))
+        turns = self.prompts.with_system(_as_turns(prompt, "user"))
         answer = _as_turns(completion, "assistant")
         return self._conversation(prompt, turns + answer, first_trained=len(turns))
-
-    def _with_system(self, messages: Messages) -> Messages:
-        system = self.cfg.system_prompt
-        return messages if not system or messages[0]["role"] == "system" else \
-            [{"role": "system", "content": system}, *messages]
 
     def _text_pair(self, prompt: str, completion: str) -> SFTRow:
         """Prompt tokens as a PPO run renders a text prompt, then the completion's and the stop token:

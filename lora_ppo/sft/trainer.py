@@ -17,6 +17,7 @@ import torch
 from lora_ppo.adapter_training import AdapterTrainer
 from lora_ppo.builtin_model import portable_name
 from lora_ppo.config import SFTRecipe
+from lora_ppo.data import drop_counts_text
 from lora_ppo.memory import run_peak_gb
 from lora_ppo.model import check_row_length, dequantized_once, load_base_model
 from lora_ppo.roles import POLICY
@@ -138,8 +139,7 @@ class SFTTrainer(AdapterTrainer):
 def _log_counts(name: str, rows: SFTSet, source: Optional[str], max_length: int) -> None:
     dropped = {k: v for k, v in rows.dropped.items() if k != TRUNCATED}
     if dropped:
-        log.warning("dropped %s rows from %s: %s", name, source,
-                    ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in dropped.items()))
+        log.warning("dropped %s rows from %s: %s", name, source, drop_counts_text(dropped))
     if rows.dropped.get(TRUNCATED):
         log.warning("truncated %d %s rows from %s to data.max_length (%d tokens)", rows.dropped[TRUNCATED], name,
                     source, max_length)
