@@ -799,13 +799,11 @@ def _lever_applies(shape: ModelShape, recipe: Recipe, device: str, path: str, va
     return field_value(recipe, path) != value
 
 
-SFT_PHASES = ("update", "evaluate")
-
 
 def estimate_sft(shape: ModelShape, recipe: SFTRecipe, device: str = "cuda", budget_gb: Optional[float] = None) -> Estimate:
     """Peak bytes of a `train-sft` run on a model of `shape`: the weights, the adapter and its AdamW
-    state; then a training micro-batch's forward and backward (`update`) and a held-out batch's
-    forward (`evaluate`), every row counted at data.max_length tokens (packed rows fill sequences
+    state; then a training micro-batch's forward and backward (`update`), a held-out batch's
+    forward (`evaluate`) and the greedy held-out answers (`sample`), every row counted at data.max_length tokens (packed rows fill sequences
     no longer than their sum). Only target positions reach the LM head, a chunk at a time."""
     act = _dtype_bytes(recipe, device)
     recipe = _dequantize_resolved(shape, recipe, act, budget_gb)
@@ -827,6 +825,11 @@ def estimate_sft(shape: ModelShape, recipe: SFTRecipe, device: str = "cuda", bud
         "evaluate": static + forward_bytes(shape, recipe, act, recipe.data.eval_batch_size * length,
                                            min(DEFAULT_CHUNK_TOKENS, recipe.data.eval_batch_size * length)),
     }
+    rows = min(recipe.data.eval_batch_size, recipe.data.eval_samples)
+    if rows:  # the held-out answers sampled greedily: a KV cache for prompt and answer, then each step's logits
+        kv = 2 * shape.layers * shape.kv_width * rows * (length + recipe.data.eval_max_new_tokens) * act
+        phases["sample"] = static + kv + GEN_LOGIT_COPIES * rows * shape.vocab * 4 + forward_bytes(
+            shape, recipe, act, rows * length, 0)
     return Estimate(shape, components, phases, budget_gb, {}, bool(recipe.model.dequantize_per_step), 1, weight_parts)
 
 
@@ -849,7 +852,7 @@ def format_sft_estimate(est: Estimate, recipe: SFTRecipe, device: str) -> str:
         if name == "weights":
             lines += _weight_lines(est, recipe, device)
     lines.append("peak per phase:")
-    lines += [f"  {name:<14}{est.phases[name] / GB:8.2f} GB" for name in SFT_PHASES]
+    lines += [f"  {name:<14}{value / GB:8.2f} GB" for name, value in est.phases.items()]
     lines.append(f"peak: {est.peak / GB:.2f} GB")
     if est.budget_gb is not None:
         lines.append(f"{'fits' if est.fits else 'does NOT fit'} in {est.budget_gb:g} GB")

@@ -30,6 +30,12 @@ def test_sft_phases_by_hand():
     assert sum(e.components.values()) == pytest.approx(static)
     assert e.phases["update"] == pytest.approx(static + 8192 * 4 + 1245184 + 409600 + 32768 + 147456)
     assert e.phases["evaluate"] == pytest.approx(static + 81920 + 122880 + 32768)
+    # The greedy answers, 2 rows at once (eval_batch_size < eval_samples): keys and values of 2
+    # layers x 32 wide for 16 + 64 tokens, 2 x 2 x 32 x 2 x 80 x 4 = 81920; a step's logits, 3 x 2 x
+    # 320 x 4 = 7680; the prefill's layer, 32 x (4 x 64 + 3 x 128) x 4 = 81920, and the weight.
+    assert e.phases["sample"] == pytest.approx(static + 81920 + 7680 + 81920 + 32768)
+    no_samples = recipe.model_copy(update={"data": recipe.data.model_copy(update={"eval_samples": 0})})
+    assert "sample" not in est.estimate_sft(TINY, no_samples, device="cpu").phases
 
 
 def test_estimate_answers_for_an_sft_recipe(tiny_model_dir, tmp_path):
@@ -39,6 +45,6 @@ def test_estimate_answers_for_an_sft_recipe(tiny_model_dir, tmp_path):
     result = CliRunner().invoke(app, ["estimate", str(recipe), "--json", "--device", "cpu"])
     assert result.exit_code == 0, result.output
     answer = json.loads(result.stdout)
-    assert set(answer["phases_gb"]) == {"update", "evaluate"} and answer["peak_gb"] == max(answer["phases_gb"].values())
+    assert set(answer["phases_gb"]) == {"update", "evaluate", "sample"} and answer["peak_gb"] == max(answer["phases_gb"].values())
     small = CliRunner().invoke(app, ["estimate", str(recipe), "--gpu-gb", "0.01"])
     assert small.exit_code == 1 and "does NOT fit in 0.01 GB" in small.stdout
