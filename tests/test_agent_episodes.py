@@ -174,7 +174,7 @@ def test_environment_rewards_show_as_the_episode_return_and_one_turn_of_three_is
     assert first["episode/turn_limit_frac"] == 1.0
     warned = [r.getMessage() for r in caplog.records if "max_turns" in r.getMessage()]
     assert warned == ["step 1: rollout.max_turns (1) ended 100% of the episodes before the environment did "
-                      "(episode/truncated_frac): it expects more turns; raise rollout.max_turns"]
+                      "(episode/turn_limit_frac): it expects more turns; raise rollout.max_turns"]
     assert "step 1/2  return 0.500  score 0.000  kl " in capsys.readouterr().err
 
 
