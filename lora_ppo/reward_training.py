@@ -97,7 +97,7 @@ class RewardTrainer(AdapterTrainer):
                 # Summed over pairs and divided by the whole batch: micro-batches add up to it.
                 loss = pairwise_loss(chosen, rejected, margin).sum() / len(pairs)
                 loss.backward()
-                totals["loss"] += float(loss)
+                totals["loss"] += float(loss.detach())
                 totals["accuracy"] += float(pair_wins(chosen, rejected).sum()) / len(pairs)
                 totals["margin"] += float((chosen - rejected).sum()) / len(pairs)
         stepped = self.step_optimizer(self.model.parameters())
