@@ -48,6 +48,9 @@ def long_prompts(tokenizer, data, n: int = 64) -> tuple[list, int]:
     while words > 1 and len(fmt.render(" ".join(["the"] * words))[1]) > data.max_prompt_tokens:
         words -= 1
     rows = prepare_rows([{"prompt": " ".join(["the"] * words)}] * n, "prompt", fmt, data.max_prompt_tokens, "bench")
+    if not rows.rows:
+        raise SystemExit(f"data.max_prompt_tokens={data.max_prompt_tokens}: even a one-word prompt is longer in "
+                         "this recipe's format (its chat template); raise it")
     return rows.rows, len(rows.rows[0].ids)
 
 

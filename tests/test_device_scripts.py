@@ -1,0 +1,66 @@
+"""The device benchmarks (bench/gpu_step.py, bench/gpu_memory_check.py) run end to end on CPU with a
+tiny model of the 8B config's architecture: device time is scarce (minutes per session), so a
+script that breaks must break here, not on the GPU. Each writes the JSON its bench/README.md
+section reads, and every part of it ran (a part that raises is recorded as an error)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 2048}
+SIZES = ["rollout.max_new_tokens=8", "data.max_prompt_tokens=32"]
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory) -> Path:
+    """Llama-3.1-8B's config (what the device runs build) at a tiny size."""
+    config = json.loads((REPO / "bench" / "model_configs" / "llama-3.1-8b" / "config.json").read_text())
+    config.update(SHAPE)
+    config.pop("head_dim", None)
+    folder = tmp_path_factory.mktemp("tiny-8b-config")
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def run_script(script: str, *args: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    done = subprocess.run([sys.executable, str(REPO / "bench" / script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_gpu_step_writes_every_part(tiny_config, tmp_path):
+    out = tmp_path / "gpu_step.json"
+    run_script("gpu_step.py", "--config", str(tiny_config), "--gpu-gb", "4", "--work", str(tmp_path / "work"),
+               "--out", str(out), *SIZES, "rollout.compile=true")
+    (budget,) = json.loads(out.read_text())["budgets"]
+    assert len(budget["steps"]) == 2 and all(s["time/step"] > 0 and "perf/update_tflops" in s for s in budget["steps"])
+    assert set(budget["auto"]) >= {"micro_batch", "rollout.forward_batch_size", "model.gradient_checkpointing"}
+    for part in ("kl_check", "update_variants", "profile", "static_cache"):
+        assert "error" not in budget[part], (part, budget[part])
+    kl = budget["kl_check"]
+    assert {"generation_minus_scoring_first_token_abs", "generation_minus_scoring_later_tokens_abs",
+            "eager_generation_minus_scoring_policy_abs"} <= set(kl)
+    assert kl["kl_per_token_scoring_stacked"] == pytest.approx(kl["kl_per_token_scoring_alone"], abs=1e-5)
+    profile = budget["profile"]
+    assert profile["device_ms"] > 0 and sum(profile["by_family_ms"].values()) == pytest.approx(profile["device_ms"],
+                                                                                             abs=0.1)
+    assert budget["static_cache"]["devices"] == ["cpu"]  # the compiled decoder's cache, held between steps
+
+
+def test_gpu_memory_check_writes_the_measurement_beside_the_estimate(tiny_config, tmp_path):
+    out = tmp_path / "check.json"
+    run_script("gpu_memory_check.py", "--config", str(tiny_config), "--prequantized", "--steps", "1",
+               "--work", str(tmp_path / "work"), "--out", str(out), *SIZES)
+    result = json.loads(out.read_text())
+    assert result["fits"] and result["error"] is None and len(result["steps"]) == 1
+    assert result["estimated"]["peak_gb"] > 0 and set(result["auto"]) == {
+        "ppo.grad_accum_steps", "rollout.forward_batch_size", "model.gradient_checkpointing"}
