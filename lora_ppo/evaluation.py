@@ -80,6 +80,7 @@ def evaluate(
                 ids = samples.completion_ids()
                 said = rewards.score(RewardBatch.from_rows(batch, samples.completions, ids, samples.model_input()))
                 columns["score"] += said.total
+                text_ids = ids
             else:
                 samples = run_episodes(sampler, batch, episodes)
                 ids = samples.last_turn_ids
@@ -87,10 +88,12 @@ def evaluate(
                 reward_batch.columns["messages"] = samples.transcripts
                 said = rewards.score(reward_batch)
                 columns["score"] += [s + r for s, r in zip(said.total, samples.turn_rewards.sum(dim=1).tolist())]
+                # distinct-n over what the policy wrote in the whole episode, as length counts it
+                text_ids = [row[mask].tolist() for row, mask in zip(samples.response_ids, samples.response_mask)]
             for name, values in {**said.by_source, **said.side}.items():
                 if name in columns:
                     columns[name] += values
-            token_ids += ids
+            token_ids += text_ids
             # action tokens of the whole response or episode, as training's response/length counts them
             lengths += samples.response_mask.sum(dim=1).float().tolist()
             if with_kl:

@@ -1,6 +1,7 @@
 """Episodes played by a scripted policy (turns of known text, no model): how the tools reach a
 template that ignores `tools=`, a tool call cut by the token limit, the turn limit's warning, the
-episode's return, and `eval`'s length counted as training counts it."""
+episode's return, and `eval`'s length and distinct-n counted over the episode's action tokens, as
+training counts length."""
 
 from __future__ import annotations
 
@@ -116,4 +117,10 @@ def test_evals_length_counts_the_action_tokens_of_the_whole_episode_as_training_
     evaluation = evaluate(ScriptedPolicy(tiny_tokenizer, turns, [True, True]), rows, RewardSources.of(no_reward),
                           seed=0, with_text_stats=True, episodes=again_settings(max_turns=2, max_episode_tokens=None))
     assert evaluation.scores["length"] == actions
+    # distinct-n over the same action tokens: both turns' (and their stop tokens), the observation between left out
+    written = [t for turn in turns for t in tiny_tokenizer(turn, add_special_tokens=False)["input_ids"]
+               + [tiny_tokenizer.eos_token_id]]
+    bigrams = list(zip(written, written[1:]))
+    assert evaluation.scores["distinct_1"] == pytest.approx(len(set(written)) / len(written))
+    assert evaluation.scores["distinct_2"] == pytest.approx(len(set(bigrams)) / len(bigrams))
     assert evaluation.scores["score"] == pytest.approx(0.5 + 0.5)  # no reward source: the environment's rewards
