@@ -350,10 +350,14 @@ class ModelShape:
     def lora_params(self, r: int, target_modules, target_parameters=()) -> int:
         """LoRA's parameters on the linear layers named (PEFT's `all-linear`: every one but the LM
         head) and on the fused expert weights named (one rank-r pair per expert)."""
+        return sum(numel * count for numel, count in self.lora_tensors(r, target_modules, target_parameters))
+
+    def lora_tensors(self, r: int, target_modules, target_parameters=()) -> list[tuple[int, int]]:
+        """(elements, how many) of each LoRA tensor `lora_params` counts: A (r x in) and B (out x r)."""
         linears = [lin for lin in self.all_linears
                    if target_modules == "all-linear" or any(lin.matches(m) for m in target_modules)]
         experts = [e for e in self.fused_experts if any(e.matches(p) for p in target_parameters)]
-        return sum(r * (lin.fan_in + lin.fan_out) * lin.count for lin in linears + experts)
+        return [pair for lin in linears + experts for pair in ((r * lin.fan_in, lin.count), (r * lin.fan_out, lin.count))]
 
 
 @dataclass(frozen=True)
@@ -452,12 +456,7 @@ def _trainable_tensors(shape: ModelShape, recipe: Recipe) -> list[tuple[int, int
     ad = recipe.adapters
     tensors = []
     for settings in (ad.policy, ad.value) if recipe.uses_critic else (ad.policy,):
-        for lin in shape.all_linears:
-            if settings.target_modules == "all-linear" or any(lin.matches(m) for m in settings.target_modules):
-                tensors += [(settings.r * lin.fan_in, lin.count), (settings.r * lin.fan_out, lin.count)]
-        for expert in shape.fused_experts:
-            if any(expert.matches(t) for t in settings.target_parameters):
-                tensors += [(settings.r * expert.fan_in, expert.count), (settings.r * expert.fan_out, expert.count)]
+        tensors += shape.lora_tensors(settings.r, settings.target_modules, settings.target_parameters)
     if recipe.uses_critic:
         tensors += [(shape.hidden, 1), (1, 1)]
     return tensors
@@ -523,9 +522,9 @@ def _dequantized_weight_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int)
     return largest
 
 
-def kv_cache_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int) -> float:
-    """Keys and values of every layer for `batch` whole sequences."""
-    return 2 * shape.layers * shape.kv_width * batch * recipe.sequence_tokens * act_bytes
+def kv_cache_bytes(shape: ModelShape, act_bytes: int, rows: int, tokens: int) -> float:
+    """Keys and values of every layer for `rows` sequences of `tokens` tokens."""
+    return 2 * shape.layers * shape.kv_width * rows * tokens * act_bytes
 
 
 def static_kv_cache_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int, device: str) -> float:
@@ -533,14 +532,14 @@ def static_kv_cache_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, bat
     compiled batch bucket, which stays allocated through scoring and the update; else 0."""
     if not recipe.rollout.compiles_on(device, recipe.decode_steps, recipe.model.offload_embeddings):
         return 0.0
-    return kv_cache_bytes(shape, recipe, act_bytes, bucket(batch))
+    return kv_cache_bytes(shape, act_bytes, bucket(batch), recipe.sequence_tokens)
 
 
 def generate_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int, device: str = "cuda") -> float:
     """KV cache for the whole sequence (the static one with `rollout.compile`), the step's
     vocabulary logits, one dequantized weight, and prefill activations of one layer."""
     static_kv = static_kv_cache_bytes(shape, recipe, act_bytes, batch, device)
-    kv = static_kv if static_kv else kv_cache_bytes(shape, recipe, act_bytes, batch)
+    kv = static_kv if static_kv else kv_cache_bytes(shape, act_bytes, batch, recipe.sequence_tokens)
     logits = GEN_LOGIT_COPIES * batch * shape.vocab * 4
     dequant = _dequantized_weight_bytes(shape, recipe, act_bytes)
     prefill = batch * recipe.data.max_prompt_tokens * (
@@ -827,7 +826,7 @@ def estimate_sft(shape: ModelShape, recipe: SFTRecipe, device: str = "cuda", bud
     }
     rows = min(recipe.data.eval_batch_size, recipe.data.eval_samples)
     if rows:  # the held-out answers sampled greedily: a KV cache for prompt and answer, then each step's logits
-        kv = 2 * shape.layers * shape.kv_width * rows * (length + recipe.data.eval_max_new_tokens) * act
+        kv = kv_cache_bytes(shape, act, rows, length + recipe.data.eval_max_new_tokens)
         phases["sample"] = static + kv + GEN_LOGIT_COPIES * rows * shape.vocab * 4 + forward_bytes(
             shape, recipe, act, rows * length, 0)
     return Estimate(shape, components, phases, budget_gb, {}, bool(recipe.model.dequantize_per_step), 1, weight_parts)
