@@ -1114,11 +1114,15 @@ def resume_differences(saved: dict[str, Any], recipe: Section) -> list[str]:
     return [k for k in changed if k not in allowed]
 
 
+def held_out_source(source: Optional[str], eval_source: Optional[str]) -> Optional[str]:
+    """Where held-out rows come from: `eval_source`, with `auto` read as the builtin source's held-out
+    companion, or None (split off the training source)."""
+    return HELD_OUT_COMPANIONS.get(source) if eval_source == AUTO else eval_source
+
+
 def _splits_held_out_rows(flat: dict[str, Any]) -> bool:
-    """Whether a recipe (flattened) takes its held-out rows out of `data.source`: no eval_source,
-    or `auto` for a source without a held-out companion (`data.resolved_eval_source`)."""
-    source = flat.get("data.eval_source")
-    return source is None or (source == AUTO and flat.get("data.source") not in HELD_OUT_COMPANIONS)
+    """Whether a recipe (flattened) takes its held-out rows out of `data.source`."""
+    return held_out_source(flat.get("data.source"), flat.get("data.eval_source")) is None
 
 
 def _path_part(part: Any) -> str:

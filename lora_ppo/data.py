@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Generic, Optional, TypeVar, Union
 
 from lora_ppo.builtin_datasets import BUILTIN_DATASETS
-from lora_ppo.config import BUILTIN_PREFIX, HELD_OUT_COMPANIONS, DataConfig, PreferenceDataConfig
+from lora_ppo.config import BUILTIN_PREFIX, DataConfig, PreferenceDataConfig, held_out_source
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.state import PromptPosition
 
@@ -309,11 +309,8 @@ def split_off(items: list[Row], size: int, seed: int, max_share: float = 1.0) ->
 
 
 def resolved_eval_source(cfg: DataConfig) -> Optional[str]:
-    """Where held-out prompts come from: `eval_source`, with `auto` read as the builtin source's
-    held-out companion, or None (split off the training source)."""
-    if cfg.eval_source == "auto":
-        return HELD_OUT_COMPANIONS.get(cfg.source)
-    return cfg.eval_source
+    """Where held-out prompts come from (`config.held_out_source`)."""
+    return held_out_source(cfg.source, cfg.eval_source)
 
 
 def text_prompt_format(tokenizer, cfg: DataConfig, conversational: bool) -> "PromptFormat":
