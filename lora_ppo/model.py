@@ -59,16 +59,21 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
-def model_context(cfg: ModelConfig) -> Optional[int]:
-    """The model's context in tokens (its position table, from the config alone); None for models
-    without a fixed limit (ALiBi, as Bloom)."""
+def model_config(cfg: ModelConfig):
+    """The model's transformers config, read alone (no weights); a RecipeError naming model.name
+    when it cannot be read."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(resolve_model_path(cfg.name), trust_remote_code=cfg.trust_remote_code)
+        return AutoConfig.from_pretrained(resolve_model_path(cfg.name), trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
         raise _load_error(cfg.name, err) from None
-    text = config.get_text_config()
+
+
+def model_context(cfg: ModelConfig) -> Optional[int]:
+    """The model's context in tokens (its position table, from the config alone); None for models
+    without a fixed limit (ALiBi, as Bloom)."""
+    text = model_config(cfg).get_text_config()
     return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
 
 
@@ -124,9 +129,7 @@ def _check_tied_levers(cfg: ModelConfig) -> None:
     ties them (one table read by both), before the weights load."""
     if not (cfg.offload_embeddings or cfg.quantize_lm_head):
         return
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(resolve_model_path(cfg.name), trust_remote_code=cfg.trust_remote_code)
+    config = model_config(cfg)
     if getattr(config, "tie_word_embeddings", False) or getattr(config.get_text_config(), "tie_word_embeddings", False):
         lever = "offload_embeddings" if cfg.offload_embeddings else "quantize_lm_head"
         raise RecipeError(f"model.{lever}: {cfg.name} ties its embeddings to the LM head (one table for both), "

@@ -46,6 +46,13 @@ def test_levers_that_need_their_own_lm_head_are_refused_for_tied_embeddings(tiny
             _model(tiny_model_dir, **{lever: True})
 
 
+def test_a_model_that_cannot_be_read_is_one_line_with_the_levers_on(tmp_path):
+    """The levers read the model's config before the weights load: a wrong model.name is the same
+    RecipeError as without them, not the library's OSError."""
+    with pytest.raises(RecipeError, match="^model.name: "):
+        _model(tmp_path, offload_embeddings=True)  # a folder without a config.json
+
+
 def test_offloaded_embeddings_keep_compile_off_and_refuse_it_on():
     recipe = recipe_from_dict({"model": {"offload_embeddings": True}, "train": {"steps": 1000}})
     assert not recipe.rollout.compiles_on("cuda", 10**6, embeddings_on_cpu=True)
