@@ -124,12 +124,7 @@ class AdapterTrainer:
         from tqdm.auto import tqdm
 
         t0 = time.perf_counter()
-        # A run continued in another train.output_dir starts there with the checkpoint's lines.
-        resumed_run = None if self.resume_from is None else checkpoint.run_of(self.resume_from, self.run)
-        lines = None if self.resume_from is None else (self.state.metrics_lines, 0)
-        moved = self.run.open(self.recipe_yaml, lines, resumed_run)
-        if moved is not None:
-            log.warning("%s held a run: moved it to %s", self.run.root, moved)
+        checkpoint.start_run_folder(self.run, self.recipe_yaml, self.resume_from, (self.state.metrics_lines, 0))
         self.before_training()
         if self.state.eval_before is None:  # a resumed run keeps the evaluation its first part made
             self.state.eval_before = self.evaluate()

@@ -307,6 +307,17 @@ def open_run(recipe: Recipe | RewardRecipe, resume: Optional[str | Path],
     return run, None
 
 
+def start_run_folder(run: RunDir, recipe_yaml: str, resume_from: Optional[Path],
+                     lines: tuple[int, int]) -> None:
+    """Write the run folder's start: a new run's, or a resumed one's with the checkpoint's `lines`
+    (metrics, samples) of its logs, copied from the checkpoint's run when it continues in another
+    train.output_dir. With train.overwrite the old run is moved out of the way, and the log says where."""
+    resumed_run = None if resume_from is None else run_of(resume_from, run)
+    moved = run.open(recipe_yaml, None if resume_from is None else lines, resumed_run)
+    if moved is not None:
+        log.warning("%s held a run: moved it to %s", run.root, moved)
+
+
 def resolve_resume(run: RunDir, resume: str | Path, recipe: Recipe | RewardRecipe) -> Path:
     """The checkpoint `--resume` names ("auto": the newest complete one of the run, final/
     included, so a finished run continues with more steps), after checking that the recipe

@@ -406,11 +406,8 @@ class PPOTrainer:
         return evaluation.scores
 
     def _open_run_dir(self) -> None:
-        lines = None if self.resume_from is None else (self.state.metrics_lines, self.state.samples_lines)
-        resumed_run = None if self.resume_from is None else checkpoint.run_of(self.resume_from, self.run)
-        moved = self.run.open(self.recipe_yaml, lines, resumed_run)
-        if moved is not None:  # train.overwrite: the old run kept, out of the way
-            log.warning("%s held a run: moved it to %s", self.run.root, moved)
+        checkpoint.start_run_folder(self.run, self.recipe_yaml, self.resume_from,
+                                    (self.state.metrics_lines, self.state.samples_lines))
 
     def _trainables(self) -> checkpoint.Trainables:
         p = self.parts
