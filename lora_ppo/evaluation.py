@@ -14,7 +14,7 @@ from lora_ppo.agents.episodes import EpisodeSettings, run_episodes
 from lora_ppo.data import PromptRow
 from lora_ppo.devices import fork_rng_args
 from lora_ppo.rewards import RewardBatch, RewardSources
-from lora_ppo.rollout import Sampler, score_passes
+from lora_ppo.rollout import Sampler, masked_rows, score_passes
 
 SE_SUFFIX = "_se"
 
@@ -89,7 +89,7 @@ def evaluate(
                 said = rewards.score(reward_batch)
                 columns["score"] += [s + r for s, r in zip(said.total, samples.turn_rewards.sum(dim=1).tolist())]
                 # distinct-n over what the policy wrote in the whole episode, as length counts it
-                text_ids = [row[mask].tolist() for row, mask in zip(samples.response_ids, samples.response_mask)]
+                text_ids = masked_rows(samples.response_ids, samples.response_mask)
             for name, values in {**said.by_source, **said.side}.items():
                 if name in columns:
                     columns[name] += values

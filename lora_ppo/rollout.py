@@ -22,6 +22,11 @@ from lora_ppo.roles import POLICY, REFERENCE, VALUE, Role, RoleModel
 log = logging.getLogger(__name__)
 
 
+def masked_rows(values: torch.Tensor, mask: torch.Tensor) -> list[list]:
+    """Each row of `values` [B, T] where `mask` is true, as lists (padding left out)."""
+    return [row[keep.bool()].tolist() for row, keep in zip(values, mask)]
+
+
 def join_prompt_response(
     query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,11 +302,11 @@ class Samples:
 
     def completion_ids(self) -> list[list[int]]:
         """Each response's real tokens (the stop token included), for reward functions."""
-        return [ids[mask].tolist() for ids, mask in zip(self.response_ids, self.response_mask)]
+        return masked_rows(self.response_ids, self.response_mask)
 
     def queries(self) -> list[list[int]]:
         """Each prompt's tokens without its left padding, as `PPOTrainer.step` takes them."""
-        return [ids[mask.bool()].tolist() for ids, mask in zip(self.query_ids, self.query_mask)]
+        return masked_rows(self.query_ids, self.query_mask)
 
     def action_mask(self) -> list[list[bool]]:
         """For `completion_ids()`: every token is the policy's (episodes mark their observations)."""

@@ -25,7 +25,8 @@ from lora_ppo.data import PromptRow
 from lora_ppo.memory import PhasePeaks
 from lora_ppo.rewards import RewardSources
 from lora_ppo.roles import POLICY, Role
-from lora_ppo.rollout import Rollout, Sampler, join_prompt_response, left_pad, row_seeds, score_and_reward
+from lora_ppo.rollout import (Rollout, Sampler, join_prompt_response, left_pad, masked_rows, row_seeds,
+                              score_and_reward)
 
 @dataclass(frozen=True)
 class EpisodeSettings:
@@ -93,16 +94,15 @@ class EpisodeBatch:
     # What `PPOTrainer.step` takes back (`PPOTrainer.generate` returns episodes on such recipes).
     def queries(self) -> list[list[int]]:
         """Each episode's prompt tokens (as rendered with the tools), without the left padding."""
-        return [ids[mask.bool()].tolist() for ids, mask in zip(self.query_ids, self.query_mask)]
+        return masked_rows(self.query_ids, self.query_mask)
 
     def completion_ids(self) -> list[list[int]]:
         """Each episode's tokens after its prompt: its turns and the observations between them."""
-        return [ids[mask].tolist() for ids, mask in zip(self.response_ids, self.response_mask | self.observation_mask)]
+        return masked_rows(self.response_ids, self.response_mask | self.observation_mask)
 
     def action_mask(self) -> list[list[bool]]:
         """For `completion_ids()`: True on the policy's own tokens, False on observations."""
-        context = self.response_mask | self.observation_mask
-        return [actions[mask].tolist() for actions, mask in zip(self.response_mask, context)]
+        return masked_rows(self.response_mask, self.response_mask | self.observation_mask)
 
     def env_rewards(self) -> list[float]:
         """Each episode's sum of the rewards its environment gave."""
