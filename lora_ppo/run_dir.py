@@ -198,7 +198,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def copy_lines(source: Path, target: Path, keep: Optional[int]) -> None:
-    """The first `keep` lines (None: all) of a text file into `target`; a missing file stays missing."""
+    """The first `keep` lines (None: all) of a text file into `target` (it may be `source`: read whole
+    first); a missing file stays missing."""
     if Path(source).exists():
         with open(source, "rb") as f:
             lines = f.readlines()
@@ -208,12 +209,7 @@ def copy_lines(source: Path, target: Path, keep: Optional[int]) -> None:
 
 def truncate_lines(path: Path, keep: int) -> None:
     """Keep the first `keep` lines of a text file (a missing file stays missing)."""
-    if not Path(path).exists():
-        return
-    with open(path, "rb") as f:
-        lines = f.readlines()[:keep]
-    with open(path, "wb") as f:
-        f.writelines(lines)
+    copy_lines(path, path, keep)
 
 
 # ---- a checkpoint named on the command line (export, eval, generate) --------------------------
