@@ -38,6 +38,30 @@ from random_models import build_random_4bit_model, build_random_model, small_tok
 GB = 1e9
 
 
+def cap_allocator(gpu_gb: float) -> tuple[float, float]:
+    """Cap torch's CUDA allocator at `gpu_gb` minus the CUDA context (which counts against a real
+    card but not against the allocator) and reset its peaks: (context, cap) in bytes; (0, 0)
+    without a GPU, where the run goes uncapped."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0.0, 0.0
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    context = total - free - torch.cuda.memory_reserved()
+    cap = gpu_gb * GB - context
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    torch.cuda.reset_peak_memory_stats()
+    return context, cap
+
+
+def run_overrides(model_dir: Path, output_dir: Path, overrides: list[str]) -> list[str]:
+    """The recipe overrides of a device run: the built model, no evaluation, every response at full
+    length (no stop token), a fresh run folder; then the caller's."""
+    return [f"model.name={model_dir}", "data.eval_source=null", "data.eval_size=0", "train.eval=false",
+            "rollout.stop_token=null", f"train.output_dir={output_dir}", "train.overwrite=true", *overrides]
+
+
 def long_prompts(tokenizer, data, n: int = 64) -> tuple[list, int]:
     """PromptRows of one repeated word, as long as data.max_prompt_tokens allows (formatted as
     the recipe formats its prompts)."""
@@ -83,16 +107,9 @@ def main() -> None:
     (build_random_4bit_model if args.prequantized else build_random_model)(Path(args.config), tokenizer, model_dir)
     build_s = time.perf_counter() - t0
 
-    # The CUDA context (and whatever else the driver holds for this process) counts against a
-    # real card but not against the allocator: measure it and cap the allocator at the rest.
-    context = cap = 0.0
+    context, cap = cap_allocator(args.gpu_gb)
     reserved_peak = [0]
     if cuda:
-        free, total = torch.cuda.mem_get_info()
-        context = total - free - torch.cuda.memory_reserved()
-        cap = args.gpu_gb * GB - context
-        torch.cuda.set_per_process_memory_fraction(cap / total)
-        torch.cuda.reset_peak_memory_stats()
         # Phases reset the CUDA peak counters; keep the largest reserved peak across them.
         real_reset = memory.reset_peak
 
@@ -106,8 +123,7 @@ def main() -> None:
 
     base = lora_ppo.load_recipe(args.recipe, [f"model.name={model_dir}", *args.overrides])
     prompts, prompt_tokens = long_prompts(AutoTokenizer.from_pretrained(model_dir), base.data)
-    overrides = [f"model.name={model_dir}", "data.eval_source=null", "data.eval_size=0", "train.eval=false",
-                 "rollout.stop_token=null", f"train.output_dir={work / 'run'}", "train.overwrite=true", *args.overrides]
+    overrides = run_overrides(model_dir, work / "run", args.overrides)
     recipe = lora_ppo.load_recipe(args.recipe, overrides)
     exact = lora_ppo.load_recipe(args.recipe, [*overrides, f"data.max_prompt_tokens={prompt_tokens}"])
     t1 = time.perf_counter()

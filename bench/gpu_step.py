@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from gpu_memory_check import long_prompts  # noqa: E402  (bench/, beside this script)
+from gpu_memory_check import cap_allocator, long_prompts, run_overrides  # noqa: E402  (bench/, beside this script)
 from random_models import build_random_4bit_model, small_tokenizer  # noqa: E402
 
 GB = 1e9
@@ -309,18 +309,9 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
     from lora_ppo.quantization import compute_dtype
 
     cuda = torch.cuda.is_available()
-    context = cap = 0.0
-    if cuda:
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        context = total - free - torch.cuda.memory_reserved()
-        cap = gpu_gb * GB - context
-        torch.cuda.set_per_process_memory_fraction(cap / total)
-        torch.cuda.reset_peak_memory_stats()
-    overrides = [f"model.name={model_dir}", "data.eval_source=null", "data.eval_size=0", "train.eval=false",
-                 "rollout.stop_token=null", f"train.output_dir={Path(args.work) / f'run-{gpu_gb:g}'}",
-                 "train.overwrite=true", *args.overrides]
-    recipe = lora_ppo.load_recipe(args.recipe, overrides)
+    context, cap = cap_allocator(gpu_gb)
+    recipe = lora_ppo.load_recipe(args.recipe, run_overrides(model_dir, Path(args.work) / f"run-{gpu_gb:g}",
+                                                              args.overrides))
     result: dict = {"gpu_gb": gpu_gb, "cuda_context_gb": round(context / GB, 3), "allocator_cap_gb": round(cap / GB, 3)}
     t0 = time.perf_counter()
     try:
