@@ -29,6 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from gpu_memory_check import software  # noqa: E402  (bench/, beside this script)
+
 SHAPES = {
     "quickstart": {"recipe": "recipes/quickstart.yaml", "overrides": ["train.eval=false"]},
     "vs_trl": {"recipe": None, "overrides": []},
@@ -132,8 +134,7 @@ def main() -> None:
     from lora_ppo.rollout import Sampler
 
     work = (REPO / args.work).resolve()
-    result: dict = {"shape": args.shape, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    result: dict = {"shape": args.shape, "date": time.strftime("%Y-%m-%d"), **software(),
                     "threads": torch.get_num_threads()}
 
     def report() -> None:

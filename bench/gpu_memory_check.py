@@ -38,6 +38,18 @@ from random_models import build_random_4bit_model, build_random_model, small_tok
 GB = 1e9
 
 
+def software() -> dict:
+    """The device and the libraries' versions a result was measured with: a transformers release
+    can change what a keyword means (before 5.24 the KV cache was `past_key_values`)."""
+    import importlib.metadata
+
+    import torch
+
+    versions = {name: importlib.metadata.version(name) for name in ("transformers", "peft", "bitsandbytes")}
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, **versions}
+
+
 def cap_allocator(gpu_gb: float) -> tuple[float, float]:
     """Cap torch's CUDA allocator at `gpu_gb` minus the CUDA context (which counts against a real
     card but not against the allocator) and reset its peaks: (context, cap) in bytes; (0, 0)
@@ -149,8 +161,7 @@ def main() -> None:
         reserved_peak[0] = max(reserved_peak[0], torch.cuda.max_memory_reserved())
     predicted = as_json(estimate_recipe(exact, device="cuda" if cuda else "cpu", budget_gb=args.gpu_gb))
     result = {
-        "fits": error is None, "error": error,
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "fits": error is None, "error": error, **software(),
         "config": args.config, "recipe": args.recipe, "overrides": args.overrides,
         "params": predicted["params"], "prompt_tokens": prompt_tokens,
         "max_new_tokens": recipe.rollout.max_new_tokens, "batch": recipe.rollout.batch_size,

@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from gpu_memory_check import cap_allocator, long_prompts, run_overrides  # noqa: E402  (bench/, beside this script)
+from gpu_memory_check import cap_allocator, long_prompts, run_overrides, software  # noqa: E402  (bench/, beside this script)
 from random_models import build_random_4bit_model, small_tokenizer  # noqa: E402
 
 GB = 1e9
@@ -389,8 +389,7 @@ def main() -> None:
     base = lora_ppo.load_recipe(args.recipe, [f"model.name={model_dir}", *args.overrides])
     prompts, prompt_tokens = long_prompts(AutoTokenizer.from_pretrained(model_dir), base.data)
     result = {
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__, "config": args.config, "recipe": args.recipe, "overrides": args.overrides,
+        **software(), "config": args.config, "recipe": args.recipe, "overrides": args.overrides,
         "prompt_tokens": prompt_tokens, "max_new_tokens": base.rollout.max_new_tokens, "batch": base.rollout.batch_size,
         "build_s": round(build_s, 1), "measured_matmul_tflops": round(rate, 1),
         "budgets": [],

@@ -26,6 +26,7 @@ from lora_ppo.bnb_workarounds import first_4bit_layer, is_dequantized
 from lora_ppo.config import RolloutConfig
 from lora_ppo.devices import device_rng_states, model_device, restore_device_rng_states
 from lora_ppo.errors import first_line
+from lora_ppo.model_checks import base_forward, cache_keyword
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,8 @@ class StaticDecoder:
         # the random draws generate()'s: none past the last stop.
         self.stop_check_lag = 2 if device.type == "cuda" else 0
         self._step = torch.compile(self._decode_step, dynamic=False, mode=mode)
-        self._keep_one = "logits_to_keep" in inspect.signature(_base_forward(model)).parameters
+        self._keep_one = "logits_to_keep" in inspect.signature(base_forward(model)).parameters
+        self._cache_keyword = cache_keyword(model)
         self._4bit_layer = first_4bit_layer(model)  # dequantized per step or not: another graph
 
     def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
@@ -89,7 +91,7 @@ class StaticDecoder:
 
     def _decode_step(self, cache, input_ids, position_ids, attention_mask) -> torch.Tensor:
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                         cache=cache, use_cache=True)
+                         use_cache=True, **{self._cache_keyword: cache})
         return out.logits[:, -1].float()
 
     def _cache(self, rows: int):
@@ -156,7 +158,10 @@ class StaticDecoder:
         positions = (query_mask.long().cumsum(-1) - 1).masked_fill(query_mask == 0, 1)  # as generate() does
         extra = {"logits_to_keep": 1} if self._keep_one else {}
         logits = self.model(input_ids=query_ids, position_ids=positions, attention_mask=query_mask,
-                            cache=cache, use_cache=True, **extra).logits[:, -1].float()
+                            use_cache=True, **{self._cache_keyword: cache}, **extra).logits[:, -1].float()
+        if cache.get_seq_length() == 0:
+            # The forward did not write the prompt into the cache: the decode steps would see no context.
+            raise RuntimeError(f"the model's forward did not fill the static cache passed as `{self._cache_keyword}`")
         position = positions[:, -1:]
 
         stop_id, pad_id = gen_config.eos_token_id, gen_config.pad_token_id
@@ -220,7 +225,3 @@ def _unique_graphs() -> int:
 
     return int(counters["stats"]["unique_graphs"])
 
-
-def _base_forward(model: torch.nn.Module):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.forward

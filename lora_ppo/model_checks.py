@@ -1,9 +1,10 @@
 """What a loaded model needs besides its weights, found once at load time: the final logit
-transform its forward applies (checked against that forward on a probe), and its fused MoE
-expert weights, which bitsandbytes leaves unquantized."""
+transform its forward applies (checked against that forward on a probe), its fused MoE expert
+weights, which bitsandbytes leaves unquantized, and the keyword its forward takes a KV cache by."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Callable
 
@@ -86,3 +87,23 @@ def fused_expert_parameters(model: nn.Module) -> dict[str, int]:
     """{name: elements} of the model's 3-D weight parameters: transformers 5 stores MoE experts
     fused that way (not as Linear layers), and bitsandbytes quantizes only Linear layers."""
     return {name: p.numel() for name, p in model.named_parameters() if p.ndim == 3}
+
+
+def base_forward(model: nn.Module) -> Callable:
+    """The forward of the transformers model under any PEFT wrapper (whose own forward passes
+    everything on as **kwargs)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.forward
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword `model`'s forward takes its KV cache by: `cache` from transformers 5.24,
+    `past_key_values` before it (and until 5.40, deprecated). A keyword the forward does not name
+    lands in its **kwargs and is dropped: each decode step would then see its one new token and
+    none of the context before it, and nothing would fail."""
+    return "cache" if "cache" in inspect.signature(base_forward(model)).parameters else "past_key_values"
+
+
+def returned_cache(output):
+    """The KV cache a forward returned, by either of its names (see `cache_keyword`)."""
+    return output["cache"] if "cache" in output else output.get("past_key_values")

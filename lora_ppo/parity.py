@@ -13,6 +13,7 @@ import torch
 from lora_ppo.config import DataConfig
 from lora_ppo.data import text_prompt_format
 from lora_ppo.devices import model_device
+from lora_ppo.model_checks import cache_keyword, returned_cache
 
 # Probe prompts for the parity check: short, mixed text any tokenizer can encode. With
 # data.chat_template (and data.system_prompt) they are formatted as the policy saw its prompts.
@@ -191,6 +192,7 @@ def _greedy_continuations(model, prompts: list[torch.Tensor], new_tokens: int) -
     ids, mask = ids.to(dev), mask.to(dev)
     positions = position_ids_for(mask)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    keyword = cache_keyword(model)
     new = []
     for i in range(new_tokens):
         next_id = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
@@ -198,8 +200,7 @@ def _greedy_continuations(model, prompts: list[torch.Tensor], new_tokens: int) -
         if i + 1 < new_tokens:
             mask = torch.cat([mask, torch.ones_like(next_id)], dim=1)
             positions = positions[:, -1:] + 1
-            # `cache`, not `past_key_values` (a name transformers drops in 5.40)
-            out = model(input_ids=next_id, attention_mask=mask, position_ids=positions,
-                        cache=out.cache, use_cache=True)
+            out = model(input_ids=next_id, attention_mask=mask, position_ids=positions, use_cache=True,
+                        **{keyword: returned_cache(out)})
     continuations = torch.cat(new, dim=1).cpu()  # [B, new_tokens]
     return [torch.cat([prompt, continuations[row]]) for row, prompt in enumerate(prompts)]

@@ -16,6 +16,7 @@ from lora_ppo.alarms import LOGPROB_TOLERANCE
 from lora_ppo.bnb_workarounds import dequantized_4bit_layers
 from lora_ppo.compiled_generation import StaticDecoder, bucket, compiled_generation_on
 from lora_ppo.config import RolloutConfig
+from lora_ppo.roles import position_ids_for
 from lora_ppo.rollout import Sampler, row_seeds
 from tests.conftest import perturb_lora_b, prompt_rows
 
@@ -175,6 +176,59 @@ def test_a_failed_compile_falls_back_to_generate_with_one_log_line(roles, tiny_t
     lines = [r.getMessage() for r in caplog.records if "compiled path" in r.getMessage()]
     assert lines == ["generation: the compiled path cannot run here (RuntimeError: inductor: no C++ compiler "
                      "found); using generate() from now on"]
+
+
+def plain_forward_logprobs(roles, samples, temperature: float) -> torch.Tensor:
+    """The sampled tokens' logprobs from one forward of the policy over prompt + response (no
+    cache): what the scoring pass computes, independently of either generation path. [B, T_resp]"""
+    ids, mask = samples.model_input()
+    with roles.as_role("policy"), torch.no_grad():
+        logits = roles.peft(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask)).logits
+    P = samples.query_ids.shape[1]
+    logprobs = torch.log_softmax(logits[:, P - 1 : -1].float() / temperature, dim=-1)
+    return logprobs.gather(-1, samples.response_ids[..., None]).squeeze(-1)
+
+
+def test_a_forward_that_takes_its_cache_as_past_key_values_decodes_with_its_context(roles, tiny_tokenizer):
+    """transformers before 5.24 names the forward's KV cache `past_key_values` and drops a `cache`
+    keyword into **kwargs: passed there, every decode step saw one token and no context (3.5 nats
+    per token from the scoring pass on an H100, transformers 5.17). The keyword follows the forward."""
+    base = roles.peft.get_base_model()
+    forward = base.forward
+
+    def forward_before_5_24(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                            use_cache=None, logits_to_keep=0, **kwargs):
+        kwargs.pop("cache", None)  # a keyword this forward does not know
+        return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       cache=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+
+    base.forward = forward_before_5_24
+    try:
+        old = StaticDecoder(roles.peft, cache_tokens=64)
+        cfg = RolloutConfig(**SAMPLING, stop_token=None)
+        torch.manual_seed(0)
+        samples = Sampler(roles, tiny_tokenizer, cfg, old).sample(prompt_rows(tiny_tokenizer, PROMPTS),
+                                                                  record_logprobs=True)
+    finally:
+        del base.forward
+    assert old.disabled is None and old.graphs == 1  # the compiled path ran
+    scored = plain_forward_logprobs(roles, samples, cfg.temperature)
+    m = samples.response_mask
+    torch.testing.assert_close(samples.logprobs[m], scored[m], rtol=0, atol=LOGPROB_TOLERANCE["float32"])
+
+
+def test_a_cache_the_forward_does_not_fill_falls_back_to_generate(roles, tiny_tokenizer, caplog):
+    """A keyword the forward does not know (a future rename) leaves the static cache empty after the
+    prompt: the compiled path stops there, before sampling anything, and generate() samples."""
+    unknown = StaticDecoder(roles.peft, cache_tokens=64)
+    unknown._cache_keyword = "kv_cache"
+    cfg = RolloutConfig(**SAMPLING, stop_token=None)
+    with caplog.at_level(logging.WARNING, logger="lora_ppo.rollout"):
+        today, fallback = both_paths(roles, tiny_tokenizer, unknown, cfg, PROMPTS, seed=4)
+    assert_same_samples(today, fallback)
+    assert unknown.disabled == "RuntimeError: the model's forward did not fill the static cache passed as `kv_cache`"
+    assert [r.getMessage() for r in caplog.records if "compiled path" in r.getMessage()] == [
+        f"generation: the compiled path cannot run here ({unknown.disabled}); using generate() from now on"]
 
 
 def test_a_call_longer_than_the_static_cache_uses_generate(roles, tiny_tokenizer):
