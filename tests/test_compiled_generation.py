@@ -16,6 +16,7 @@ from lora_ppo.alarms import LOGPROB_TOLERANCE
 from lora_ppo.bnb_workarounds import dequantized_4bit_layers
 from lora_ppo.compiled_generation import StaticDecoder, bucket, compiled_generation_on
 from lora_ppo.config import RolloutConfig
+from lora_ppo.model_checks import cache_keyword
 from lora_ppo.roles import position_ids_for
 from lora_ppo.rollout import Sampler, row_seeds
 from tests.conftest import perturb_lora_b, prompt_rows
@@ -194,13 +195,14 @@ def test_a_forward_that_takes_its_cache_as_past_key_values_decodes_with_its_cont
     keyword into **kwargs: passed there, every decode step saw one token and no context (3.5 nats
     per token from the scoring pass on an H100, transformers 5.17). The keyword follows the forward."""
     base = roles.peft.get_base_model()
-    forward = base.forward
+    forward, installed_keyword = base.forward, cache_keyword(roles.peft)
 
     def forward_before_5_24(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                             use_cache=None, logits_to_keep=0, **kwargs):
         kwargs.pop("cache", None)  # a keyword this forward does not know
         return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       cache=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+                       use_cache=use_cache, logits_to_keep=logits_to_keep, **{installed_keyword: past_key_values},
+                       **kwargs)
 
     base.forward = forward_before_5_24
     try:
