@@ -74,6 +74,9 @@ UPDATE_VARIANTS = {
     "micro_batch_half": lambda s: {"micro_batch_size": max(1, s.micro_batch_size // 2)},
     "micro_batch_double": lambda s: {"micro_batch_size": min(s.minibatch_size, 2 * s.micro_batch_size)},
 }
+# Variants of the roles rather than the update's sizes, one extra step each: `model.adapter_autocast`
+# (it also changes generation and scoring, whose seconds are recorded beside the update's).
+ROLE_VARIANTS = {"adapter_autocast": {"autocast_dtype": "bfloat16"}}
 
 
 def family(name: str) -> str:
@@ -200,6 +203,17 @@ def update_variants(trainer) -> dict:
 
     base_settings, base_work = trainer.update_settings, trainer.work
     results = {}
+
+    def step(name: str, described: dict, keys=("time/update", "perf/update_tflops", "memory/update_gb")) -> None:
+        try:
+            metrics, _ = trainer.train_step()
+            results[name] = {**described, **{k: round(metrics[k], 4) for k in keys if k in metrics}}
+        except torch.OutOfMemoryError as err:
+            results[name] = f"out of memory: {str(err).splitlines()[0][:160]}"
+            trainer.parts.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+        print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)
+
     for name, change in UPDATE_VARIANTS.items():
         settings = dataclasses.replace(base_settings, **change(base_settings))
         if settings == base_settings:
@@ -207,18 +221,18 @@ def update_variants(trainer) -> dict:
             continue
         trainer.update_settings = settings
         trainer.work = dataclasses.replace(base_work, checkpointing=settings.gradient_checkpointing)
-        try:
-            metrics, _ = trainer.train_step()
-            results[name] = {"micro_batch": settings.micro_batch_size, "roles_together": settings.roles_together,
-                             "gradient_checkpointing": settings.gradient_checkpointing,
-                             **{k: round(metrics[k], 4) for k in ("time/update", "perf/update_tflops",
-                                                                   "memory/update_gb") if k in metrics}}
-        except torch.OutOfMemoryError as err:
-            results[name] = f"out of memory: {str(err).splitlines()[0][:160]}"
-            trainer.parts.optimizer.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-        print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)
+        step(name, {"micro_batch": settings.micro_batch_size, "roles_together": settings.roles_together,
+                    "gradient_checkpointing": settings.gradient_checkpointing})
     trainer.update_settings, trainer.work = base_settings, base_work
+    roles = trainer.parts.roles
+    for name, attributes in ROLE_VARIANTS.items():
+        before = {attribute: getattr(roles, attribute) for attribute in attributes}
+        for attribute, value in attributes.items():
+            setattr(roles, attribute, getattr(torch, value))
+        step(name, {"micro_batch": base_settings.micro_batch_size, **attributes},
+             ("time/generate", "time/score", "time/update", "perf/update_tflops", "memory/update_gb"))
+        for attribute, value in before.items():
+            setattr(roles, attribute, value)
     return results
 
 

@@ -114,6 +114,14 @@ class ModelConfig(Section):
     policy's distribution carries the head's rounding (logits within NF4's error of the checkpoint's). Needs a
     quantized model; not for tied embeddings (refused at load).
     """
+    adapter_autocast: bool = False
+    """Run the LoRA adapters' matrix multiplies in bfloat16 under `torch.autocast`, their float32 weights
+    kept as the optimizer's master copies, instead of float32 multiplies with every activation cast to
+    float32 and back around them (most of the update's elementwise GPU work: bench/README.md). Generation,
+    scoring and the update all run it, so the PPO ratio and the logprob self-check stay exact; the adapters'
+    outputs carry bfloat16 rounding. Only where computation runs in bfloat16 (a GPU's `auto`); elsewhere it
+    stays off and the log says so. Off by default until its speed is measured on a GPU.
+    """
     trust_remote_code: bool = False
     """Run model code downloaded from the hub. Off unless the recipe says so, since it executes code that
     comes with the model.

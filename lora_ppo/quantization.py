@@ -4,12 +4,15 @@ classifier reward model alike."""
 
 from __future__ import annotations
 
-from typing import Sequence
+import logging
+from typing import Optional, Sequence
 
 import torch
 
 from lora_ppo.config import ModelConfig
 from lora_ppo.devices import bf16_supported, device_type
+
+log = logging.getLogger(__name__)
 
 
 def compute_dtype(cfg: ModelConfig) -> torch.dtype:
@@ -20,6 +23,19 @@ def compute_dtype(cfg: ModelConfig) -> torch.dtype:
     # The recipe's rule knows a GPU and a CPU; XPU and MPS follow the GPU rule.
     rule_device = "cpu" if kind == "cpu" else "cuda"
     return getattr(torch, cfg.compute_dtype_name(rule_device, bf16_supported(kind)))
+
+
+def adapter_autocast_dtype(cfg: ModelConfig) -> Optional[torch.dtype]:
+    """`model.adapter_autocast` on this machine, logged: bfloat16 where computation runs in it, else
+    None (in float32 there is nothing to gain; float16 gradients would need loss scaling)."""
+    if not cfg.adapter_autocast:
+        return None
+    dtype = compute_dtype(cfg)
+    if dtype != torch.bfloat16:
+        log.info("model.adapter_autocast: off (computation runs in %s, not bfloat16)", str(dtype).removeprefix("torch."))
+        return None
+    log.info("model.adapter_autocast: the adapters' matmuls run in bfloat16 (float32 master weights)")
+    return dtype
 
 
 def modules_kept_unquantized(model: torch.nn.Module) -> list[str]:

@@ -116,8 +116,10 @@ class Backbone:
     """A frozen base model with LoRA adapters and scalar score heads: the decoder's hidden states
     (no LM head), a head's score at the last real token, gradient checkpointing, and saving."""
 
-    def __init__(self, peft_model, base_name: Optional[str] = None):
+    def __init__(self, peft_model, base_name: Optional[str] = None, autocast_dtype: Optional[torch.dtype] = None):
         self.peft = peft_model
+        # model.adapter_autocast: the dtype the adapters' matmuls run in (None: their own float32).
+        self.autocast_dtype = autocast_dtype
         # What saved adapters name as their base (adapter_config.json), so they load elsewhere:
         # the recipe's name (a builtin model's hub id), never a local cache folder.
         self.base_name = base_name
@@ -154,6 +156,15 @@ class Backbone:
         # A strided slice (a chunk of response positions) would make the LM head a batched matmul,
         # its weight broadcast to every row: twice one matmul's time on CPU (bench/update_pieces.py).
         return self.logit_transform(self.lm_head(hidden.contiguous()).float())
+
+    def adapter_compute(self) -> contextlib.AbstractContextManager:
+        """Where the decoder runs (generation, scoring, the update's forward and its recomputation):
+        with `model.adapter_autocast`, autocast to bfloat16, so PEFT skips its float32 casts around
+        each adapter and the adapters' matmuls read bfloat16 copies of their float32 weights. The
+        heads and the LM head's logprobs run outside it, in their own dtypes."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.lm_head.weight.device.type, dtype=self.autocast_dtype)
 
     def adapter_params(self, adapter_name: str) -> list[nn.Parameter]:
         marker = f".{adapter_name}."
@@ -196,12 +207,13 @@ class Backbone:
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Last hidden states of the decoder (final norm applied), [B, T, H]; no LM head."""
-        out = self.decoder(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_for(attention_mask),
-            use_cache=False,
-        )
+        with self.adapter_compute():
+            out = self.decoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids_for(attention_mask),
+                use_cache=False,
+            )
         return out.last_hidden_state
 
     def sequence_scores(self, head_name: str, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -258,7 +270,8 @@ class RoleModel(Backbone):
 
     @without_peft_rename_notice
     def __init__(self, base_model, adapters: AdaptersConfig, with_value: bool = True,
-                 reward_adapter: Optional[str] = None, base_name: Optional[str] = None):
+                 reward_adapter: Optional[str] = None, base_name: Optional[str] = None,
+                 autocast_dtype: Optional[torch.dtype] = None):
         from peft import PeftModel, get_peft_model
 
         all_linear = linear_targets(base_model)
@@ -284,7 +297,7 @@ class RoleModel(Backbone):
         self.reward_adapter = reward_adapter
         if reward_adapter:
             peft.load_adapter(reward_adapter, adapter_name=REWARD, is_trainable=False)
-        super().__init__(peft, base_name)
+        super().__init__(peft, base_name, autocast_dtype)
         self.value_head: Optional[nn.Linear] = self.make_head(VALUE, value_head_from) if with_value else None
         if reward_adapter:
             self.make_head(REWARD, Path(reward_adapter) / REWARD_HEAD_FILE, trainable=False)
@@ -488,7 +501,8 @@ class SingleAdapterModel(Backbone):
 
     @without_peft_rename_notice
     def __init__(self, base_model, settings: LoraSettings, adapter_name: str, start_from: Sequence[str],
-                 base_name: Optional[str] = None, dropout: float = 0.0):
+                 base_name: Optional[str] = None, dropout: float = 0.0,
+                 autocast_dtype: Optional[torch.dtype] = None):
         from peft import PeftModel, get_peft_model
 
         self.start = adapter_folder(settings.init_from, "adapter.init_from", start_from) if settings.init_from else None
@@ -497,7 +511,7 @@ class SingleAdapterModel(Backbone):
         else:
             peft = get_peft_model(base_model, lora_config(settings, dropout, linear_targets(base_model)),
                                   adapter_name=adapter_name)
-        super().__init__(peft, base_name)
+        super().__init__(peft, base_name, autocast_dtype)
         self.adapter_name = adapter_name
         self.peft.set_adapter(adapter_name)
         for p in self.adapter_params(adapter_name):
@@ -513,9 +527,10 @@ class RewardModel(SingleAdapterModel):
     """The backbone with one trainable reward adapter and its scalar head, for pairwise reward
     training (`lora-ppo train-reward`). Its saved folder is what `reward.kind: adapter` loads."""
 
-    def __init__(self, base_model, settings: RewardAdapterSettings, base_name: Optional[str] = None):
+    def __init__(self, base_model, settings: RewardAdapterSettings, base_name: Optional[str] = None,
+                 autocast_dtype: Optional[torch.dtype] = None):
         # A reward model may start from a reward adapter, or from the policy (an SFT run's).
-        super().__init__(base_model, settings, REWARD, (REWARD, POLICY), base_name, settings.dropout)
+        super().__init__(base_model, settings, REWARD, (REWARD, POLICY), base_name, settings.dropout, autocast_dtype)
         head_file = Path(self.start) / REWARD_HEAD_FILE if self.start else None
         self.make_head(REWARD, head_file if head_file is not None and head_file.is_file() else None)
 

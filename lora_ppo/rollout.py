@@ -265,7 +265,7 @@ def generate(
     from transformers import LogitsProcessorList
 
     processors = LogitsProcessorList([p for p in (recorder, row_sampling) if p is not None])
-    with roles.as_role(role):
+    with roles.as_role(role), roles.adapter_compute():
         if decoder is not None and decoder.fits(query_ids.shape[1], gen_config.max_new_tokens):
             # generate() runs the caller's processors, then (when it samples) the warpers
             warpers = sampling_warpers(gen_config.temperature, gen_config.top_k, gen_config.top_p)

@@ -25,14 +25,16 @@ class SFTModel(SingleAdapterModel):
     """The backbone with the trainable policy adapter: its folder is a plain PEFT adapter, what a PPO
     recipe's `adapters.policy.init_from` takes."""
 
-    def __init__(self, base_model, settings: SFTAdapterSettings, base_name: Optional[str] = None):
-        super().__init__(base_model, settings, POLICY, (POLICY,), base_name, settings.dropout)
+    def __init__(self, base_model, settings: SFTAdapterSettings, base_name: Optional[str] = None,
+                 autocast_dtype: Optional[torch.dtype] = None):
+        super().__init__(base_model, settings, POLICY, (POLICY,), base_name, settings.dropout, autocast_dtype)
 
     def batch_hidden_states(self, batch: Batch) -> torch.Tensor:
         """Last hidden states of the decoder, [B, T, H]: positions as the batch gives them, and
         without an attention mask for a packed batch (transformers parts its rows by their positions)."""
-        return self.decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                            position_ids=batch.position_ids, use_cache=False).last_hidden_state
+        with self.adapter_compute():
+            return self.decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                position_ids=batch.position_ids, use_cache=False).last_hidden_state
 
     def target_logprobs(self, batch: Batch) -> torch.Tensor:
         """log p(token | tokens before it in its row) of every target token, [N] float32 in the

@@ -31,7 +31,8 @@ def greedy_samples(model: Backbone, tokenizer, rows: Sequence[SFTRow], max_new_t
         chunk = prompted[start : start + batch_size]
         ids, mask = left_pad([PromptRow(row.prompt, "", row.prompt_ids) for row in chunk], tokenizer.pad_token_id,
                              device)
-        out = model.peft.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        with model.adapter_compute():
+            out = model.peft.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         response, _, _ = truncate_at_stop(out[:, ids.shape[1]:], stop, tokenizer.pad_token_id)
         texts = tokenizer.batch_decode(response, skip_special_tokens=True)
         records += [{"prompt": row.prompt, "completion": text, "reference": row.completion, "sample": 0}
