@@ -73,10 +73,18 @@ UPDATE_VARIANTS = {
     "checkpointing_off": lambda s: {"gradient_checkpointing": False},
     "micro_batch_half": lambda s: {"micro_batch_size": max(1, s.micro_batch_size // 2)},
     "micro_batch_double": lambda s: {"micro_batch_size": min(s.minibatch_size, 2 * s.micro_batch_size)},
+    # ppo.compile_update: a first step compiles (its seconds recorded apart), the second is timed
+    "compile_update": lambda s: {"compiled_layers": _compiled_layers()},
 }
 # Variants of the roles rather than the update's sizes, one extra step each: `model.adapter_autocast`
 # (it also changes generation and scoring, whose seconds are recorded beside the update's).
 ROLE_VARIANTS = {"adapter_autocast": {"autocast_dtype": "bfloat16"}}
+
+
+def _compiled_layers():
+    from lora_ppo.compiled_update import CompiledLayers
+
+    return CompiledLayers()
 
 
 def family(name: str) -> str:
@@ -221,8 +229,11 @@ def update_variants(trainer) -> dict:
             continue
         trainer.update_settings = settings
         trainer.work = dataclasses.replace(base_work, checkpointing=settings.gradient_checkpointing)
-        step(name, {"micro_batch": settings.micro_batch_size, "roles_together": settings.roles_together,
-                    "gradient_checkpointing": settings.gradient_checkpointing})
+        described = {"micro_batch": settings.micro_batch_size, "roles_together": settings.roles_together,
+                     "gradient_checkpointing": settings.gradient_checkpointing}
+        if settings.compiled_layers is not None:
+            step(f"{name}_compiling", described, ("time/update", "time/compile", "memory/update_gb"))
+        step(name, described)
     trainer.update_settings, trainer.work = base_settings, base_work
     roles = trainer.parts.roles
     for name, attributes in ROLE_VARIANTS.items():

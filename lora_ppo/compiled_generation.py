@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from lora_ppo.bnb_workarounds import first_4bit_layer, is_dequantized
+from lora_ppo.compiled_update import unique_graphs
 from lora_ppo.config import RolloutConfig
 from lora_ppo.devices import device_rng_states, model_device, restore_device_rng_states
 from lora_ppo.errors import first_line
@@ -116,11 +117,11 @@ class StaticDecoder:
         `gen_config` and the logits `processors`. Raises CompileFailed (the RNG restored) when the
         first call for a batch bucket and role cannot compile or run."""
         key = (bucket(query_ids.shape[0]), role_key, is_dequantized(self._4bit_layer))
-        graphs_before = _unique_graphs()
+        graphs_before = unique_graphs()
         if key in self._warm:
             tokens = self._generate(query_ids, query_mask, gen_config, processors, key[0])
-            if _unique_graphs() > graphs_before:
-                self.recompiles += _unique_graphs() - graphs_before
+            if unique_graphs() > graphs_before:
+                self.recompiles += unique_graphs() - graphs_before
                 log.warning("generation: the decode step was compiled again for %d rows (a guard failed); "
                             "this costs time every step and is a bug worth reporting", key[0])
             return tokens
@@ -139,7 +140,7 @@ class StaticDecoder:
             raise CompileFailed(self.disabled) from error
         seconds = time.perf_counter() - t0
         self.compile_s += seconds
-        self.graphs += max(0, _unique_graphs() - graphs_before)
+        self.graphs += max(0, unique_graphs() - graphs_before)
         self._warm.add(key)
         log.info("generation: compiled the decode step for %d rows x %d tokens (static cache); the first call "
                  "took %.1f s", key[0], self.cache_tokens, seconds)
@@ -218,10 +219,3 @@ class _StopCheck:
         if self.events[slot] is not None:
             self.events[slot].synchronize()
         return not bool(self.flags[slot])
-
-
-def _unique_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-

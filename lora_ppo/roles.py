@@ -7,7 +7,6 @@ trainable adapter (`train-sft`), and `RewardModel` one with a head too (`train-r
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 from pathlib import Path
@@ -20,6 +19,7 @@ from lora_ppo.config import AdaptersConfig, LoraSettings, RewardAdapterSettings
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.logprobs import token_logprobs
 from lora_ppo.bnb_workarounds import eval_on_training_kernel
+from lora_ppo.compiled_update import CompiledLayers, layer_step
 from lora_ppo.library_notices import without_peft_rename_notice
 from lora_ppo.model_checks import (check_logit_path, fused_expert_parameters, logit_path_error, logit_transform_of,
                                    probe_ids)
@@ -180,13 +180,14 @@ class Backbone:
             eval_on_training_kernel(self.peft)
 
     @contextlib.contextmanager
-    def gradient_checkpointing(self, enabled: bool) -> Iterator[None]:
-        """Checkpoint decoder layers inside the block (for updates); generation keeps its KV cache."""
-        from torch.utils.checkpoint import checkpoint
+    def gradient_checkpointing(self, enabled: bool, compiled: Optional[CompiledLayers] = None) -> Iterator[None]:
+        """Checkpoint decoder layers inside the block (for updates); generation keeps its KV cache.
+        With `compiled` (`ppo.compile_update`), layers that compute gradients run its compiled step."""
         from transformers.modeling_layers import GradientCheckpointingLayer
 
         base = self.peft.get_base_model()
-        if not enabled or not base.supports_gradient_checkpointing:
+        enabled = enabled and base.supports_gradient_checkpointing
+        if not enabled and compiled is None:
             yield
             return
         # transformers checkpoints a layer only in training mode, and training mode turns on the
@@ -195,8 +196,9 @@ class Backbone:
         layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
         for layer in layers:
             def checkpointed(*args, layer=layer, **kwargs):
-                forward = functools.partial(type(layer).forward, layer, **kwargs)
-                return checkpoint(forward, *args, use_reentrant=False) if torch.is_grad_enabled() else forward(*args)
+                if not torch.is_grad_enabled():
+                    return type(layer).forward(layer, *args, **kwargs)
+                return (compiled or layer_step)(layer, enabled, *args, **kwargs)
 
             layer.forward = checkpointed  # an instance attribute shadows the class's forward
         try:

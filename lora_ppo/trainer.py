@@ -16,6 +16,7 @@ from lora_ppo import checkpoint, ppo_math
 from lora_ppo.agents.episodes import EpisodeBatch, collect_episode_rollout, run_episodes
 from lora_ppo.agents.given import rollout_from_tokens
 from lora_ppo.alarms import LOGPROB_TOLERANCE, first_step_logprob_error
+from lora_ppo.compiled_update import CompiledLayers
 from lora_ppo.config import Recipe, recipe_to_yaml, with_absolute_paths
 from lora_ppo.data import PromptFormat, PromptProblem, PromptRow, PromptStream, count_summary
 from lora_ppo.distributed import World, join_world
@@ -83,6 +84,7 @@ class PPOTrainer:
         self.update_settings = UpdateSettings(
             recipe.minibatch_size, recipe.micro_batch_size, recipe.rollout.temperature,
             recipe.model.gradient_checkpointing, recipe.ppo.update_roles_together,
+            CompiledLayers() if recipe.ppo.compile_update else None,
         )
         self.state = TrainState(kl_coef=recipe.ppo.kl_coef)
         self.work = step_work(recipe, self.roles, self.sampler.cfg.logprobs_from_generation is True, self.world.size)
@@ -220,6 +222,10 @@ class PPOTrainer:
         if parts.decoder is not None:  # rollout.compile: what compiling has cost so far, and any recompile
             metrics["time/compile"] = parts.decoder.compile_s
             metrics["generation/recompiles"] = float(parts.decoder.recompiles)
+        compiled = self.update_settings.compiled_layers
+        if compiled is not None:  # ppo.compile_update: its compiling so far, and the graphs it made
+            metrics["time/compile"] = metrics.get("time/compile", 0.0) + compiled.compile_s
+            metrics["update/compiled_graphs"] = float(compiled.graphs)
         return metrics
 
     def _throughput(self, rollout: Rollout, update_s: float) -> dict[str, float]:

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from lora_ppo import ppo_math
+from lora_ppo.compiled_update import CompiledLayers
 from lora_ppo.config import PPOConfig
 from lora_ppo.distributed import World
 from lora_ppo.roles import POLICY, VALUE, RoleModel
@@ -187,6 +188,7 @@ class UpdateSettings:
     temperature: float  # the sampling temperature: new logprobs must be on the same scale
     gradient_checkpointing: bool
     roles_together: bool = False  # ppo.update_roles_together
+    compiled_layers: Optional[CompiledLayers] = None  # ppo.compile_update: the compiled layer step
 
 
 def ppo_update(
@@ -213,7 +215,7 @@ def ppo_update(
     nonfinite: list[str] = []
     minibatches = skipped = scaled = 0
     norms = (torch.zeros(()), torch.zeros(()))
-    with roles.gradient_checkpointing(settings.gradient_checkpointing):
+    with roles.gradient_checkpointing(settings.gradient_checkpointing, settings.compiled_layers):
         for _epoch in range(cfg.num_epochs):
             order = torch.randperm(batch, generator=generator).to(rollout.response_ids.device)
             for rows in order.split(settings.minibatch_size):

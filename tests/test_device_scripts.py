@@ -46,7 +46,9 @@ def test_gpu_step_writes_every_part(tiny_config, tmp_path):
     assert set(budget["auto"]) >= {"micro_batch", "rollout.forward_batch_size", "model.gradient_checkpointing"}
     for part in ("kl_check", "update_variants", "profile", "static_cache"):
         assert "error" not in budget[part], (part, budget[part])
-    assert {"time/generate", "time/update"} <= set(budget["update_variants"]["adapter_autocast"])
+    variants = budget["update_variants"]
+    assert {"time/generate", "time/update"} <= set(variants["adapter_autocast"])
+    assert variants["compile_update_compiling"]["time/compile"] > 0 and "time/update" in variants["compile_update"]
     kl = budget["kl_check"]
     assert {"generation_minus_scoring_first_token_abs", "generation_minus_scoring_later_tokens_abs",
             "eager_generation_minus_scoring_policy_abs"} <= set(kl)

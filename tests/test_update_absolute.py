@@ -147,7 +147,7 @@ class TableRoles:
         self._row_roles: Optional[list[str]] = None
 
     @contextlib.contextmanager
-    def gradient_checkpointing(self, enabled: bool):
+    def gradient_checkpointing(self, enabled: bool, compiled=None):
         self.checkpointing.append(enabled)
         yield
 

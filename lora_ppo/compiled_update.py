@@ -1,0 +1,75 @@
+"""Compiled decoder layers for the PPO update (`ppo.compile_update`).
+
+The update runs every decoder layer through PEFT's LoRA layers and bitsandbytes' 4-bit matmuls:
+thousands of small kernels per micro-batch, each launched from Python. On a GPU below 8 rows a
+micro-batch took about twice its kernels' time (bench/README.md). Here every decoder layer runs one
+function compiled once (`torch.compile`, sequence length dynamic), inside gradient checkpointing
+where that is on: fewer launches, elementwise work fused. Inductor emulates eager's rounding of
+each intermediate (`emulate_precision_casts`), so logprobs, losses and gradients are eager's (bit
+for bit on CPU in float32 and bfloat16, tests/test_compiled_update.py) and the PPO ratio still
+starts at 1.
+
+One graph per role, and for the first layer, whose input needs no gradient; a layer's module is an
+input to the graph (not a constant), so a 32-layer model compiles as few graphs as a 2-layer one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Optional
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from lora_ppo.errors import first_line
+
+log = logging.getLogger(__name__)
+
+
+def layer_step(layer: torch.nn.Module, checkpointing: bool, *args, **kwargs):
+    """A decoder layer's own forward (not the instance's wrapper around it), checkpointed or not."""
+    forward = functools.partial(type(layer).forward, layer, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False) if checkpointing else forward(*args)
+
+
+class CompiledLayers:
+    """The compiled layer step, what compiling has cost, and why it is off after a failure."""
+
+    def __init__(self) -> None:
+        self._step = torch.compile(layer_step, dynamic=True, options={"emulate_precision_casts": True})
+        self.compile_s = 0.0  # the calls that compiled a graph: compiling, then running one layer
+        self.graphs = 0
+        self.disabled: Optional[str] = None  # why the compiled path is off, after a failure
+
+    def __call__(self, layer: torch.nn.Module, checkpointing: bool, *args, **kwargs):
+        """One decoder layer's forward (checkpointed where `checkpointing`): compiled, or eager
+        for good once compiling failed (one log line)."""
+        if self.disabled is not None:
+            return layer_step(layer, checkpointing, *args, **kwargs)
+        graphs_before = unique_graphs()
+        t0 = time.perf_counter()
+        try:
+            out = self._step(layer, checkpointing, *args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any failure to compile means "run eager"
+            message = first_line(error)
+            self.disabled = message if message == type(error).__name__ else f"{type(error).__name__}: {message}"
+            log.warning("update: the compiled decoder layers cannot run here (%s); eager from now on", self.disabled)
+            return layer_step(layer, checkpointing, *args, **kwargs)
+        new = unique_graphs() - graphs_before
+        if new:
+            seconds = time.perf_counter() - t0
+            self.graphs += new
+            self.compile_s += seconds
+            log.info("update: compiled a decoder layer graph (%d so far) in %.1f s", self.graphs, seconds)
+        return out
+
+
+def unique_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (every compiled path counts here)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
