@@ -6,8 +6,8 @@ micro-batch took about twice its kernels' time (bench/README.md). Here every dec
 function compiled once (`torch.compile`, sequence length dynamic), inside gradient checkpointing
 where that is on: fewer launches, elementwise work fused. Inductor emulates eager's rounding of
 each intermediate (`emulate_precision_casts`), so logprobs, losses and gradients are eager's (bit
-for bit on CPU in float32 and bfloat16, tests/test_compiled_update.py) and the PPO ratio still
-starts at 1.
+for bit on CPU in bfloat16; in float32 within rounding, a norm being summed in another order:
+tests/test_compiled_update.py) and the PPO ratio still starts at 1.
 
 One graph per role, and for the first layer, whose input needs no gradient; a layer's module is an
 input to the graph (not a constant), so a 32-layer model compiles as few graphs as a 2-layer one.

@@ -562,9 +562,10 @@ class PPOConfig(Section):
     compile_update: bool = Field(False, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """Run the update's decoder layers (inside gradient checkpointing where that is on) as one function
     compiled with `torch.compile`, not layer by layer from Python: fewer kernel launches, where a GPU update
-    below 8 rows a micro-batch spent half its time (bench/README.md). The same numbers as without it: Inductor
-    rounds each intermediate as eager does. Compiling takes a while once per role at the first update (a
-    failure logs one line and the update runs eager). Off by default until its speed is measured on a GPU.
+    below 8 rows a micro-batch spent half its time (bench/README.md). The same numbers as without it (Inductor
+    rounds each intermediate as eager does; float32 sums can differ in the last bits). Compiling takes a while
+    once per role at the first update (a failure logs one line and the update runs eager). Off by default
+    until its speed is measured on a GPU.
     """
     clip_eps: float = Field(0.2, gt=0.0)
     """Policy ratio clip: the objective ignores ratios beyond 1 ± clip_eps; 0.2 is PPO's standard value."""

@@ -160,7 +160,7 @@ class Backbone:
     def adapter_compute(self) -> contextlib.AbstractContextManager:
         """Where the decoder runs (generation, scoring, the update's forward and its recomputation):
         with `model.adapter_autocast`, autocast to bfloat16, so PEFT skips its float32 casts around
-        each adapter and the adapters' matmuls read bfloat16 copies of their float32 weights. The
+        each adapter (on a GPU) and the adapters' matmuls read bfloat16 copies of their float32 weights. The
         heads and the LM head's logprobs run outside it, in their own dtypes."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()

@@ -190,6 +190,27 @@ def prompt_and_random_response(tokenizer, prompts, response_len=5, seed=0):
     return ids, mask, enc["input_ids"].shape[1]
 
 
+def rollout_for_update(roles, tokenizer):
+    """A Rollout of 4 random responses of 6 tokens (one stopped after 4), scored by `roles`: what
+    an update test needs without sampling."""
+    import torch
+
+    from lora_ppo.rollout import Rollout, score_passes
+
+    prompts = ["This movie was", "The acting in this film", "Honestly", "I"]
+    ids, mask, start = prompt_and_random_response(tokenizer, prompts, 6)
+    response_mask = torch.ones(4, 6, dtype=torch.bool)
+    response_mask[1, 4:] = False  # a response that stopped early
+    mask[1, start + 4 :] = 0
+    old, ref, values = score_passes(roles, ids, mask, start, 1.0, forward_batch_size=2)
+    scores = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    return Rollout(
+        rows=prompt_rows(tokenizer, prompts), completions=[""] * 4, query_ids=ids[:, :start], query_mask=mask[:, :start],
+        response_ids=ids[:, start:], response_mask=response_mask, old_logprobs=old, ref_logprobs=ref,
+        values=values, raw_scores=scores, scores=scores, stopped=torch.tensor([False, True, False, False]),
+    )
+
+
 def bnb_4bit_layers(roles) -> list:
     import bitsandbytes as bnb
 

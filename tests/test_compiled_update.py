@@ -17,13 +17,8 @@ from lora_ppo.compiled_update import CompiledLayers
 from lora_ppo.config import AdaptersConfig, ModelConfig, PPOConfig
 from lora_ppo.model import load_base_model
 from lora_ppo.roles import RoleModel
-from lora_ppo.rollout import Rollout, score_passes
 from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
-from tests.conftest import (TIMING_PREFIXES, perturb_lora_b, prompt_and_random_response, prompt_rows,
-                            tiny_recipe_dict)
-
-PROMPTS = ["This movie was", "The acting in this film", "Honestly", "I"]
-
+from tests.conftest import TIMING_PREFIXES, perturb_lora_b, rollout_for_update, tiny_recipe_dict
 
 def bf16_roles(model_dir) -> RoleModel:
     torch.manual_seed(0)  # LoRA A's random init: the same for every copy
@@ -32,21 +27,6 @@ def bf16_roles(model_dir) -> RoleModel:
     perturb_lora_b(roles, "policy", seed=1, scale=0.5)
     perturb_lora_b(roles, "value", seed=2, scale=0.5)
     return roles
-
-
-def a_rollout(roles, tokenizer) -> Rollout:
-    ids, mask, start = prompt_and_random_response(tokenizer, PROMPTS, 6)
-    response_mask = torch.ones(4, 6, dtype=torch.bool)
-    response_mask[1, 4:] = False  # a response that stopped early
-    mask[1, start + 4 :] = 0
-    old, ref, values = score_passes(roles, ids, mask, start, 1.0, forward_batch_size=2)
-    scores = torch.tensor([1.0, -1.0, 0.5, 2.0])
-    return Rollout(
-        rows=prompt_rows(tokenizer, PROMPTS), completions=[""] * 4, query_ids=ids[:, :start],
-        query_mask=mask[:, :start], response_ids=ids[:, start:], response_mask=response_mask, old_logprobs=old,
-        ref_logprobs=ref, values=values, raw_scores=scores, scores=scores,
-        stopped=torch.tensor([False, True, False, False]),
-    )
 
 
 def updated(roles, rollout, compiled) -> tuple[dict, list[torch.Tensor]]:
@@ -63,7 +43,7 @@ def updated(roles, rollout, compiled) -> tuple[dict, list[torch.Tensor]]:
 
 def test_a_compiled_bfloat16_update_is_eagers_bit_for_bit(tiny_model_dir, tiny_tokenizer):
     eager_roles, compiled_roles = bf16_roles(tiny_model_dir), bf16_roles(tiny_model_dir)
-    rollout = a_rollout(eager_roles, tiny_tokenizer)
+    rollout = rollout_for_update(eager_roles, tiny_tokenizer)
     eager_stats, eager_weights = updated(eager_roles, rollout, None)
     compiled = CompiledLayers()
     compiled_stats, compiled_weights = updated(compiled_roles, rollout, compiled)
@@ -103,7 +83,7 @@ def test_a_run_with_the_update_compiled_trains_as_one_without_and_compiles_once(
 
 def test_layers_that_cannot_compile_run_eager_with_one_log_line(tiny_model_dir, tiny_tokenizer, caplog):
     eager_roles, fallback_roles = bf16_roles(tiny_model_dir), bf16_roles(tiny_model_dir)
-    rollout = a_rollout(eager_roles, tiny_tokenizer)
+    rollout = rollout_for_update(eager_roles, tiny_tokenizer)
     failing = CompiledLayers()
     calls = []
 

@@ -8,9 +8,8 @@ import torch
 
 from lora_ppo.config import PPOConfig
 from lora_ppo.roles import REFERENCE
-from lora_ppo.rollout import Rollout, score_passes
 from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
-from tests.conftest import prompt_and_random_response, prompt_rows
+from tests.conftest import rollout_for_update
 
 
 @pytest.fixture(scope="module")
@@ -23,23 +22,8 @@ def roles(make_roles):
     return make_roles(seed=1, scale=0.5)
 
 
-def _rollout_for_update(roles, tokenizer):
-    prompts = ["This movie was", "The acting in this film", "Honestly", "I"]
-    ids, mask, start = prompt_and_random_response(tokenizer, prompts, 6)
-    response_mask = torch.ones(4, 6, dtype=torch.bool)
-    response_mask[1, 4:] = False  # a response that stopped early
-    mask[1, start + 4 :] = 0
-    old, ref, values = score_passes(roles, ids, mask, start, 1.0, forward_batch_size=2)
-    scores = torch.tensor([1.0, -1.0, 0.5, 2.0])
-    return Rollout(
-        rows=prompt_rows(tokenizer, prompts), completions=[""] * 4, query_ids=ids[:, :start], query_mask=mask[:, :start],
-        response_ids=ids[:, start:], response_mask=response_mask, old_logprobs=old, ref_logprobs=ref,
-        values=values, raw_scores=scores, scores=scores, stopped=torch.tensor([False, True, False, False]),
-    )
-
-
 def test_ppo_update_moves_adapters_but_not_base_or_reference(roles, tokenizer):
-    rollout = _rollout_for_update(roles, tokenizer)
+    rollout = rollout_for_update(roles, tokenizer)
     cfg = PPOConfig(num_epochs=1, num_minibatches=2, grad_accum_steps=2, learning_rate=1e-2)
     adv = compute_advantages(rollout, cfg, cfg.kl_coef, rollout.scores)
     snapshot = {n: p.detach().clone() for n, p in roles.peft.named_parameters()}
@@ -69,7 +53,7 @@ def test_ppo_update_moves_adapters_but_not_base_or_reference(roles, tokenizer):
 def test_first_update_sees_rollout_logprobs(roles, tokenizer, grad_accum_steps):
     # One minibatch, one epoch: the update's logprobs are those of the rollout policy, so the
     # ratio is 1 and the approximate KL 0, whatever the micro-batch split.
-    rollout = _rollout_for_update(roles, tokenizer)
+    rollout = rollout_for_update(roles, tokenizer)
     cfg = PPOConfig(num_epochs=1, num_minibatches=1, grad_accum_steps=grad_accum_steps)
     adv = compute_advantages(rollout, cfg, cfg.kl_coef, rollout.scores)
     optimizer = torch.optim.SGD(roles.policy_parameters() + roles.value_parameters(), lr=0.0)
