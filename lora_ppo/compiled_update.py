@@ -16,6 +16,7 @@ input to the graph (not a constant), so a 32-layer model compiles as few graphs 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import time
 from typing import Optional
@@ -38,7 +39,11 @@ class CompiledLayers:
     """The compiled layer step, what compiling has cost, and why it is off after a failure."""
 
     def __init__(self) -> None:
-        self._step = torch.compile(layer_step, dynamic=True, options={"emulate_precision_casts": True})
+        # Each role, the first layer, dequantized layers (model.dequantize_per_step) and a one-row
+        # micro-batch are graphs of their own: past dynamo's default 8 per function, later ones would
+        # run eager. Recent torch.compile (2.13 here) takes a limit of its own; older ones keep the default.
+        limit = {"recompile_limit": 64} if "recompile_limit" in inspect.signature(torch.compile).parameters else {}
+        self._step = torch.compile(layer_step, dynamic=True, options={"emulate_precision_casts": True}, **limit)
         self.compile_s = 0.0  # the calls that compiled a graph: compiling, then running one layer
         self.graphs = 0
         self.disabled: Optional[str] = None  # why the compiled path is off, after a failure
