@@ -202,15 +202,16 @@ def _device_time_under(event, cuda: bool) -> float:
     return event.device_time_total if cuda else event.cpu_time_total
 
 
-def update_variants(trainer) -> dict:
-    """One extra step per UPDATE_VARIANTS entry on the loaded run, its update settings changed (the
-    rollout work is the same): seconds, TFLOP/s and peak of the update, or the out-of-memory."""
+def update_variants(trainer, results: dict, save=lambda: None) -> dict:
+    """One extra step per ROLE_VARIANTS then UPDATE_VARIANTS entry on the loaded run, its roles or
+    update settings changed (the rollout work is the same): seconds, TFLOP/s and peak of the update,
+    or the out-of-memory. Each lands in `results` and is saved as it comes (compiling runs last and
+    longest: a device call cut short keeps the others)."""
     import dataclasses
 
     import torch
 
     base_settings, base_work = trainer.update_settings, trainer.work
-    results = {}
 
     def step(name: str, described: dict, keys=("time/update", "perf/update_tflops", "memory/update_gb")) -> None:
         try:
@@ -221,7 +222,17 @@ def update_variants(trainer) -> dict:
             trainer.parts.optimizer.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
         print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)
+        save()
 
+    roles = trainer.parts.roles
+    for name, attributes in ROLE_VARIANTS.items():
+        before = {attribute: getattr(roles, attribute) for attribute in attributes}
+        for attribute, value in attributes.items():
+            setattr(roles, attribute, getattr(torch, value))
+        step(name, {"micro_batch": base_settings.micro_batch_size, **attributes},
+             ("time/generate", "time/score", "time/update", "perf/update_tflops", "memory/update_gb"))
+        for attribute, value in before.items():
+            setattr(roles, attribute, value)
     for name, change in UPDATE_VARIANTS.items():
         settings = dataclasses.replace(base_settings, **change(base_settings))
         if settings == base_settings:
@@ -235,15 +246,6 @@ def update_variants(trainer) -> dict:
             step(f"{name}_compiling", described, ("time/update", "time/compile", "memory/update_gb"))
         step(name, described)
     trainer.update_settings, trainer.work = base_settings, base_work
-    roles = trainer.parts.roles
-    for name, attributes in ROLE_VARIANTS.items():
-        before = {attribute: getattr(roles, attribute) for attribute in attributes}
-        for attribute, value in attributes.items():
-            setattr(roles, attribute, getattr(torch, value))
-        step(name, {"micro_batch": base_settings.micro_batch_size, **attributes},
-             ("time/generate", "time/score", "time/update", "perf/update_tflops", "memory/update_gb"))
-        for attribute, value in before.items():
-            setattr(roles, attribute, value)
     return results
 
 
@@ -325,7 +327,9 @@ def recorded(part, *args):
         return {"error": text}
 
 
-def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float, matmul_rate: float) -> dict:
+def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float, matmul_rate: float,
+               result: dict, save=lambda: None) -> dict:
+    """Fill `result` with this budget's measurements, calling `save` after each part."""
     import torch
 
     import lora_ppo
@@ -337,7 +341,7 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
     context, cap = cap_allocator(gpu_gb)
     recipe = lora_ppo.load_recipe(args.recipe, run_overrides(model_dir, Path(args.work) / f"run-{gpu_gb:g}",
                                                               args.overrides))
-    result: dict = {"gpu_gb": gpu_gb, "cuda_context_gb": round(context / GB, 3), "allocator_cap_gb": round(cap / GB, 3)}
+    result.update({"gpu_gb": gpu_gb, "cuda_context_gb": round(context / GB, 3), "allocator_cap_gb": round(cap / GB, 3)})
     t0 = time.perf_counter()
     try:
         trainer = lora_ppo.PPOTrainer(recipe, progress=False)
@@ -363,12 +367,17 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
         result["static_cache"] = static_cache(trainer)
         tolerance = LOGPROB_TOLERANCE[str(compute_dtype(r.model)).removeprefix("torch.")]
         result["kl_within_bf16_tolerance"] = all(abs(s["objective/kl_per_token"]) <= tolerance for s in steps)
+        save()
         # Each later part is recorded on its own: one that breaks (a profiler API of another torch)
         # must not cost the device call the parts that worked.
         result["kl_check"] = recorded(kl_check, trainer, prompts)
-        if args.update_variants and gpu_gb == args.gpu_gb[0]:  # the first budget only: each costs a step
-            result["update_variants"] = recorded(update_variants, trainer)
+        save()
         result["profile"] = recorded(profile_update, trainer, rollout)
+        save()
+        if args.update_variants and gpu_gb == args.gpu_gb[0]:  # the first budget only: each costs a step
+            result["update_variants"] = {}
+            outcome = recorded(update_variants, trainer, result["update_variants"], save)
+            result["update_variants"].update({"error": outcome["error"]} if "error" in outcome else {})
     except torch.OutOfMemoryError as err:
         result["error"] = f"out of memory: {str(err).splitlines()[0]}"
     result["max_phase_peak_gb"] = max((v for s in result.get("steps", []) for k, v in s.items()
@@ -419,10 +428,14 @@ def main() -> None:
         "build_s": round(build_s, 1), "measured_matmul_tflops": round(rate, 1),
         "budgets": [],
     }
-    for gb in args.gpu_gb:  # written after each budget: a device call cut short keeps the ones done
-        result["budgets"].append(run_budget(args, model_dir, prompts, prompt_tokens, gb, rate))
+    def save() -> None:  # after each part: a device call cut short keeps the parts done
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+
+    for gb in args.gpu_gb:
+        result["budgets"].append({})
+        run_budget(args, model_dir, prompts, prompt_tokens, gb, rate, result["budgets"][-1], save)
+        save()
     print(json.dumps(result, indent=2))
 
 
