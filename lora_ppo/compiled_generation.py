@@ -26,7 +26,7 @@ from lora_ppo.bnb_workarounds import first_4bit_layer, is_dequantized
 from lora_ppo.compiled_update import unique_graphs
 from lora_ppo.config import RolloutConfig
 from lora_ppo.devices import device_rng_states, model_device, restore_device_rng_states
-from lora_ppo.errors import first_line
+from lora_ppo.errors import named_first_line
 from lora_ppo.model_checks import base_forward, cache_keyword
 
 log = logging.getLogger(__name__)
@@ -134,8 +134,7 @@ class StaticDecoder:
         except Exception as error:  # noqa: BLE001 - any failure to compile means "use generate()"
             torch.random.set_rng_state(rng[0])
             restore_device_rng_states(rng[1])
-            message = first_line(error)
-            self.disabled = message if message == type(error).__name__ else f"{type(error).__name__}: {message}"
+            self.disabled = named_first_line(error)
             self._caches.clear()
             raise CompileFailed(self.disabled) from error
         seconds = time.perf_counter() - t0

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from lora_ppo.errors import first_line
+from lora_ppo.errors import named_first_line
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,7 @@ class CompiledLayers:
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # noqa: BLE001 - any failure to compile means "run eager"
-            message = first_line(error)
-            self.disabled = message if message == type(error).__name__ else f"{type(error).__name__}: {message}"
+            self.disabled = named_first_line(error)
             log.warning("update: the compiled decoder layers cannot run here (%s); eager from now on", self.disabled)
             return layer_step(layer, checkpointing, *args, **kwargs)
         new = unique_graphs() - graphs_before

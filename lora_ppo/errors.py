@@ -18,6 +18,13 @@ def first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def named_first_line(err: BaseException) -> str:
+    """`first_line` after the exception's type ("RuntimeError: no C++ compiler found"), or the type
+    alone when the message is empty."""
+    message = first_line(err)
+    return message if message == type(err).__name__ else f"{type(err).__name__}: {message}"
+
+
 def user_frames(err: BaseException, package_dir: str) -> str:
     """Where user code raised `err`'s cause (a reward function's own error): its traceback's
     frames outside `package_dir` (lora_ppo) and the standard library's threading, formatted as
