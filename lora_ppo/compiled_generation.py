@@ -128,7 +128,7 @@ class StaticDecoder:
         rng = torch.random.get_rng_state(), device_rng_states()
         t0 = time.perf_counter()
         try:
-            tokens = self._generate(query_ids, query_mask, gen_config, processors, key[0])
+            tokens = self._generate(query_ids, query_mask, gen_config, processors, key[0], check_cache=True)
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # noqa: BLE001 - any failure to compile means "use generate()"
@@ -145,7 +145,8 @@ class StaticDecoder:
                  "took %.1f s", key[0], self.cache_tokens, seconds)
         return tokens
 
-    def _generate(self, query_ids, query_mask, gen_config, processors, rows: int) -> torch.Tensor:
+    def _generate(self, query_ids, query_mask, gen_config, processors, rows: int,
+                  check_cache: bool = False) -> torch.Tensor:
         B, P = query_ids.shape
         device = query_ids.device
         if rows > B:  # filler rows (copies of row 0) keep the compiled shape; their tokens are dropped
@@ -159,8 +160,9 @@ class StaticDecoder:
         extra = {"logits_to_keep": 1} if self._keep_one else {}
         logits = self.model(input_ids=query_ids, position_ids=positions, attention_mask=query_mask,
                             use_cache=True, **{self._cache_keyword: cache}, **extra).logits[:, -1].float()
-        if cache.get_seq_length() == 0:
+        if check_cache and cache.get_seq_length() == 0:
             # The forward did not write the prompt into the cache: the decode steps would see no context.
+            # Checked on a graph's first call only: reading the length waits for the GPU.
             raise RuntimeError(f"the model's forward did not fill the static cache passed as `{self._cache_keyword}`")
         position = positions[:, -1:]
 
