@@ -76,9 +76,6 @@ UPDATE_VARIANTS = {
     # ppo.compile_update: a first step compiles (its seconds recorded apart), the second is timed
     "compile_update": lambda s: {"compiled_layers": _compiled_layers()},
 }
-# Variants of the roles rather than the update's sizes, one extra step each: `model.adapter_autocast`
-# (it also changes generation and scoring, whose seconds are recorded beside the update's).
-ROLE_VARIANTS = {"adapter_autocast": {"autocast_dtype": "bfloat16"}}
 
 
 def _compiled_layers():
@@ -203,10 +200,10 @@ def _device_time_under(event, cuda: bool) -> float:
 
 
 def update_variants(trainer, results: dict, save=lambda: None) -> dict:
-    """One extra step per ROLE_VARIANTS then UPDATE_VARIANTS entry on the loaded run, its roles or
-    update settings changed (the rollout work is the same): seconds, TFLOP/s and peak of the update,
-    or the out-of-memory. Each lands in `results` and is saved as it comes (compiling runs last and
-    longest: a device call cut short keeps the others)."""
+    """One extra step with `model.adapter_autocast`, then one per UPDATE_VARIANTS entry, on the loaded
+    run (the rollout work is the same): seconds, TFLOP/s and peak of the update, or the out-of-memory.
+    Each lands in `results` and is saved as it comes (compiling runs last and longest: a device call
+    cut short keeps the others)."""
     import dataclasses
 
     import torch
@@ -224,15 +221,12 @@ def update_variants(trainer, results: dict, save=lambda: None) -> dict:
         print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)
         save()
 
-    roles = trainer.parts.roles
-    for name, attributes in ROLE_VARIANTS.items():
-        before = {attribute: getattr(roles, attribute) for attribute in attributes}
-        for attribute, value in attributes.items():
-            setattr(roles, attribute, getattr(torch, value))
-        step(name, {"micro_batch": base_settings.micro_batch_size, **attributes},
-             ("time/generate", "time/score", "time/update", "perf/update_tflops", "memory/update_gb"))
-        for attribute, value in before.items():
-            setattr(roles, attribute, value)
+    # Autocast also changes generation and scoring: their seconds are recorded beside the update's.
+    roles, autocast_before = trainer.parts.roles, trainer.parts.roles.autocast_dtype
+    roles.autocast_dtype = torch.bfloat16
+    step("adapter_autocast", {"micro_batch": base_settings.micro_batch_size},
+         ("time/generate", "time/score", "time/update", "perf/update_tflops", "memory/update_gb"))
+    roles.autocast_dtype = autocast_before
     for name, change in UPDATE_VARIANTS.items():
         settings = dataclasses.replace(base_settings, **change(base_settings))
         if settings == base_settings:
