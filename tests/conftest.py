@@ -152,15 +152,16 @@ def perturb_lora_b(roles, adapter: str, seed: int, scale: float) -> None:
 
 @pytest.fixture(scope="session")
 def make_roles(tiny_model_dir):
-    """Build a RoleModel (r=4 policy and value adapters) on the tiny 4-bit model, with the LoRA B
-    matrices of `perturbed` adapters randomised (seed, seed + 1, ...)."""
+    """Build a RoleModel (r=4 policy and value adapters) on the tiny 4-bit model computing in
+    `compute_dtype`, with the LoRA B matrices of `perturbed` adapters randomised (seed, seed + 1, ...)."""
     from lora_ppo.config import AdaptersConfig, ModelConfig
     from lora_ppo.model import load_base_model
     from lora_ppo.roles import RoleModel
 
-    def make(seed: int = 0, scale: float = 0.3, perturbed=("policy", "value"), **adapters):
+    def make(seed: int = 0, scale: float = 0.3, perturbed=("policy", "value"), compute_dtype: str = "auto", **adapters):
         settings = {"policy": {"r": 4, "alpha": 8}, "value": {"r": 4, "alpha": 8}, **adapters}
-        roles = RoleModel(load_base_model(ModelConfig(name=str(tiny_model_dir))), AdaptersConfig(**settings))
+        base = load_base_model(ModelConfig(name=str(tiny_model_dir), compute_dtype=compute_dtype))
+        roles = RoleModel(base, AdaptersConfig(**settings))
         for offset, adapter in enumerate(perturbed):
             perturb_lora_b(roles, adapter, seed + offset, scale)
         return roles

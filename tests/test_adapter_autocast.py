@@ -11,20 +11,16 @@ import torch
 
 import lora_ppo
 from lora_ppo.alarms import LOGPROB_TOLERANCE
-from lora_ppo.config import AdaptersConfig, ModelConfig, recipe_from_dict
-from lora_ppo.model import load_base_model
+from lora_ppo.config import ModelConfig, recipe_from_dict
 from lora_ppo.quantization import adapter_autocast_dtype
-from lora_ppo.roles import POLICY, RoleModel
-from tests.conftest import perturb_lora_b, prompt_and_random_response, tiny_recipe_dict
+from lora_ppo.roles import POLICY
+from tests.conftest import prompt_and_random_response, tiny_recipe_dict
 
 
 @pytest.fixture(scope="module")
-def roles(tiny_model_dir):
+def roles(make_roles):
     """bf16 roles whose policy adapter changes the output (its B matrices randomised)."""
-    base = load_base_model(ModelConfig(name=str(tiny_model_dir), compute_dtype="bfloat16"))
-    roles = RoleModel(base, AdaptersConfig(policy={"r": 4, "alpha": 8}, value={"r": 4, "alpha": 8}))
-    perturb_lora_b(roles, POLICY, seed=0, scale=0.5)
-    return roles
+    return make_roles(seed=0, scale=0.5, perturbed=(POLICY,), compute_dtype="bfloat16")
 
 
 def policy_forward(roles, tokenizer, autocast: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -65,13 +61,12 @@ def test_autocast_computes_what_adapters_stored_in_bfloat16_compute(roles, tiny_
         torch.testing.assert_close(autocast_grad, bf16_grad.float(), rtol=0, atol=0)
 
 
-def test_autocast_is_as_close_to_float32_as_bfloat16_compute_is(roles, tiny_tokenizer, tiny_model_dir):
+def test_autocast_is_as_close_to_float32_as_bfloat16_compute_is(roles, tiny_tokenizer, make_roles):
     """Against the same policy computed wholly in float32, the logprobs and gradients with autocast
     are within 1.25x the distance of today's bfloat16 path (bfloat16 base, float32 adapters): the
     adapters' bfloat16 adds little to the rounding bfloat16 compute already has (on this tiny
     random model 0.12 nats per token and 35% of the gradient's norm either way)."""
-    exact = RoleModel(load_base_model(ModelConfig(name=str(tiny_model_dir), compute_dtype="float32")),
-                      AdaptersConfig(policy={"r": 4, "alpha": 8}, value={"r": 4, "alpha": 8}))
+    exact = make_roles(perturbed=(), compute_dtype="float32")
     with torch.no_grad():
         for mine, theirs in zip(exact.policy_parameters(), roles.policy_parameters()):
             mine.copy_(theirs)

@@ -14,19 +14,14 @@ import torch
 
 import lora_ppo
 from lora_ppo.compiled_update import CompiledLayers
-from lora_ppo.config import AdaptersConfig, ModelConfig, PPOConfig
-from lora_ppo.model import load_base_model
+from lora_ppo.config import PPOConfig
 from lora_ppo.roles import RoleModel
 from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
-from tests.conftest import TIMING_PREFIXES, perturb_lora_b, rollout_for_update, tiny_recipe_dict
+from tests.conftest import TIMING_PREFIXES, rollout_for_update, tiny_recipe_dict
 
-def bf16_roles(model_dir) -> RoleModel:
+def bf16_roles(make_roles) -> RoleModel:
     torch.manual_seed(0)  # LoRA A's random init: the same for every copy
-    base = load_base_model(ModelConfig(name=str(model_dir), compute_dtype="bfloat16"))
-    roles = RoleModel(base, AdaptersConfig(policy={"r": 4, "alpha": 8}, value={"r": 4, "alpha": 8}))
-    perturb_lora_b(roles, "policy", seed=1, scale=0.5)
-    perturb_lora_b(roles, "value", seed=2, scale=0.5)
-    return roles
+    return make_roles(seed=1, scale=0.5, compute_dtype="bfloat16")
 
 
 def updated(roles, rollout, compiled) -> tuple[dict, list[torch.Tensor]]:
@@ -41,8 +36,8 @@ def updated(roles, rollout, compiled) -> tuple[dict, list[torch.Tensor]]:
     return vars(stats), weights
 
 
-def test_a_compiled_bfloat16_update_is_eagers_bit_for_bit(tiny_model_dir, tiny_tokenizer):
-    eager_roles, compiled_roles = bf16_roles(tiny_model_dir), bf16_roles(tiny_model_dir)
+def test_a_compiled_bfloat16_update_is_eagers_bit_for_bit(make_roles, tiny_tokenizer):
+    eager_roles, compiled_roles = bf16_roles(make_roles), bf16_roles(make_roles)
     rollout = rollout_for_update(eager_roles, tiny_tokenizer)
     eager_stats, eager_weights = updated(eager_roles, rollout, None)
     compiled = CompiledLayers()
@@ -81,8 +76,8 @@ def test_a_run_with_the_update_compiled_trains_as_one_without_and_compiles_once(
     assert compile_s[0] > 0 and compile_s[2] == compile_s[1] == compile_s[0]
 
 
-def test_layers_that_cannot_compile_run_eager_with_one_log_line(tiny_model_dir, tiny_tokenizer, caplog):
-    eager_roles, fallback_roles = bf16_roles(tiny_model_dir), bf16_roles(tiny_model_dir)
+def test_layers_that_cannot_compile_run_eager_with_one_log_line(make_roles, tiny_tokenizer, caplog):
+    eager_roles, fallback_roles = bf16_roles(make_roles), bf16_roles(make_roles)
     rollout = rollout_for_update(eager_roles, tiny_tokenizer)
     failing = CompiledLayers()
     calls = []
