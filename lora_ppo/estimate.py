@@ -72,6 +72,12 @@ CPU_BACKWARD_SLACK = {"4bit": 0.5, "none": 0.5, "8bit": 1.0}
 # Live values of a no-grad forward per token: the residual stream, one layer's MLP intermediates.
 FWD_HIDDEN_TERMS = 4
 FWD_INTERMEDIATE_TERMS = 3
+# Computing in 16 bits with float32 adapters, PEFT casts each adapter's input to float32 and runs it
+# there: float32 [tokens, width] tensors beside the 16-bit ones, counted as two more intermediate widths
+# in 16-bit units (bench/live_memory.py: a scoring row in bfloat16 measured 1.43x the float32-fitted
+# terms on CPU, as on an H100 at 8B, 0.26 GB against 0.18; the same with `model.adapter_autocast` on
+# CPU, where PEFT still casts; on a GPU it then skips the casts, and this may over-count).
+FP32_ADAPTER_OUTPUT_TERMS = 2
 # fp32 [positions, vocab] tensors alive at once in a logits chunk: logits, softmax, log-softmax
 # (and their gradient under autograd).
 LOGIT_COPIES_NO_GRAD = 3
@@ -542,9 +548,7 @@ def generate_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int
     kv = static_kv if static_kv else kv_cache_bytes(shape, act_bytes, batch, recipe.sequence_tokens)
     logits = GEN_LOGIT_COPIES * batch * shape.vocab * 4
     dequant = _dequantized_weight_bytes(shape, recipe, act_bytes)
-    prefill = batch * recipe.data.max_prompt_tokens * (
-        FWD_HIDDEN_TERMS * shape.hidden + FWD_INTERMEDIATE_TERMS * shape.intermediate
-    ) * act_bytes
+    prefill = batch * recipe.data.max_prompt_tokens * forward_values_per_token(shape, act_bytes)
     return kv + logits + dequant + prefill
 
 
@@ -557,10 +561,16 @@ def score_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int) ->
     return forward_bytes(shape, recipe, act_bytes, tokens, min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.response_tokens))
 
 
+def forward_values_per_token(shape: ModelShape, act_bytes: int) -> float:
+    """Bytes a no-grad forward keeps alive per token while one layer runs."""
+    intermediate = FWD_INTERMEDIATE_TERMS + (FP32_ADAPTER_OUTPUT_TERMS if act_bytes < ADAPTER_WEIGHT_BYTES else 0)
+    return (FWD_HIDDEN_TERMS * shape.hidden + intermediate * shape.intermediate) * act_bytes
+
+
 def forward_bytes(shape: ModelShape, recipe, act_bytes: int, tokens: int, logit_positions: int) -> float:
     """A no-grad forward of `tokens` tokens (one layer live at a time), a logits chunk of
     `logit_positions`, and the dequantized weights (`recipe.model`: a PPO or an SFT recipe's)."""
-    layer = tokens * (FWD_HIDDEN_TERMS * shape.hidden + FWD_INTERMEDIATE_TERMS * shape.intermediate) * act_bytes
+    layer = tokens * forward_values_per_token(shape, act_bytes)
     logits = LOGIT_COPIES_NO_GRAD * logit_positions * shape.vocab * 4
     dequant = _dequantized_weight_bytes(shape, recipe, act_bytes)
     return layer + logits + dequant
