@@ -200,10 +200,10 @@ def _device_time_under(event, cuda: bool) -> float:
 
 
 def update_variants(trainer, results: dict, save=lambda: None) -> dict:
-    """One extra step with `model.adapter_autocast`, then one per UPDATE_VARIANTS entry, on the loaded
-    run (the rollout work is the same): seconds, TFLOP/s and peak of the update, or the out-of-memory.
-    Each lands in `results` and is saved as it comes (compiling runs last and longest: a device call
-    cut short keeps the others)."""
+    """One extra step with `model.adapter_autocast`, one without `ppo.trim_padding`, then one per
+    UPDATE_VARIANTS entry, on the loaded run (the rollout work is the same): seconds, TFLOP/s and peak
+    of the update, or the out-of-memory. Each lands in `results` and is saved as it comes (compiling
+    runs last and longest: a device call cut short keeps the others)."""
     import dataclasses
 
     import torch
@@ -221,12 +221,17 @@ def update_variants(trainer, results: dict, save=lambda: None) -> dict:
         print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)
         save()
 
-    # Autocast also changes generation and scoring: their seconds are recorded beside the update's.
-    roles, autocast_before = trainer.parts.roles, trainer.parts.roles.autocast_dtype
-    roles.autocast_dtype = torch.bfloat16
-    step("adapter_autocast", {"micro_batch": base_settings.micro_batch_size},
-         ("time/generate", "time/score", "time/update", "perf/update_tflops", "memory/update_gb"))
-    roles.autocast_dtype = autocast_before
+    # Settings of the roles (model.adapter_autocast on, ppo.trim_padding off) also change generation or
+    # scoring: their seconds are recorded beside the update's.
+    roles = trainer.parts.roles
+    for name, attribute, value in (("adapter_autocast", "autocast_dtype", torch.bfloat16),
+                                   ("trim_padding_off", "trim_padding", False)):
+        before = getattr(roles, attribute)
+        setattr(roles, attribute, value)
+        step(name, {"micro_batch": base_settings.micro_batch_size},
+             ("time/generate", "time/score_forward", "time/update", "perf/update_tflops", "memory/update_gb",
+              "update/padding_frac", "check/logprob_mean_diff"))
+        setattr(roles, attribute, before)
     for name, change in UPDATE_VARIANTS.items():
         settings = dataclasses.replace(base_settings, **change(base_settings))
         if settings == base_settings:
@@ -350,7 +355,7 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
         for _ in range(args.steps):
             metrics, rollout = trainer.train_step()
             step = {k: round(v, 4) for k, v in metrics.items()
-                    if k.startswith(("memory/", "time/", "perf/", "objective/kl", "check/"))}
+                    if k.startswith(("memory/", "time/", "perf/", "objective/kl", "check/", "update/"))}
             for phase in ("generate", "score", "update"):
                 if f"perf/{phase}_tflops" in metrics:
                     step[f"{phase}_share_of_measured_matmul"] = round(metrics[f"perf/{phase}_tflops"] / matmul_rate, 4)

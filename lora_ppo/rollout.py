@@ -16,6 +16,7 @@ from lora_ppo.config import RolloutConfig
 from lora_ppo.data import PromptRow
 from lora_ppo.distributed import World
 from lora_ppo.memory import PhasePeaks
+from lora_ppo.padding import UsedColumns, longest_first, pad_responses, used_columns
 from lora_ppo.rewards import RewardBatch, RewardSources
 from lora_ppo.roles import POLICY, REFERENCE, VALUE, Role, RoleModel
 
@@ -371,30 +372,37 @@ def score_passes(
     reference the reference logprobs are the old ones, so every KL estimate is 0. `together`: the
     roles still needed share one forward per micro-batch (`RoleModel.hidden_states_as_roles`) where
     the model allows it (`RoleModel.mixed_batches`); otherwise each role has its own.
+    With `ppo.trim_padding`, micro-batches of rows of similar length, each over the columns its rows
+    use (the same numbers on real tokens; padded positions hold no meaningful number either way).
     """
     needed = [role for role, wanted in ((POLICY, old_logprobs is None), (REFERENCE, with_reference),
                                         (VALUE, with_values)) if wanted]
     out: dict[Role, list[torch.Tensor]] = {role: [] for role in needed}
+    width = input_ids.shape[1] - response_start
+    trim_padding = roles.trim_padding
+    order = longest_first(attention_mask) if trim_padding else torch.arange(input_ids.shape[0], device=input_ids.device)
 
-    def read(role: Role, hidden: torch.Tensor, ids: torch.Tensor) -> None:
+    def read(role: Role, hidden: torch.Tensor, ids: torch.Tensor, cols: UsedColumns) -> None:
         if role == VALUE:
-            out[role].append(roles.values_from_hidden(hidden, response_start))
+            per_token = roles.values_from_hidden(hidden, cols.response_start)
         else:
-            out[role].append(roles.logprobs_from_hidden(hidden, ids, response_start, temperature)[0])
+            per_token = roles.logprobs_from_hidden(hidden, ids, cols.response_start, temperature)[0]
+        out[role].append(pad_responses(per_token, width))
 
-    for start in range(0, input_ids.shape[0], forward_batch_size):
-        ids = input_ids[start : start + forward_batch_size]
-        mask = attention_mask[start : start + forward_batch_size]
+    for rows in order.split(forward_batch_size):
+        cols = used_columns(attention_mask[rows], response_start, trim_padding)
+        ids, mask = cols.cut(input_ids[rows]), cols.cut(attention_mask[rows])
         if together and len(needed) > 1 and roles.mixed_batches[False]:
             for role, hidden in zip(needed, roles.hidden_states_as_roles(ids, mask, needed)):
-                read(role, hidden, ids)
+                read(role, hidden, ids, cols)
         else:
             for role in needed:
                 with roles.as_role(role):
-                    read(role, roles.hidden_states(ids, mask), ids)
-    old = old_logprobs if old_logprobs is not None else torch.cat(out[POLICY])
-    ref = torch.cat(out[REFERENCE]) if with_reference else old.clone()
-    return old, ref, (torch.cat(out[VALUE]) if with_values else None)
+                    read(role, roles.hidden_states(ids, mask), ids, cols)
+    unsorted = torch.argsort(order)  # back to the rollout's row order
+    old = old_logprobs if old_logprobs is not None else torch.cat(out[POLICY])[unsorted]
+    ref = torch.cat(out[REFERENCE])[unsorted] if with_reference else old.clone()
+    return old, ref, (torch.cat(out[VALUE])[unsorted] if with_values else None)
 
 
 def collect_rollout(

@@ -14,6 +14,7 @@ from lora_ppo import ppo_math
 from lora_ppo.compiled_update import CompiledLayers
 from lora_ppo.config import PPOConfig
 from lora_ppo.distributed import World
+from lora_ppo.padding import UsedColumns, longest_first, used_columns
 from lora_ppo.roles import POLICY, VALUE, RoleModel
 from lora_ppo.rollout import Rollout
 
@@ -109,6 +110,8 @@ class UpdateStats:
     # step, where both come from the same weights and must agree up to rounding.
     logprob_max_diff: Optional[float] = None
     logprob_mean_diff: Optional[float] = None
+    # Share of the positions the update's forwards computed that were padding (`ppo.trim_padding`).
+    padding_frac: Optional[float] = None
 
     def as_metrics(self) -> dict[str, float]:
         """The grouped metric names of metrics.jsonl; quantities that do not exist are left out."""
@@ -122,6 +125,7 @@ class UpdateStats:
             "policy/skipped_minibatch_frac": self.skipped_minibatch_frac,
             "policy/scaled_minibatch_frac": self.scaled_minibatch_frac,
             "check/logprob_max_diff": self.logprob_max_diff, "check/logprob_mean_diff": self.logprob_mean_diff,
+            "update/padding_frac": self.padding_frac,
         }
         return {key: value for key, value in named.items() if value is not None}
 
@@ -245,6 +249,7 @@ def ppo_update(
         skipped_minibatch_frac=skipped / max(1, minibatches) if with_ratio_threshold else None,
         scaled_minibatch_frac=scaled / max(1, minibatches) if with_ratio_threshold else None,
         logprob_max_diff=logprob_max_diff, logprob_mean_diff=logprob_mean_diff,
+        padding_frac=means.mean("padding_frac"),
     )
 
 
@@ -273,13 +278,18 @@ def minibatch_backward(
     with_critic = adv.returns is not None
     ratio_sum = torch.zeros(())
     bad: Optional[str] = None
-    for idx in rows.tensor_split(world.size)[world.rank].split(settings.micro_batch_size):
-        ids, am, m = input_ids[idx], attention_mask[idx], mask[idx]
+    mine = rows.tensor_split(world.size)[world.rank]
+    if roles.trim_padding and len(mine) > settings.micro_batch_size:
+        mine = mine[longest_first(attention_mask[mine])]  # micro-batches of similar lengths pad little
+    for idx in mine.split(settings.micro_batch_size):
+        cols = used_columns(attention_mask[idx], rollout.response_start, roles.trim_padding)
+        ids, am, m = cols.cut(input_ids[idx]), cols.cut(attention_mask[idx]), cols.responses(mask[idx])
         n_tokens = float(m.sum())
+        means.add({"padding_frac": 1.0 - float(am.sum()) / am.numel()}, float(am.numel()))
         # Loss parts are shares of the minibatch loss; logged per token they are scaled back up.
         share = n_tokens / float(token_count) if cfg.loss_aggregation == "token" else len(idx) / len(rows)
         share = max(share, 1e-12)
-        part = _MicroBatch(roles, rollout, adv, idx, cfg, settings, kl_coef, normalizer, share, check)
+        part = _MicroBatch(roles, rollout, adv, idx, cols, cfg, settings, kl_coef, normalizer, share, check)
 
         if with_critic and settings.roles_together and roles.mixed_batches[True]:
             # One forward and one backward for both trainable roles: each base weight read once.
@@ -313,26 +323,33 @@ def minibatch_backward(
 
 
 class _MicroBatch:
-    """One micro-batch's losses from its roles' hidden states, and the stats they log."""
+    """One micro-batch's losses from its roles' hidden states (over the columns `cols` of its rows),
+    and the stats they log."""
 
-    def __init__(self, roles: RoleModel, rollout: Rollout, adv: Advantages, idx: torch.Tensor, cfg: PPOConfig,
-                 settings: UpdateSettings, kl_coef: float, normalizer, share: float,
+    def __init__(self, roles: RoleModel, rollout: Rollout, adv: Advantages, idx: torch.Tensor, cols: UsedColumns,
+                 cfg: PPOConfig, settings: UpdateSettings, kl_coef: float, normalizer, share: float,
                  check: Optional[LogprobCheck] = None):
-        self.roles, self.rollout, self.adv, self.idx, self.cfg = roles, rollout, adv, idx, cfg
+        self.roles, self.rollout, self.adv, self.idx, self.cols, self.cfg = roles, rollout, adv, idx, cols, cfg
         self.settings, self.kl_coef, self.normalizer, self.share = settings, kl_coef, normalizer, share
         self.check = check
-        self.mask = rollout.response_mask[idx]
+        self.mask = self.per_token(rollout.response_mask)
         self.stats: dict[str, float] = {}
+
+    def per_token(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's rows and response columns of a rollout's [B, T_resp] tensor."""
+        return self.cols.responses(tensor[self.idx])
 
     def policy_loss(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(clipped policy loss - entropy bonus [+ KL loss], mean ratio) from the policy's hidden states."""
-        cfg, m, idx = self.cfg, self.mask, self.idx
+        cfg, m = self.cfg, self.mask
+        old_logprobs = self.per_token(self.rollout.old_logprobs)
         new_logprobs, entropy = self.roles.logprobs_from_hidden(
-            hidden, self.rollout.input_ids[idx], self.rollout.response_start, self.settings.temperature)
+            hidden, self.cols.cut(self.rollout.input_ids[self.idx]), self.cols.response_start,
+            self.settings.temperature)
         if self.check is not None:
-            self.check.add(new_logprobs, self.rollout.old_logprobs[idx], m)
+            self.check.add(new_logprobs, old_logprobs, m)
         pg_loss, pg_stats = ppo_math.policy_loss(
-            new_logprobs, self.rollout.old_logprobs[idx], self.adv.advantages[idx], m, cfg.clip_eps,
+            new_logprobs, old_logprobs, self.per_token(self.adv.advantages), m, cfg.clip_eps,
             self.normalizer, cfg.dual_clip, cfg.loss_aggregation,
         )
         loss = pg_loss - cfg.entropy_coef * ppo_math.aggregate_loss(entropy, m, cfg.loss_aggregation, self.normalizer)
@@ -344,8 +361,8 @@ class _MicroBatch:
         })
         if cfg.kl_penalty == "loss" and self.kl_coef > 0:
             kl_loss = ppo_math.kl_loss(
-                new_logprobs, self.rollout.ref_logprobs[idx], m, self.kl_coef, cfg.kl_estimator, self.normalizer,
-                cfg.loss_aggregation,
+                new_logprobs, self.per_token(self.rollout.ref_logprobs), m, self.kl_coef, cfg.kl_estimator,
+                self.normalizer, cfg.loss_aggregation,
             )
             loss = loss + kl_loss
             self.stats["loss/kl"] = float(kl_loss.detach() / self.share)
@@ -353,10 +370,10 @@ class _MicroBatch:
 
     def value_loss(self, hidden: torch.Tensor) -> torch.Tensor:
         """The (clipped) value loss from the value role's hidden states."""
-        cfg, idx = self.cfg, self.idx
-        new_values = self.roles.values_from_hidden(hidden, self.rollout.response_start)
+        cfg = self.cfg
+        new_values = self.roles.values_from_hidden(hidden, self.cols.response_start)
         vf_loss, vf_stats = ppo_math.value_loss(
-            new_values, self.rollout.values[idx], self.adv.returns[idx], self.mask,
+            new_values, self.per_token(self.rollout.values), self.per_token(self.adv.returns), self.mask,
             cfg.value_clip_eps if cfg.clip_value_loss else None, self.normalizer, cfg.loss_aggregation,
         )
         self.stats["loss/value"] = float(vf_loss.detach() / self.share)

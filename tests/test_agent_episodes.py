@@ -75,8 +75,10 @@ def test_logits_at_observation_positions_change_neither_the_loss_nor_the_gradien
         def logprobs_from_hidden(self, hidden, input_ids, response_start, temperature):
             lp, ent = super().logprobs_from_hidden(hidden, input_ids, response_start, temperature)
             at_observation = torch.zeros_like(lp)
-            # rollout row 0 (its response tokens [0, 1, 2]) wherever the micro-batch holds it
-            is_row_0 = (input_ids[:, response_start:] == torch.tensor(absolute.TOKENS[0])).all(dim=1)
+            # rollout row 0 (its response tokens [0, 1, 2]) wherever the micro-batch holds it (a micro-batch
+            # that holds it keeps all 3 response columns; others may be trimmed to fewer)
+            response, row_0 = input_ids[:, response_start:], torch.tensor(absolute.TOKENS[0])
+            is_row_0 = (response == row_0[: response.shape[1]]).all(dim=1) & (response.shape[1] == len(row_0))
             at_observation[is_row_0, 1] = 1.0
             # a value and a gradient path (through theta) that only the observation position has
             return lp + self.noise * at_observation * self.theta.sum(), ent + self.noise * at_observation * self.theta[0, 0]

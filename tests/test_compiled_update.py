@@ -44,7 +44,6 @@ def test_a_compiled_bfloat16_update_is_eagers_bit_for_bit(make_roles, tiny_token
     compiled_stats, compiled_weights = updated(compiled_roles, rollout, compiled)
     assert compiled.disabled is None and compiled.graphs >= 2  # the compiled path ran, for both roles
     assert compiled_stats == eager_stats  # losses, ratios, entropy, grad norms, the logprob self-check
-    assert eager_stats["logprob_max_diff"] == 0.0
     for eager, compiled_weight in zip(eager_weights, compiled_weights):
         assert torch.equal(eager, compiled_weight)
 

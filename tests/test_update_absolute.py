@@ -141,6 +141,7 @@ class TableRoles:
         self.c = torch.nn.Parameter(torch.tensor(c, dtype=DT))
         self.with_value = with_value
         self.mixed_batches = {False: True, True: True}
+        self.trim_padding = True  # as RoleModel by default: micro-batches without their unused columns
         self.checkpointing: list[bool] = []
         self.stacked_forwards = 0
         self._role: Optional[str] = None
@@ -180,8 +181,9 @@ class TableRoles:
             table = torch.cat([(self.w + self.c)[:, None], torch.zeros(T, V - 1, dtype=DT)], dim=1)
         else:
             raise AssertionError(f"forward under role {role!r}")
-        start = length - T - 1  # the position predicting the first response token
-        per_position = torch.cat([torch.zeros(start, V, dtype=DT), table, torch.zeros(1, V, dtype=DT)])
+        # The prompt is P columns; the response columns are all T, or fewer where the micro-batch's
+        # rows stopped early (ppo.trim_padding): the table is laid out by response position.
+        per_position = torch.cat([torch.zeros(P - 1, V, dtype=DT), table[: length - P], torch.zeros(1, V, dtype=DT)])
         return per_position.expand(rows, length, V)
 
     def hidden_states(self, ids, attention_mask):

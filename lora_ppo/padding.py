@@ -1,0 +1,66 @@
+"""Forward passes over the columns their rows use (`ppo.trim_padding`).
+
+A rollout is one [B, P + T_resp] block: prompts left-padded to the longest prompt, responses
+right-padded to the longest response. A micro-batch of a few of its rows needs only the columns
+from its own longest prompt to its own longest response; the rest is padding that every layer
+would compute and throw away. Cutting it changes no real token's numbers: a leading column no row
+uses holds nothing any token attends to (positions count real tokens only), and a trailing one lies
+after every real token (causal attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class UsedColumns:
+    """The columns a group of rows uses: `[first, first + response_start + response_width)` of the
+    rollout's block, of which the response columns are the first `response_width` after the prompt."""
+
+    first: int  # the first column kept
+    response_start: int  # where the responses start in the kept columns
+    response_width: int  # the response columns kept, from the rollout's first
+
+    @classmethod
+    def all_of(cls, attention_mask: torch.Tensor, response_start: int) -> "UsedColumns":
+        return cls(0, response_start, attention_mask.shape[1] - response_start)
+
+    @classmethod
+    def of(cls, attention_mask: torch.Tensor, response_start: int) -> "UsedColumns":
+        """The columns `attention_mask` [b, T] (prompt then response) has any real token in. At least the
+        last prompt column and one response column stay, so every response position has a predecessor."""
+        used = attention_mask.bool().any(dim=0)
+        prompt_used = used[:response_start].nonzero()
+        first = min(int(prompt_used[0]), response_start - 1) if len(prompt_used) else response_start - 1
+        response_used = used[response_start:].nonzero()
+        width = int(response_used[-1]) + 1 if len(response_used) else 1
+        return cls(first, response_start - first, min(width, attention_mask.shape[1] - response_start))
+
+    def cut(self, block: torch.Tensor) -> torch.Tensor:
+        """These columns of a [b, P + T_resp] block."""
+        return block[:, self.first : self.first + self.response_start + self.response_width]
+
+    def responses(self, per_token: torch.Tensor) -> torch.Tensor:
+        """These columns of a [b, T_resp] per-token tensor."""
+        return per_token[:, : self.response_width]
+
+
+def used_columns(attention_mask: torch.Tensor, response_start: int, trim: bool) -> UsedColumns:
+    """`UsedColumns.of` with `trim` (`ppo.trim_padding`), else every column."""
+    if trim:
+        return UsedColumns.of(attention_mask, response_start)
+    return UsedColumns.all_of(attention_mask, response_start)
+
+
+def pad_responses(per_token: torch.Tensor, width: int) -> torch.Tensor:
+    """A [b, w] per-token tensor widened with zeros to [b, width] (the rollout's response width)."""
+    return torch.nn.functional.pad(per_token, (0, width - per_token.shape[1]))
+
+
+def longest_first(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Row indices ordered by real length, longest first (ties in their given order): consecutive
+    micro-batches of this order hold rows of similar length, so each pads little."""
+    return torch.sort(attention_mask.long().sum(dim=1), descending=True, stable=True).indices

@@ -1,0 +1,158 @@
+"""ppo.trim_padding: scoring and update micro-batches over the columns their rows use give every real
+token the numbers a plain forward of that sequence alone gives, and today's update; the padding they
+skip is what `update/padding_frac` reports, counted here by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lora_ppo
+from lora_ppo.config import PPOConfig
+from lora_ppo.padding import UsedColumns, longest_first
+from lora_ppo.roles import POLICY, REFERENCE, VALUE
+from lora_ppo.rollout import Rollout, score_passes
+from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
+from tests.conftest import deterministic_metrics, tiny_recipe_dict
+
+PROMPT_LENGTHS = [2, 5, 3, 6]
+RESPONSE_LENGTHS = [4, 1, 6, 2]
+WIDTH = 6  # prompts are left-padded to 6 columns, responses right-padded to 6
+
+
+def test_the_used_columns_of_a_mask_by_hand():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0],
+                         [0, 1, 1, 1, 1, 0, 0]])
+    cols = UsedColumns.of(mask, response_start=4)
+    assert (cols.first, cols.response_start, cols.response_width) == (1, 3, 2)
+    assert cols.cut(mask).tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    # No response token at all: the last prompt column and one response column stay.
+    empty = UsedColumns.of(torch.tensor([[0, 1, 1, 0, 0]]), response_start=3)
+    assert (empty.first, empty.response_start, empty.response_width) == (1, 2, 1)
+    assert longest_first(torch.tensor([[1, 0], [1, 1], [0, 0], [0, 1]])).tolist() == [1, 0, 3, 2]
+
+
+def padded_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, response_mask) of prompts and responses of the lengths above."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.zeros(len(PROMPT_LENGTHS), 2 * WIDTH, dtype=torch.long)  # pad id 0
+    mask = torch.zeros_like(ids)
+    for row, (p, r) in enumerate(zip(PROMPT_LENGTHS, RESPONSE_LENGTHS)):
+        ids[row, WIDTH - p : WIDTH + r] = torch.randint(3, vocab, (p + r,), generator=g)
+        mask[row, WIDTH - p : WIDTH + r] = 1
+    return ids, mask, mask[:, WIDTH:].bool()
+
+
+@pytest.fixture()
+def roles(make_roles):
+    return make_roles(seed=2, scale=0.5)
+
+
+def test_trimmed_scoring_gives_each_token_a_plain_forward_of_its_sequence_alone(roles):
+    ids, mask, response_mask = padded_batch(roles.lm_head.out_features)
+    assert roles.trim_padding  # the default
+    old, ref, values = score_passes(roles, ids, mask, WIDTH, 1.0, forward_batch_size=3)
+    for row, (p, r) in enumerate(zip(PROMPT_LENGTHS, RESPONSE_LENGTHS)):
+        alone = ids[row : row + 1, WIDTH - p : WIDTH + r]  # the sequence, no padding anywhere
+        for role, got in ((POLICY, old), (REFERENCE, ref)):
+            with roles.as_role(role), torch.no_grad():
+                logits = roles.peft(input_ids=alone).logits[0, p - 1 : -1].float()
+            expected = torch.log_softmax(logits, -1).gather(-1, alone[0, p:, None]).squeeze(-1)
+            torch.testing.assert_close(got[row, :r], expected, atol=1e-5, rtol=1e-5)
+        with roles.as_role(VALUE), torch.no_grad():
+            hidden = roles.peft(input_ids=alone, output_hidden_states=True).hidden_states[-1][0, p - 1 : -1]
+        torch.testing.assert_close(values[row, :r], roles.value_head(hidden).squeeze(-1).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_trimmed_scoring_matches_the_full_width_pass_on_every_real_token(roles):
+    ids, mask, response_mask = padded_batch(roles.lm_head.out_features)
+    roles.trim_padding = False
+    full = score_passes(roles, ids, mask, WIDTH, 1.0, forward_batch_size=2)
+    roles.trim_padding = True
+    trimmed = score_passes(roles, ids, mask, WIDTH, 1.0, forward_batch_size=2)
+    for a, b in zip(full, trimmed):
+        torch.testing.assert_close(b[response_mask], a[response_mask], atol=1e-6, rtol=1e-6)
+
+
+def rollout(roles) -> Rollout:
+    ids, mask, response_mask = padded_batch(roles.lm_head.out_features)
+    roles.trim_padding = False  # today's scoring
+    old, ref, values = score_passes(roles, ids, mask, WIDTH, 1.0, forward_batch_size=4)
+    scores = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    return Rollout(
+        rows=[], completions=[""] * 4, query_ids=ids[:, :WIDTH],
+        query_mask=mask[:, :WIDTH], response_ids=ids[:, WIDTH:], response_mask=response_mask, old_logprobs=old,
+        ref_logprobs=ref, values=values, raw_scores=scores, scores=scores, stopped=response_mask[:, -1].logical_not(),
+    )
+
+
+def updated(roles, batch: Rollout, trim: bool) -> tuple[dict, list[torch.Tensor]]:
+    roles.trim_padding = trim
+    cfg = PPOConfig(num_epochs=2, num_minibatches=1, grad_accum_steps=2, learning_rate=1e-2)
+    adv = compute_advantages(batch, cfg, cfg.kl_coef, batch.scores)
+    # Plain SGD: a weight moves by its gradient, so the weights compare the gradients (AdamW's first step
+    # moves every weight by lr x sign(gradient), and a gradient of ~0 flips with rounding).
+    optimizer = torch.optim.SGD(roles.policy_parameters() + roles.value_parameters(), lr=cfg.learning_rate)
+    settings = UpdateSettings(4, 2, 1.0, gradient_checkpointing=True)
+    stats = ppo_update(roles, optimizer, None, batch, adv, cfg, settings, cfg.kl_coef, torch.Generator().manual_seed(0))
+    return vars(stats), [p.detach().clone() for p in roles.policy_parameters() + roles.value_parameters()]
+
+
+def test_a_trimmed_update_is_todays_and_skips_the_padding_counted_by_hand(make_roles):
+    torch.manual_seed(0)
+    full_roles = make_roles(seed=2, scale=0.5)
+    torch.manual_seed(0)
+    trimmed_roles = make_roles(seed=2, scale=0.5)
+    batch = rollout(full_roles)
+    full_stats, full_weights = updated(full_roles, batch, trim=False)
+    trimmed_stats, trimmed_weights = updated(trimmed_roles, batch, trim=True)
+
+    # Full width: 4 rows x 12 columns, 29 real tokens. Trimmed: the longest two (9 and 8 real tokens;
+    # prompts 3 and 6, responses 6 and 2) take 6 + 6 columns, the other two (prompts 2 and 5,
+    # responses 4 and 1) 5 + 4: 24 + 18 positions for the same 29 real tokens.
+    assert full_stats.pop("padding_frac") == pytest.approx(19 / 48)
+    assert trimmed_stats.pop("padding_frac") == pytest.approx(13 / 42)
+    assert trimmed_stats["logprob_max_diff"] < 1e-5
+    assert trimmed_stats.keys() == full_stats.keys()
+    for key, value in full_stats.items():
+        if isinstance(value, float):
+            assert trimmed_stats[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+        else:
+            assert trimmed_stats[key] == value, key
+    for full, trimmed in zip(full_weights, trimmed_weights):
+        torch.testing.assert_close(trimmed, full, atol=1e-6, rtol=1e-5)
+
+
+def test_a_run_with_trimmed_padding_trains_as_one_without(tmp_path, tiny_model_dir):
+    metrics = {}
+    for setting in (False, True):
+        recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(
+            tiny_model_dir, tmp_path / f"trim-{setting}", ppo={"trim_padding": setting, "grad_accum_steps": 2},
+            rollout={"forward_batch_size": 2}, train={"steps": 3, "eval": False}))
+        lora_ppo.PPOTrainer(recipe, progress=False).train()
+        metrics[setting] = deterministic_metrics(tmp_path / f"trim-{setting}")
+    for full, trimmed in zip(metrics[False], metrics[True]):
+        assert trimmed.pop("update/padding_frac") <= full.pop("update/padding_frac")
+        assert trimmed.keys() == full.keys()
+        for key, value in full.items():
+            assert trimmed[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+
+
+def test_in_bfloat16_the_self_check_is_exact_at_full_width_and_within_tolerance_trimmed(make_roles, tiny_tokenizer):
+    """The update's first logprobs against the scoring pass's, same weights: at the rollout's width both
+    run the same shapes and agree bit for bit; trimmed, a micro-batch without left padding runs
+    attention without a mask, and bfloat16 rounds apart, within the self-check's bfloat16 limit."""
+    from lora_ppo.alarms import LOGPROB_TOLERANCE
+    from tests.conftest import rollout_for_update
+    from tests.test_compiled_update import bf16_roles
+    from tests.test_compiled_update import updated as updated_in_micro_batches_of_one
+
+    diffs = {}
+    for trim in (False, True):
+        roles = bf16_roles(make_roles)
+        roles.trim_padding = trim
+        batch = rollout_for_update(roles, tiny_tokenizer)  # scored 2 rows at a time
+        stats, _ = updated_in_micro_batches_of_one(roles, batch, None)
+        diffs[trim] = (stats["logprob_max_diff"], stats["logprob_mean_diff"])
+    assert diffs[False] == (0.0, 0.0)
+    assert 0 < diffs[True][1] < LOGPROB_TOLERANCE["bfloat16"] / 2
