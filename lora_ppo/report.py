@@ -80,6 +80,8 @@ def plots_for(metrics: list[dict]) -> list[Plot]:
         Plot("throughput", "Achieved matmul rate per phase (a slow setup shows here)",
              tuple((f"perf/{p}_tflops", p) for p in PERF_PHASES), "TFLOP/s",
              (("perf/generate_tokens_per_s", "decode tokens/s"),), "tokens/s"),
+        Plot("padding", "Padding: the update's positions that held no token (ppo.trim_padding)",
+             (("update/padding_frac", "update"),), "share of positions computed"),
         # A reward-model run (lora-ppo train-reward).
         Plot("reward_loss", "Pairwise loss", (("loss", "train"), ("eval/loss", "held-out")), "loss"),
         Plot("reward_accuracy", "Pairwise accuracy (chosen above rejected)",

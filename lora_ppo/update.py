@@ -289,7 +289,7 @@ def minibatch_backward(
         # Loss parts are shares of the minibatch loss; logged per token they are scaled back up.
         share = n_tokens / float(token_count) if cfg.loss_aggregation == "token" else len(idx) / len(rows)
         share = max(share, 1e-12)
-        part = _MicroBatch(roles, rollout, adv, idx, cols, cfg, settings, kl_coef, normalizer, share, check)
+        part = _MicroBatch(roles, rollout, adv, idx, cols, ids, cfg, settings, kl_coef, normalizer, share, check)
 
         if with_critic and settings.roles_together and roles.mixed_batches[True]:
             # One forward and one backward for both trainable roles: each base weight read once.
@@ -323,13 +323,14 @@ def minibatch_backward(
 
 
 class _MicroBatch:
-    """One micro-batch's losses from its roles' hidden states (over the columns `cols` of its rows),
-    and the stats they log."""
+    """One micro-batch's losses from its roles' hidden states (of `ids`, the columns `cols` of its rows
+    `idx`), and the stats they log."""
 
     def __init__(self, roles: RoleModel, rollout: Rollout, adv: Advantages, idx: torch.Tensor, cols: UsedColumns,
-                 cfg: PPOConfig, settings: UpdateSettings, kl_coef: float, normalizer, share: float,
+                 ids: torch.Tensor, cfg: PPOConfig, settings: UpdateSettings, kl_coef: float, normalizer, share: float,
                  check: Optional[LogprobCheck] = None):
         self.roles, self.rollout, self.adv, self.idx, self.cols, self.cfg = roles, rollout, adv, idx, cols, cfg
+        self.ids = ids
         self.settings, self.kl_coef, self.normalizer, self.share = settings, kl_coef, normalizer, share
         self.check = check
         self.mask = self.per_token(rollout.response_mask)
@@ -344,8 +345,7 @@ class _MicroBatch:
         cfg, m = self.cfg, self.mask
         old_logprobs = self.per_token(self.rollout.old_logprobs)
         new_logprobs, entropy = self.roles.logprobs_from_hidden(
-            hidden, self.cols.cut(self.rollout.input_ids[self.idx]), self.cols.response_start,
-            self.settings.temperature)
+            hidden, self.ids, self.cols.response_start, self.settings.temperature)
         if self.check is not None:
             self.check.add(new_logprobs, old_logprobs, m)
         pg_loss, pg_stats = ppo_math.policy_loss(

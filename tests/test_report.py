@@ -41,7 +41,7 @@ def test_every_plot_has_content(report):
     names = {p.name for p in plots_for(metrics)}
     # A PPO run with a critic and a side metric fills every figure.
     assert names == {"score", "kl", "entropy", "clipping", "selfcheck", "value", "length", "time", "memory",
-                     "throughput"}
+                     "throughput", "padding"}
     for name in names:
         pixels = _pixels(report.parent / "plots" / f"{name}.png")
         assert pixels.shape[0] > 200 and pixels.shape[1] > 300
@@ -54,7 +54,7 @@ def test_page_references_each_plot_and_holds_the_tables(report, finished_run):
     # Self-contained: the images are inlined, so the page can be mailed on its own.
     inlined = re.findall(r"<img[^>]+src='data:image/png;base64,", page)
     assert len(inlined) == len(list((report.parent / "plots").glob("*.png")))
-    for name in ("score", "kl", "entropy", "clipping", "value", "length", "time", "memory", "throughput"):
+    for name in ("score", "kl", "entropy", "clipping", "value", "length", "time", "memory", "throughput", "padding"):
         assert f"data-file='plots/{name}.png'" in page
     summary = json.loads((finished_run / "summary.json").read_text())
     assert "held-out" in page and f"{summary['heldout_score_after']:.3f}" in page
