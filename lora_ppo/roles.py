@@ -116,13 +116,10 @@ class Backbone:
     """A frozen base model with LoRA adapters and scalar score heads: the decoder's hidden states
     (no LM head), a head's score at the last real token, gradient checkpointing, and saving."""
 
-    def __init__(self, peft_model, base_name: Optional[str] = None, autocast_dtype: Optional[torch.dtype] = None,
-                 trim_padding: bool = True):
+    def __init__(self, peft_model, base_name: Optional[str] = None, autocast_dtype: Optional[torch.dtype] = None):
         self.peft = peft_model
         # model.adapter_autocast: the dtype the adapters' matmuls run in (None: their own float32).
         self.autocast_dtype = autocast_dtype
-        # ppo.trim_padding: PPO's scoring and update micro-batches cut to the columns their rows use.
-        self.trim_padding = trim_padding
         # What saved adapters name as their base (adapter_config.json), so they load elsewhere:
         # the recipe's name (a builtin model's hub id), never a local cache folder.
         self.base_name = base_name
@@ -302,7 +299,9 @@ class RoleModel(Backbone):
         self.reward_adapter = reward_adapter
         if reward_adapter:
             peft.load_adapter(reward_adapter, adapter_name=REWARD, is_trainable=False)
-        super().__init__(peft, base_name, autocast_dtype, trim_padding)
+        super().__init__(peft, base_name, autocast_dtype)
+        # ppo.trim_padding: the scoring and update micro-batches cut to the columns their rows use.
+        self.trim_padding = trim_padding
         self.value_head: Optional[nn.Linear] = self.make_head(VALUE, value_head_from) if with_value else None
         if reward_adapter:
             self.make_head(REWARD, Path(reward_adapter) / REWARD_HEAD_FILE, trainable=False)
