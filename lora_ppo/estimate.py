@@ -812,7 +812,8 @@ def estimate_sft(shape: ModelShape, recipe: SFTRecipe, device: str = "cuda", bud
     """Peak bytes of a `train-sft` run on a model of `shape`: the weights, the adapter and its AdamW
     state; then a training micro-batch's forward and backward (`update`), a held-out batch's
     forward (`evaluate`) and the greedy held-out answers (`sample`), every row counted at
-    data.max_length tokens (packed rows fill sequences no longer than their sum). Only target positions reach the LM head, a chunk at a time."""
+    data.max_length tokens (packed rows fill sequences no longer than their sum). Only target
+    positions reach the LM head, a chunk at a time."""
     act = _dtype_bytes(recipe, device)
     recipe = _dequantize_resolved(shape, recipe, act, budget_gb)
     ad = recipe.adapter
