@@ -191,25 +191,30 @@ def prompt_and_random_response(tokenizer, prompts, response_len=5, seed=0):
     return ids, mask, enc["input_ids"].shape[1]
 
 
-def rollout_for_update(roles, tokenizer):
-    """A Rollout of 4 random responses of 6 tokens (one stopped after 4), scored by `roles`: what
-    an update test needs without sampling."""
+def scored_rollout(roles, ids, mask, start: int, rows=(), forward_batch_size: int = 2):
+    """A Rollout of left-padded prompts followed by right-padded responses (`ids`, `mask`: [4, T], the
+    responses from column `start`), scored by `roles`, with the scores 1, -1, 0.5, 2: what an update
+    test needs without sampling. A response whose last column is padding stopped."""
     import torch
 
     from lora_ppo.rollout import Rollout, score_passes
 
-    prompts = ["This movie was", "The acting in this film", "Honestly", "I"]
-    ids, mask, start = prompt_and_random_response(tokenizer, prompts, 6)
-    response_mask = torch.ones(4, 6, dtype=torch.bool)
-    response_mask[1, 4:] = False  # a response that stopped early
-    mask[1, start + 4 :] = 0
-    old, ref, values = score_passes(roles, ids, mask, start, 1.0, forward_batch_size=2)
+    response_mask = mask[:, start:].bool()
+    old, ref, values = score_passes(roles, ids, mask, start, 1.0, forward_batch_size=forward_batch_size)
     scores = torch.tensor([1.0, -1.0, 0.5, 2.0])
     return Rollout(
-        rows=prompt_rows(tokenizer, prompts), completions=[""] * 4, query_ids=ids[:, :start], query_mask=mask[:, :start],
+        rows=list(rows), completions=[""] * len(ids), query_ids=ids[:, :start], query_mask=mask[:, :start],
         response_ids=ids[:, start:], response_mask=response_mask, old_logprobs=old, ref_logprobs=ref,
-        values=values, raw_scores=scores, scores=scores, stopped=torch.tensor([False, True, False, False]),
+        values=values, raw_scores=scores, scores=scores, stopped=~response_mask[:, -1],
     )
+
+
+def rollout_for_update(roles, tokenizer):
+    """`scored_rollout` of 4 prompts and random responses of 6 tokens (one stopped after 4)."""
+    prompts = ["This movie was", "The acting in this film", "Honestly", "I"]
+    ids, mask, start = prompt_and_random_response(tokenizer, prompts, 6)
+    mask[1, start + 4 :] = 0  # a response that stopped early
+    return scored_rollout(roles, ids, mask, start, prompt_rows(tokenizer, prompts))
 
 
 def bnb_4bit_layers(roles) -> list:

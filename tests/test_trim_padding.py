@@ -13,7 +13,7 @@ from lora_ppo.padding import UsedColumns, longest_first
 from lora_ppo.roles import POLICY, REFERENCE, VALUE
 from lora_ppo.rollout import Rollout, score_passes
 from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
-from tests.conftest import deterministic_metrics, tiny_recipe_dict
+from tests.conftest import deterministic_metrics, scored_rollout, tiny_recipe_dict
 
 PROMPT_LENGTHS = [2, 5, 3, 6]
 RESPONSE_LENGTHS = [4, 1, 6, 2]
@@ -75,15 +75,9 @@ def test_trimmed_scoring_matches_the_full_width_pass_on_every_real_token(roles):
 
 
 def rollout(roles) -> Rollout:
-    ids, mask, response_mask = padded_batch(roles.lm_head.out_features)
+    ids, mask, _ = padded_batch(roles.lm_head.out_features)
     roles.trim_padding = False  # today's scoring
-    old, ref, values = score_passes(roles, ids, mask, WIDTH, 1.0, forward_batch_size=4)
-    scores = torch.tensor([1.0, -1.0, 0.5, 2.0])
-    return Rollout(
-        rows=[], completions=[""] * 4, query_ids=ids[:, :WIDTH],
-        query_mask=mask[:, :WIDTH], response_ids=ids[:, WIDTH:], response_mask=response_mask, old_logprobs=old,
-        ref_logprobs=ref, values=values, raw_scores=scores, scores=scores, stopped=response_mask[:, -1].logical_not(),
-    )
+    return scored_rollout(roles, ids, mask, WIDTH, forward_batch_size=4)
 
 
 def updated(roles, batch: Rollout, trim: bool) -> tuple[dict, list[torch.Tensor]]:
