@@ -207,15 +207,14 @@ class Backbone:
             for layer in layers:
                 del layer.forward
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Last hidden states of the decoder (final norm applied), [B, T, H]; no LM head."""
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Last hidden states of the decoder (final norm applied), [B, T, H]; no LM head.
+        `attention_mask` None: no padding. The model then counts positions itself: given positions and
+        no mask, transformers reads them back from the device to look for packed sequences."""
+        positions = None if attention_mask is None else position_ids_for(attention_mask)
         with self.adapter_compute():
-            out = self.decoder(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids_for(attention_mask),
-                use_cache=False,
-            )
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                               use_cache=False)
         return out.last_hidden_state
 
     def sequence_scores(self, head_name: str, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -411,7 +410,7 @@ class RoleModel(Backbone):
     # ---- forwards ---------------------------------------------------------------------------
 
     def hidden_states_as_roles(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, roles: Sequence[Role]
+        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], roles: Sequence[Role]
     ) -> list[torch.Tensor]:
         """Hidden states of the same batch under several roles, from one forward pass: the batch
         repeated once per role, each copy computed with its role's adapter (PEFT's per-row adapter
@@ -440,11 +439,12 @@ class RoleModel(Backbone):
             raise
         hooks.__exit__(None, None, None)
 
-    def stacked_hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def stacked_hidden_states(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                               copies: int) -> list[torch.Tensor]:
         """Hidden states of the batch repeated `copies` times in one forward, split back into one
         [B, T, H] per copy (inside `rows_as_roles`, one per role)."""
-        hidden = self.hidden_states(input_ids.repeat(copies, 1), attention_mask.repeat(copies, 1))
+        mask = None if attention_mask is None else attention_mask.repeat(copies, 1)
+        hidden = self.hidden_states(input_ids.repeat(copies, 1), mask)
         return list(hidden.split(input_ids.shape[0]))
 
     def response_logprobs(

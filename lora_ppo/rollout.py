@@ -380,7 +380,11 @@ def score_passes(
     out: dict[Role, list[torch.Tensor]] = {role: [] for role in needed}
     width = input_ids.shape[1] - response_start
     trim_padding = roles.trim_padding
-    order = longest_first(attention_mask) if trim_padding else torch.arange(input_ids.shape[0], device=input_ids.device)
+    # Lengths and column cuts come from a host copy of the mask, read once: a read from the device
+    # per micro-batch would wait for the GPU each time (docs/performance.md#the-updates-reads).
+    host_mask = attention_mask.cpu()
+    order = longest_first(host_mask) if trim_padding else torch.arange(input_ids.shape[0])
+    on_device = order.to(input_ids.device)
 
     def read(role: Role, hidden: torch.Tensor, ids: torch.Tensor, cols: UsedColumns) -> None:
         if role == VALUE:
@@ -389,9 +393,12 @@ def score_passes(
             per_token = roles.logprobs_from_hidden(hidden, ids, cols.response_start, temperature)[0]
         out[role].append(pad_responses(per_token, width))
 
-    for rows in order.split(forward_batch_size):
-        cols = used_columns(attention_mask[rows], response_start, trim_padding)
-        ids, mask = cols.cut(input_ids[rows]), cols.cut(attention_mask[rows])
+    for start in range(0, len(order), forward_batch_size):
+        rows_host, rows = order[start : start + forward_batch_size], on_device[start : start + forward_batch_size]
+        cols = used_columns(host_mask[rows_host], response_start, trim_padding)
+        ids = cols.cut(input_ids[rows])
+        # Without padding, no mask: the same causal attention, and nothing for transformers to read.
+        mask = None if bool(cols.cut(host_mask[rows_host]).all()) else cols.cut(attention_mask[rows])
         if together and len(needed) > 1 and roles.mixed_batches[False]:
             for role, hidden in zip(needed, roles.hidden_states_as_roles(ids, mask, needed)):
                 read(role, hidden, ids, cols)
@@ -399,7 +406,7 @@ def score_passes(
             for role in needed:
                 with roles.as_role(role):
                     read(role, roles.hidden_states(ids, mask), ids, cols)
-    unsorted = torch.argsort(order)  # back to the rollout's row order
+    unsorted = torch.argsort(on_device)  # back to the rollout's row order
     old = old_logprobs if old_logprobs is not None else torch.cat(out[POLICY])[unsorted]
     ref = torch.cat(out[REFERENCE])[unsorted] if with_reference else old.clone()
     return old, ref, (torch.cat(out[VALUE])[unsorted] if with_values else None)

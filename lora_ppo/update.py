@@ -130,24 +130,46 @@ class UpdateStats:
         return {key: value for key, value in named.items() if value is not None}
 
 
+def read_floats(values: list) -> list[float]:
+    """Python floats of 0-d tensors (and floats, passed through), read from the device in one
+    transfer: each tensor's own read would wait for the GPU's queue to drain
+    (docs/performance.md#the-updates-reads)."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    # float32 -> float64 is exact: the same numbers float(tensor) gives, one read for all
+    read = iter(torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors]).tolist())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
 @dataclass
 class _TokenWeightedMeans:
     """Running weighted sums of per-micro-batch statistics: each key by the weight it was added
-    with (real tokens; a loss under sequence aggregation, rows)."""
+    with (real tokens; a loss under sequence aggregation, rows). Values may be 0-d tensors: they
+    are read from the device together, when a mean or the sums are asked for."""
 
     sums: dict[str, float] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
+    _pending: list[tuple[str, object, float]] = field(default_factory=list)
 
-    def add(self, values: dict[str, float], weight: float) -> None:
+    def add(self, values: dict, weight: float) -> None:
         for key, value in values.items():
-            self.sums[key] = self.sums.get(key, 0.0) + value * weight
+            self._pending.append((key, value, weight))
             self.weights[key] = self.weights.get(key, 0.0) + weight
 
+    def _settle(self) -> None:
+        """Fold the pending values into the sums, in the order they were added."""
+        pending, self._pending = self._pending, []
+        for (key, _, weight), value in zip(pending, read_floats([v for _, v, _ in pending])):
+            self.sums[key] = self.sums.get(key, 0.0) + value * weight
+
     def mean(self, key: str) -> Optional[float]:
+        self._settle()
         return self.sums[key] / max(self.weights[key], 1e-12) if key in self.sums else None
 
     def summed_over(self, world: World) -> "_TokenWeightedMeans":
         """The sums of every process's micro-batches (they all log the same keys)."""
+        self._settle()
         if world.size == 1:
             return self
         keys = sorted(self.sums)
@@ -160,23 +182,32 @@ class _TokenWeightedMeans:
 class LogprobCheck:
     """|new - old| logprobs over the real tokens of the update's first minibatch: the policy the
     update computes must be the one that sampled (same weights, ratio 1). A wrong logit transform,
-    dropout, or a scoring pass that differs from the update's forward shows here at step 1."""
+    dropout, or a scoring pass that differs from the update's forward shows here at step 1.
+    What `add` is given stays on the device until `over` reads it."""
 
     max_diff: float = 0.0
     diff_sum: float = 0.0
     tokens: float = 0.0
+    _pending: list[tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=list)
 
-    def add(self, new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-        diff = (new_logprobs.detach() - old_logprobs).abs()[mask]  # [real tokens]
-        if diff.numel():
-            largest = float(diff.max())
-            # NaN stays NaN (Python's max would drop it): the alarm and the first-step stop see it.
-            self.max_diff = largest if math.isnan(largest) or largest > self.max_diff else self.max_diff
-            self.diff_sum += float(diff.sum())
-            self.tokens += diff.numel()
+    def add(self, new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
+            tokens: Optional[float] = None) -> None:
+        """`tokens`: the real tokens in `mask` where the caller counted them on the host."""
+        tokens = float(mask.sum()) if tokens is None else tokens
+        if tokens:
+            diff = torch.where(mask, (new_logprobs.detach() - old_logprobs).abs(), 0.0)  # padding: 0
+            self._pending.append((diff.max(), diff.sum(), tokens))  # max propagates a NaN
 
     def over(self, world: World) -> tuple[float, float]:
         """(max, mean) over every process's share."""
+        pending, self._pending = self._pending, []
+        read = read_floats([t for largest, total, _ in pending for t in (largest, total)])
+        for i, (_, _, tokens) in enumerate(pending):
+            largest = read[2 * i]
+            # NaN stays NaN (Python's max would drop it): the alarm and the first-step stop see it.
+            self.max_diff = largest if math.isnan(largest) or largest > self.max_diff else self.max_diff
+            self.diff_sum += read[2 * i + 1]
+            self.tokens += tokens
         if world.size == 1:
             return self.max_diff, self.diff_sum / max(self.tokens, 1.0)
         shares = world.gather((self.max_diff, self.diff_sum, self.tokens))
@@ -193,6 +224,19 @@ class UpdateSettings:
     gradient_checkpointing: bool
     roles_together: bool = False  # ppo.update_roles_together
     compiled_layers: Optional[CompiledLayers] = None  # ppo.compile_update: the compiled layer step
+
+
+@dataclass(frozen=True)
+class HostMasks:
+    """The rollout's masks in host memory, read once per update: every count and column cut of a
+    micro-batch comes from these, so no micro-batch waits for the GPU to say how long its rows are."""
+
+    attention: torch.Tensor  # [B, P + T_resp]
+    response: torch.Tensor  # [B, T_resp]
+
+    @classmethod
+    def of(cls, rollout: Rollout) -> "HostMasks":
+        return cls(rollout.attention_mask.cpu(), rollout.response_mask.cpu())
 
 
 def ppo_update(
@@ -219,13 +263,14 @@ def ppo_update(
     nonfinite: list[str] = []
     minibatches = skipped = scaled = 0
     norms = (torch.zeros(()), torch.zeros(()))
+    host = HostMasks.of(rollout)
     with roles.gradient_checkpointing(settings.gradient_checkpointing, settings.compiled_layers):
         for _epoch in range(cfg.num_epochs):
-            order = torch.randperm(batch, generator=generator).to(rollout.response_ids.device)
+            order = torch.randperm(batch, generator=generator)  # on the host, as the counts are
             for rows in order.split(settings.minibatch_size):
                 optimizer.zero_grad(set_to_none=True)
                 mean_ratio, bad = minibatch_backward(roles, rollout, adv, rows, cfg, settings, kl_coef, means, world,
-                                                     check if minibatches == 0 else None)
+                                                     check if minibatches == 0 else None, host)
                 world.sum_gradients(roles.policy_parameters() + roles.value_parameters())
                 minibatches += 1
                 action = ratio_threshold_action(cfg, mean_ratio)
@@ -264,32 +309,48 @@ def minibatch_backward(
     means: _TokenWeightedMeans,
     world: World = World(),
     check: Optional[LogprobCheck] = None,
+    host: Optional[HostMasks] = None,
 ) -> tuple[float, Optional[str]]:
     """Accumulate one minibatch's policy and value gradients, a micro-batch at a time; with
     several processes, this one's share of the minibatch's rows. `check`: the logprob self-check
-    to add this minibatch's |new - old| logprobs to (the first minibatch of an update).
+    to add this minibatch's |new - old| logprobs to (the first minibatch of an update). `host`:
+    the rollout's masks on the host (`HostMasks.of(rollout)`, made here when not given).
+
+    The micro-batches only queue work: their statistics and loss checks stay on the device, and
+    the one read from it is this minibatch's mean ratio and non-finite flags, at the end.
 
     Returns the minibatch's token-weighted mean ratio and the first non-finite loss (or None),
     both over every process.
     """
-    input_ids, attention_mask, mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
-    token_count = mask[rows].sum().clamp(min=1)
+    host = host or HostMasks.of(rollout)
+    device = rollout.response_ids.device
+    rows = rows.cpu()
+    token_count_host = max(int(host.response[rows].sum()), 1)
+    token_count = rollout.response_mask[rows.to(device)].sum().clamp(min=1)
     normalizer = token_count if cfg.loss_aggregation == "token" else len(rows)
     with_critic = adv.returns is not None
-    ratio_sum = torch.zeros(())
-    bad: Optional[str] = None
+    ratio_sum = torch.zeros((), device=device)
+    finite: list[tuple[str, torch.Tensor]] = []  # (loss name, its finiteness), in the order computed
     mine = rows.tensor_split(world.size)[world.rank]
     if roles.trim_padding and len(mine) > settings.micro_batch_size:
-        mine = mine[longest_first(attention_mask[mine])]  # micro-batches of similar lengths pad little
-    for idx in mine.split(settings.micro_batch_size):
-        cols = used_columns(attention_mask[idx], rollout.response_start, roles.trim_padding)
-        ids, am, m = cols.cut(input_ids[idx]), cols.cut(attention_mask[idx]), cols.responses(mask[idx])
-        n_tokens = float(m.sum())
-        means.add({"padding_frac": 1.0 - float(am.sum()) / am.numel()}, float(am.numel()))
+        mine = mine[longest_first(host.attention[mine])]  # micro-batches of similar lengths pad little
+    on_device = mine.to(device)
+    for start in range(0, len(mine), settings.micro_batch_size):
+        idx_host = mine[start : start + settings.micro_batch_size]
+        idx = on_device[start : start + settings.micro_batch_size]
+        cols = used_columns(host.attention[idx_host], rollout.response_start, roles.trim_padding)
+        am_host = cols.cut(host.attention[idx_host])
+        n_tokens = float(cols.responses(host.response[idx_host]).sum())
+        # Without padding the forward gets no mask: transformers would read the mask back from the
+        # device to find that out, and then take the same causal path.
+        ids = cols.cut(rollout.input_ids[idx])
+        am = None if bool(am_host.all()) else cols.cut(rollout.attention_mask[idx])
+        means.add({"padding_frac": 1.0 - float(am_host.sum()) / am_host.numel()}, float(am_host.numel()))
         # Loss parts are shares of the minibatch loss; logged per token they are scaled back up.
-        share = n_tokens / float(token_count) if cfg.loss_aggregation == "token" else len(idx) / len(rows)
+        share = n_tokens / token_count_host if cfg.loss_aggregation == "token" else len(idx) / len(rows)
         share = max(share, 1e-12)
-        part = _MicroBatch(roles, rollout, adv, idx, cols, ids, cfg, settings, kl_coef, normalizer, share, check)
+        part = _MicroBatch(roles, rollout, adv, idx, cols, ids, cfg, settings, kl_coef, normalizer, share, check,
+                           n_tokens)
 
         if with_critic and settings.roles_together and roles.mixed_batches[True]:
             # One forward and one backward for both trainable roles: each base weight read once.
@@ -297,17 +358,17 @@ def minibatch_backward(
                 policy_hidden, value_hidden = roles.stacked_hidden_states(ids, am, 2)
                 loss, ratio = part.policy_loss(policy_hidden)
                 vf_loss = part.value_loss(value_hidden)
-                bad = bad or part.first_nonfinite(loss, vf_loss)
+                finite += part.finiteness(loss, vf_loss)
                 (loss + cfg.vf_coef * vf_loss).backward()
         else:
             with roles.as_role(POLICY):
                 loss, ratio = part.policy_loss(roles.hidden_states(ids, am))
-            bad = bad or part.first_nonfinite(loss, None)
+            finite += part.finiteness(loss, None)
             loss.backward()
             if with_critic:
                 with roles.as_role(VALUE):
                     vf_loss = part.value_loss(roles.hidden_states(ids, am))
-                bad = bad or part.first_nonfinite(None, vf_loss)
+                finite += part.finiteness(None, vf_loss)
                 (cfg.vf_coef * vf_loss).backward()
         ratio_sum = ratio_sum + ratio * n_tokens
         # A micro-batch's logged loss is its own mean per token (or per response): weighted by its
@@ -316,25 +377,28 @@ def minibatch_backward(
         means.add(losses, n_tokens if cfg.loss_aggregation == "token" else float(len(idx)))
         means.add({k: v for k, v in part.stats.items() if k not in losses}, n_tokens)
     if world.size > 1:
-        ratio_sum = world.sum(ratio_sum.to(world.device)).cpu()
+        ratio_sum = world.sum(ratio_sum.to(world.device)).to(device)
+    mean_ratio, *flags = read_floats([ratio_sum / token_count, *(flag for _, flag in finite)])
+    bad = next((name for (name, _), ok in zip(finite, flags) if not ok), None)
+    if world.size > 1:
         bads = [b for b in world.gather(bad) if b is not None]
         bad = bads[0] if bads else None
-    return float(ratio_sum / token_count), bad
+    return mean_ratio, bad
 
 
 class _MicroBatch:
     """One micro-batch's losses from its roles' hidden states (of `ids`, the columns `cols` of its rows
-    `idx`), and the stats they log."""
+    `idx`, with `n_tokens` real response tokens), and the stats they log (0-d tensors, read later)."""
 
     def __init__(self, roles: RoleModel, rollout: Rollout, adv: Advantages, idx: torch.Tensor, cols: UsedColumns,
                  ids: torch.Tensor, cfg: PPOConfig, settings: UpdateSettings, kl_coef: float, normalizer, share: float,
-                 check: Optional[LogprobCheck] = None):
+                 check: Optional[LogprobCheck] = None, n_tokens: Optional[float] = None):
         self.roles, self.rollout, self.adv, self.idx, self.cols, self.cfg = roles, rollout, adv, idx, cols, cfg
         self.ids = ids
         self.settings, self.kl_coef, self.normalizer, self.share = settings, kl_coef, normalizer, share
-        self.check = check
+        self.check, self.n_tokens = check, n_tokens
         self.mask = self.per_token(rollout.response_mask)
-        self.stats: dict[str, float] = {}
+        self.stats: dict[str, torch.Tensor] = {}
 
     def per_token(self, tensor: torch.Tensor) -> torch.Tensor:
         """This micro-batch's rows and response columns of a rollout's [B, T_resp] tensor."""
@@ -347,17 +411,17 @@ class _MicroBatch:
         new_logprobs, entropy = self.roles.logprobs_from_hidden(
             hidden, self.ids, self.cols.response_start, self.settings.temperature)
         if self.check is not None:
-            self.check.add(new_logprobs, old_logprobs, m)
+            self.check.add(new_logprobs, old_logprobs, m, self.n_tokens)
         pg_loss, pg_stats = ppo_math.policy_loss(
             new_logprobs, old_logprobs, self.per_token(self.adv.advantages), m, cfg.clip_eps,
             self.normalizer, cfg.dual_clip, cfg.loss_aggregation,
         )
         loss = pg_loss - cfg.entropy_coef * ppo_math.aggregate_loss(entropy, m, cfg.loss_aggregation, self.normalizer)
         self.stats.update({
-            "loss/policy": float(pg_loss.detach() / self.share),
-            "clipfrac": float(pg_stats["clipfrac"]), "dual_clipfrac": float(pg_stats["dual_clipfrac"]),
-            "approxkl": float(pg_stats["approxkl"]), "ratio": float(pg_stats["ratio"]),
-            "entropy": float(ppo_math.masked_mean(entropy.detach(), m)),
+            "loss/policy": pg_loss.detach() / self.share,
+            "clipfrac": pg_stats["clipfrac"], "dual_clipfrac": pg_stats["dual_clipfrac"],
+            "approxkl": pg_stats["approxkl"], "ratio": pg_stats["ratio"],
+            "entropy": ppo_math.masked_mean(entropy.detach(), m),
         })
         if cfg.kl_penalty == "loss" and self.kl_coef > 0:
             kl_loss = ppo_math.kl_loss(
@@ -365,7 +429,7 @@ class _MicroBatch:
                 self.normalizer, cfg.loss_aggregation,
             )
             loss = loss + kl_loss
-            self.stats["loss/kl"] = float(kl_loss.detach() / self.share)
+            self.stats["loss/kl"] = kl_loss.detach() / self.share
         return loss, pg_stats["ratio"]
 
     def value_loss(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -376,16 +440,15 @@ class _MicroBatch:
             new_values, self.per_token(self.rollout.values), self.per_token(self.adv.returns), self.mask,
             cfg.value_clip_eps if cfg.clip_value_loss else None, self.normalizer, cfg.loss_aggregation,
         )
-        self.stats["loss/value"] = float(vf_loss.detach() / self.share)
-        self.stats["value_clipfrac"] = float(vf_stats["clipfrac"])
+        self.stats["loss/value"] = vf_loss.detach() / self.share
+        self.stats["value_clipfrac"] = vf_stats["clipfrac"]
         return vf_loss
 
     @staticmethod
-    def first_nonfinite(policy: Optional[torch.Tensor], value: Optional[torch.Tensor]) -> Optional[str]:
-        for name, loss in (("loss/policy", policy), ("loss/value", value)):
-            if loss is not None and not torch.isfinite(loss.detach()):
-                return name
-        return None
+    def finiteness(policy: Optional[torch.Tensor], value: Optional[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """(loss name, whether it is finite) of the losses given, unread."""
+        return [(name, torch.isfinite(loss.detach())) for name, loss in (("loss/policy", policy), ("loss/value", value))
+                if loss is not None]
 
 
 def ratio_threshold_action(cfg: PPOConfig, mean_ratio: float) -> Optional[str]:

@@ -1,0 +1,102 @@
+"""Scoring reads the device once, and the update once per minibatch, not once per statistic.
+
+On a GPU every read of a tensor's value into Python (`float(t)`, `t.item()`, `if t:`, boolean
+indexing) waits until the GPU has run everything queued before it; between a forward and its
+backward that leaves the GPU idle while Python launches the next kernels. Here the rollout's tensors
+are marked as device memory (a tensor subclass that counts such reads, and passes everything else
+through), so the reads of anything computed from them are counted on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+
+import pytest
+import torch
+
+from lora_ppo.config import PPOConfig
+from lora_ppo.rollout import score_passes
+from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
+from tests.conftest import rollout_for_update
+
+# What waits for the device: reading values into Python or onto the host.
+READS = {"__bool__", "__float__", "__int__", "__index__", "item", "tolist", "nonzero", "cpu", "numpy"}
+LIBRARIES = ("transformers", "peft", "bitsandbytes")
+
+
+class OnDevice(torch.Tensor):
+    """A tensor standing for GPU memory: `reads` logs, per read of its values, which library asked."""
+
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        to_host = name == "to" and any(a == "cpu" or a == torch.device("cpu") for a in (*args[1:], *(kwargs or {}).values()))
+        if name in READS or to_host:
+            frames = [f.filename for f in traceback.extract_stack()[:-1]]
+            library = next((lib for f in reversed(frames) for lib in LIBRARIES if f"/{lib}/" in f), "lora_ppo")
+            cls.reads.append(library)
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **(kwargs or {}))
+            return out.as_subclass(torch.Tensor) if isinstance(out, torch.Tensor) else out  # now on the host
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def on_device(rollout):
+    fields = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
+    return dataclasses.replace(rollout, **{k: v.as_subclass(OnDevice) for k, v in fields.items()
+                                            if isinstance(v, torch.Tensor)})
+
+
+def reads_of_an_update(roles, rollout, micro_batch: int, epochs: int, minibatches: int) -> list[str]:
+    cfg = PPOConfig(num_epochs=epochs, num_minibatches=minibatches)
+    rollout = on_device(rollout)
+    adv = compute_advantages(rollout, cfg, 0.05, rollout.scores)
+    batch = rollout.response_ids.shape[0]
+    settings = UpdateSettings(batch // minibatches, micro_batch, 1.0, gradient_checkpointing=True)
+    optimizer = torch.optim.SGD(roles.policy_parameters() + roles.value_parameters(), lr=1e-3)
+    OnDevice.reads = []
+    ppo_update(roles, optimizer, None, rollout, adv, cfg, settings, 0.05, torch.Generator().manual_seed(0))
+    return OnDevice.reads
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["equal-lengths", "padded"])
+def test_an_update_reads_the_device_once_per_minibatch_whatever_its_micro_batches(make_roles, tiny_tokenizer, padded):
+    """2 epochs x 2 minibatches of 2 rows: the two masks once (the counts and column cuts), each
+    minibatch's mean ratio and loss checks once, then the logged means and the self-check once each,
+    in micro-batches of one row as of two. transformers reads a mask with padding to decide its
+    attention path; a micro-batch without padding gives it none to read."""
+    roles = make_roles(seed=1, scale=0.3)
+    rollout = rollout_for_update(roles, tiny_tokenizer)
+    if not padded:  # every prompt and response at full length
+        rollout = dataclasses.replace(rollout, query_mask=torch.ones_like(rollout.query_mask),
+                                      response_mask=torch.ones_like(rollout.response_mask))
+    expected_own = 2 + 2 * 2 + 2
+    for micro_batch in (1, 2):
+        reads = reads_of_an_update(roles, rollout, micro_batch, epochs=2, minibatches=2)
+        own = [r for r in reads if r == "lora_ppo"]
+        assert len(own) == expected_own, (micro_batch, reads)
+        if not padded:
+            assert reads == own, (micro_batch, reads)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["equal-lengths", "padded"])
+def test_scoring_reads_the_device_once_whatever_its_micro_batches(make_roles, tiny_tokenizer, padded):
+    """The mask, once (lengths and column cuts); the logprobs and values stay on the device."""
+    roles = make_roles(seed=1, scale=0.3)
+    rollout = rollout_for_update(roles, tiny_tokenizer)
+    ids, mask = rollout.input_ids, rollout.attention_mask
+    if not padded:
+        mask = torch.ones_like(mask)
+    start = rollout.response_start
+    for rows in (1, 4):
+        for together in (True, False):
+            OnDevice.reads = []
+            score_passes(roles, ids.as_subclass(OnDevice), mask.as_subclass(OnDevice), start, 1.0, rows,
+                         together=together)
+            own = [r for r in OnDevice.reads if r == "lora_ppo"]
+            assert len(own) == 1, (rows, together, OnDevice.reads)
+            if not padded:
+                assert OnDevice.reads == own, (rows, together, OnDevice.reads)
