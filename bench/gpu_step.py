@@ -9,14 +9,16 @@ sizes are chosen for the capped free memory, as a user's run chooses them), ever
 as `data.max_prompt_tokens` allows and every response at full length. For each budget it writes:
 
 - the auto sizes chosen, per-step seconds, peaks and `perf/*` (model FLOPs per phase per second),
-  and each phase's rate as a share of the measured matmul rate;
+  each phase's rate as a share of the measured matmul rate, and the allocator's reserved peak and
+  retries;
 - a torch.profiler table of one update micro-batch (policy and value forward and backward) and
   one optimizer step by kernel family (4-bit dequantize, matmul, attention, softmax and
   reductions, optimizer, other elementwise), with the device time under the LM head + logprob
-  and LoRA ranges (forward) and the top kernels by name;
-- one extra step per update variant (both roles in one pass, checkpointing off, half and double
-  the micro-batch), on the same loaded run: the update's seconds, TFLOP/s and peak, or where it ran
-  out of memory;
+  and LoRA ranges (forward) and the top kernels by name; then the same micro-batch's wall time and
+  its waits for the GPU (CUDA's sync debug mode);
+- one extra step per update variant (compiled layers, double the micro-batch, both roles in one
+  pass, checkpointing off, half the micro-batch, then the `auto` choice again as a control), on the
+  same loaded run: the update's seconds, TFLOP/s and peak, or where it ran out of memory;
 - the KL check: objective/kl per step of the near-reference policy (per token, against the bf16
   self-check tolerance), and on a fresh sample the per-token mean of generation logprobs minus
   scoring logprobs, and the KL measured from each (scoring the policy together with the reference
@@ -27,8 +29,9 @@ Prints one JSON object and writes it to `--out`.
     python bench/gpu_step.py [--config bench/model_configs/llama-3.1-8b] [--gpu-gb 12 24] [--steps 2]
                              [--tokenizer DIR] [--out bench/results/gpu_step_h100.json] [overrides ...]
 
-On an H100 a budget takes about 3 minutes (loading, a minute of compiling, the steps), the update
-variants (first budget only) 2 more, the model build 1-2: within a device call's 10 minutes, run
+On an H100 a budget takes about 4 minutes (loading, 85 s compiling generation, the steps, the KL
+check and the profile), the update variants (first budget only) 3 more, the model build 12-25 s:
+within a device call's 10 minutes, run
 one budget per call (`--gpu-gb 12`, then `--gpu-gb 24 --no-update-variants`; the built model is
 reused from `--work` while the machine stays warm).
 
@@ -67,14 +70,17 @@ KERNEL_FAMILIES = (
 )
 RANGES = ("lm_head_logprobs", "lora")
 # Update variants tried on the loaded run, one extra step each (no reload, no recompile): the
-# candidates for "fill the card", measured against the `auto` choice.
+# candidates for "fill the card", measured against the `auto` choice, in this order (a device call
+# cut short keeps the first). The `auto` choice runs again last: the same settings a few steps later
+# say how far the process drifted (on 2026-11-27 two steps with identical work took 9.6 and 15.6 s).
 UPDATE_VARIANTS = {
+    # ppo.compile_update: a first step compiles (its seconds recorded apart), the second is timed
+    "compile_update": lambda s: {"compiled_layers": _compiled_layers()},
+    "micro_batch_double": lambda s: {"micro_batch_size": min(s.minibatch_size, 2 * s.micro_batch_size)},
     "roles_together": lambda s: {"roles_together": True},
     "checkpointing_off": lambda s: {"gradient_checkpointing": False},
     "micro_batch_half": lambda s: {"micro_batch_size": max(1, s.micro_batch_size // 2)},
-    "micro_batch_double": lambda s: {"micro_batch_size": min(s.minibatch_size, 2 * s.micro_batch_size)},
-    # ppo.compile_update: a first step compiles (its seconds recorded apart), the second is timed
-    "compile_update": lambda s: {"compiled_layers": _compiled_layers()},
+    "auto_again": lambda s: {},
 }
 
 
@@ -139,7 +145,8 @@ def profiler_ranges(trainer):
 
 def profile_update(trainer, rollout) -> dict:
     """One update micro-batch (policy and value, forward and backward) and one optimizer step
-    under torch.profiler: device time by kernel family, by range, and the top kernels."""
+    under torch.profiler: device time by kernel family, by range, and the top kernels; then the same
+    unprofiled: its wall time, and its waits for the GPU."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -153,15 +160,39 @@ def profile_update(trainer, rollout) -> dict:
                                settings.gradient_checkpointing, settings.roles_together)
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    parts.optimizer.zero_grad(set_to_none=True)
-    with profiler_ranges(trainer), profile(activities=activities) as prof:
+
+    def micro_batch(wait: bool = True) -> None:
         with parts.roles.gradient_checkpointing(settings.gradient_checkpointing):
             minibatch_backward(parts.roles, rollout, adv, rows, r.ppo, one_micro, trainer.state.kl_coef,
                                _TokenWeightedMeans())
         parts.optimizer.step()
-        if cuda:
+        if cuda and wait:
             torch.cuda.synchronize()
+
     parts.optimizer.zero_grad(set_to_none=True)
+    with profiler_ranges(trainer), profile(activities=activities) as prof:
+        micro_batch()
+    parts.optimizer.zero_grad(set_to_none=True)
+    # The same micro-batch unprofiled: its wall time against its kernels' (the rest is the host's), and
+    # how often it waited for the GPU (CUDA's sync debug mode warns at each wait).
+    t0 = time.perf_counter()
+    micro_batch()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    parts.optimizer.zero_grad(set_to_none=True)
+    syncs = None
+    if cuda:
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                micro_batch(wait=False)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        parts.optimizer.zero_grad(set_to_none=True)
     # The adapters moved by one extra optimizer step: this trainer is not used for steps again.
     events = prof.events()
     cpu_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
@@ -185,7 +216,8 @@ def profile_update(trainer, rollout) -> dict:
         by_name[e.name] = by_name.get(e.name, 0.0) + time_of(e)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
     return {
-        "micro_batch_rows": r.micro_batch_size, "device_ms": round(total / 1e3, 2),
+        "micro_batch_rows": r.micro_batch_size, "device_ms": round(total / 1e3, 2), "wall_ms": round(wall_ms, 2),
+        "host_syncs": syncs,
         "by_family_ms": {k: round(v / 1e3, 2) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
         "by_family_share": {k: round(v / max(total, 1e-9), 3) for k, v in families.items()},
         "forward_ranges_ms": {k: round(v, 2) for k, v in ranges.items()},
@@ -200,10 +232,14 @@ def _device_time_under(event, cuda: bool) -> float:
 
 
 def update_variants(trainer, results: dict, save=lambda: None) -> dict:
-    """One extra step with `model.adapter_autocast`, one without `ppo.trim_padding`, then one per
-    UPDATE_VARIANTS entry, on the loaded run (the rollout work is the same): seconds, TFLOP/s and peak
-    of the update, or the out-of-memory. Each lands in `results` and is saved as it comes (compiling
-    runs last and longest: a device call cut short keeps the others)."""
+    """One extra step per UPDATE_VARIANTS entry on the loaded run (the rollout work is the same):
+    seconds, TFLOP/s and peak of the update, or the out-of-memory, and the allocator's retries so
+    far. Each lands in `results` and is saved as it comes.
+
+    Not here: `model.adapter_autocast` changes generation's compiled graph, so its step compiled and
+    recorded a second decode graph (99 s on 2026-11-27) whose memory every later variant then ran
+    beside; it gets a run of its own (`model.adapter_autocast=true --no-update-variants`). `ppo.trim_padding` neither: this
+    workload has no padding to trim (every prompt and response at full length)."""
     import dataclasses
 
     import torch
@@ -213,7 +249,8 @@ def update_variants(trainer, results: dict, save=lambda: None) -> dict:
     def step(name: str, described: dict, keys=("time/update", "perf/update_tflops", "memory/update_gb")) -> None:
         try:
             metrics, _ = trainer.train_step()
-            results[name] = {**described, **{k: round(metrics[k], 4) for k in keys if k in metrics}}
+            results[name] = {**described, **{k: round(metrics[k], 4) for k in keys if k in metrics},
+                             **allocator_counts()}
         except torch.OutOfMemoryError as err:
             results[name] = f"out of memory: {str(err).splitlines()[0][:160]}"
             trainer.parts.optimizer.zero_grad(set_to_none=True)
@@ -221,20 +258,9 @@ def update_variants(trainer, results: dict, save=lambda: None) -> dict:
         print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)
         save()
 
-    # Settings of the roles (model.adapter_autocast on, ppo.trim_padding off) also change generation or
-    # scoring: their seconds are recorded beside the update's.
-    roles = trainer.parts.roles
-    for name, attribute, value in (("adapter_autocast", "autocast_dtype", torch.bfloat16),
-                                   ("trim_padding_off", "trim_padding", False)):
-        before = getattr(roles, attribute)
-        setattr(roles, attribute, value)
-        step(name, {"micro_batch": base_settings.micro_batch_size},
-             ("time/generate", "time/score_forward", "time/update", "perf/update_tflops", "memory/update_gb",
-              "update/padding_frac", "check/logprob_mean_diff"))
-        setattr(roles, attribute, before)
     for name, change in UPDATE_VARIANTS.items():
         settings = dataclasses.replace(base_settings, **change(base_settings))
-        if settings == base_settings:
+        if settings == base_settings and name != "auto_again":
             results[name] = "same as the auto choice"
             continue
         trainer.update_settings = settings
@@ -316,6 +342,18 @@ def static_cache(trainer) -> dict:
             "allocated_now_gb": round(torch.cuda.memory_allocated() / GB, 3) if torch.cuda.is_available() else None}
 
 
+def allocator_counts() -> dict:
+    """The CUDA allocator's reserved peak and its retries so far (each retry frees every cached block
+    and waits for the GPU: a step near the cap pays for them in time, not in an error)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {"memory/reserved_gb": round(torch.cuda.max_memory_reserved() / GB, 3),
+            "cuda/alloc_retries": stats.get("num_alloc_retries", 0), "cuda/ooms": stats.get("num_ooms", 0)}
+
+
 def recorded(part, *args):
     """The part's result, or its error as text (printed too) where it raised."""
     try:
@@ -360,6 +398,7 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
                 if f"perf/{phase}_tflops" in metrics:
                     step[f"{phase}_share_of_measured_matmul"] = round(metrics[f"perf/{phase}_tflops"] / matmul_rate, 4)
             step["objective/kl_per_token"] = round(metrics["objective/kl"] / max(metrics["response/length"], 1), 6)
+            step.update(allocator_counts())
             steps.append(step)
             print(json.dumps(step), file=sys.stderr, flush=True)
         result["steps"] = steps

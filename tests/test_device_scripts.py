@@ -47,12 +47,11 @@ def test_gpu_step_writes_every_part(tiny_config, tmp_path):
     for part in ("kl_check", "update_variants", "profile", "static_cache"):
         assert "error" not in budget[part], (part, budget[part])
     variants = budget["update_variants"]
-    assert {"time/generate", "time/score_forward", "time/update"} <= set(variants["adapter_autocast"])
-    # Each on its own step's rollout: the shares are recorded, not comparable.
     assert 0 <= budget["steps"][-1]["update/padding_frac"] < 1
-    assert 0 <= variants["trim_padding_off"]["update/padding_frac"] < 1
-    assert "check/logprob_mean_diff" in variants["trim_padding_off"]
     assert variants["compile_update_compiling"]["time/compile"] > 0 and "time/update" in variants["compile_update"]
+    assert list(variants)[0] == "compile_update_compiling"  # the one most wanted, first
+    assert "time/update" in variants["auto_again"]  # the control, last
+    assert list(variants)[-1] == "auto_again"
     kl = budget["kl_check"]
     assert {"generation_minus_scoring_first_token_abs", "generation_minus_scoring_later_tokens_abs",
             "eager_generation_minus_scoring_policy_abs"} <= set(kl)
@@ -60,6 +59,7 @@ def test_gpu_step_writes_every_part(tiny_config, tmp_path):
     profile = budget["profile"]
     assert profile["device_ms"] > 0 and sum(profile["by_family_ms"].values()) == pytest.approx(profile["device_ms"],
                                                                                              abs=0.1)
+    assert profile["wall_ms"] > 0 and profile["host_syncs"] is None  # counted on CUDA only
     assert budget["static_cache"]["devices"] == ["cpu"]  # the compiled decoder's cache, held between steps
 
 
