@@ -27,6 +27,7 @@ from lora_ppo.compiled_update import unique_graphs
 from lora_ppo.config import RolloutConfig
 from lora_ppo.devices import device_rng_states, model_device, restore_device_rng_states
 from lora_ppo.errors import named_first_line
+from lora_ppo.model import CpuEmbedding
 from lora_ppo.model_checks import base_forward, cache_keyword
 
 log = logging.getLogger(__name__)
@@ -86,13 +87,19 @@ class StaticDecoder:
         self._keep_one = "logits_to_keep" in inspect.signature(base_forward(model)).parameters
         self._cache_keyword = cache_keyword(model)
         self._4bit_layer = first_4bit_layer(model)  # dequantized per step or not: another graph
+        # Embeddings in CPU memory (`model.offload_embeddings`): a CUDA graph holds device work only,
+        # so each step's lookup runs before the graph, which takes the rows looked up.
+        embedding = model.get_input_embeddings()
+        self._host_embedding = embedding if isinstance(embedding, CpuEmbedding) else None
 
     def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
         return self.disabled is None and prompt_tokens + max_new_tokens <= self.cache_tokens
 
-    def _decode_step(self, cache, input_ids, position_ids, attention_mask) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                         use_cache=True, **{self._cache_keyword: cache})
+    def _decode_step(self, cache, tokens, position_ids, attention_mask) -> torch.Tensor:
+        """`tokens`: the input ids [rows, 1], or their embeddings [rows, 1, H] where the lookup is on the host."""
+        given = {"input_ids": tokens} if self._host_embedding is None else {"inputs_embeds": tokens}
+        out = self.model(**given, position_ids=position_ids, attention_mask=attention_mask, use_cache=True,
+                         **{self._cache_keyword: cache})
         return out.logits[:, -1].float()
 
     def _cache(self, rows: int):
@@ -191,7 +198,8 @@ class StaticDecoder:
             fed = chosen if rows == B else torch.cat([chosen, chosen.new_full((rows - B,), pad_id)])
             mask[:, P + t] = 1
             position = position + 1
-            logits = self._step(cache, fed[:, None], position, mask)
+            tokens = fed[:, None] if self._host_embedding is None else self._host_embedding(fed[:, None])
+            logits = self._step(cache, tokens, position, mask)
         return torch.stack(new_tokens, dim=1) if new_tokens else query_ids.new_zeros((B, 0))
 
 

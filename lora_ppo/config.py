@@ -104,8 +104,9 @@ class ModelConfig(Section):
     """Keep the input embedding table in CPU memory and look each forward's tokens up there (a few thousand
     rows), instead of holding it on the GPU: saves vocabulary x hidden x 2 bytes of GPU memory (1.56 GB for
     Qwen2.5-32B, 1.05 GB for Llama-3.1-8B) for the same hidden states. Not for models whose LM head shares
-    the table (tied embeddings: refused at load), and `rollout.compile` stays off with it (a CPU lookup in the
-    decode step would break its CUDA graph; `auto` turns it off, `true` is refused).
+    the table (tied embeddings: refused at load). `rollout.compile: auto` stays off with it (its static KV
+    cache would be held through every phase of a run short of memory); `true` compiles the decode step
+    with each token's lookup done on the CPU before it.
     """
     quantize_lm_head: bool = False
     """Quantize the LM head as the linear layers are (`model.quantization`) instead of keeping it at the
@@ -508,7 +509,8 @@ class RolloutConfig(Section):
     def compiles_on(self, device_type: str, decode_steps: int, embeddings_on_cpu: bool = False) -> bool:
         """`compile` decided for a device type ("cuda", "cpu", ...) and the decode steps the job
         will take: `auto` is on for CUDA when there are enough of them to pay the compile back, and
-        the embeddings are on the device (`model.offload_embeddings` off)."""
+        the embeddings are on the device. With `model.offload_embeddings` a run is short of memory,
+        and the static KV cache would stay held through every phase: only `true` compiles then."""
         if self.compile != "auto":
             return bool(self.compile)
         return device_type == "cuda" and decode_steps >= AUTO_COMPILE_MIN_DECODE_STEPS and not embeddings_on_cpu
@@ -749,9 +751,6 @@ class Recipe(Section):
                 f"rollout.missing_eos_penalty ({penalty}) has no effect while rollout.stop_token is null: "
                 "set a stop token or remove the penalty"
             )
-        if self.model.offload_embeddings and self.rollout.compile is True:
-            raise ValueError("rollout.compile: true cannot run with model.offload_embeddings (a CPU embedding lookup "
-                             "breaks the compiled decode step's CUDA graph); use auto or false")
         if self.model.dequantize_per_step is True and self.model.quantization != "4bit":
             raise ValueError(
                 f"model.dequantize_per_step: needs model.quantization 4bit (got {self.model.quantization!r})"

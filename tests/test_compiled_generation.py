@@ -81,6 +81,26 @@ def test_the_same_tokens_and_logprobs_as_generate(roles, tiny_tokenizer, decoder
     assert (bucket(3), "policy", False) in decoder._warm
 
 
+def test_embeddings_in_cpu_memory_are_looked_up_before_each_compiled_step(make_roles, tiny_tokenizer):
+    """model.offload_embeddings with rollout.compile: true. The step's graph takes each token's
+    embedding, looked up on the host, and samples what generate() samples with the same table."""
+    from lora_ppo.model import CpuEmbedding
+
+    torch.manual_seed(0)
+    roles = make_roles(seed=3)
+    base = roles.peft.get_base_model()
+    base.set_input_embeddings(CpuEmbedding(base.get_input_embeddings(), torch.device("cpu")))
+    decoder = StaticDecoder(roles.peft, cache_tokens=64)
+    step, given = decoder._step, []
+    decoder._step = lambda cache, tokens, *rest: given.append(tuple(tokens.shape)) or step(cache, tokens, *rest)
+    cfg = RolloutConfig(**SAMPLING, stop_token=None)
+    today, compiled = both_paths(roles, tiny_tokenizer, decoder, cfg, PROMPTS, seed=5)
+    assert_same_samples(today, compiled)
+    hidden = base.config.hidden_size
+    assert given == [(bucket(3), 1, hidden)] * (SAMPLING["max_new_tokens"] - 1)  # embeddings, not ids
+    assert decoder.disabled is None and decoder.graphs == 1 and decoder.recompiles == 0
+
+
 def test_a_stop_check_read_late_returns_the_tokens_generate_samples(roles, tiny_tokenizer, decoder):
     """On a GPU "every row has stopped" is read two steps late (`stop_check_lag`), so the loop runs
     past the last stop: those steps must come out as padding, cut off with the rest. One prompt

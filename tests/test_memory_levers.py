@@ -53,12 +53,12 @@ def test_a_model_that_cannot_be_read_is_one_line_with_the_levers_on(tmp_path):
         _model(tmp_path, offload_embeddings=True)  # a folder without a config.json
 
 
-def test_offloaded_embeddings_keep_compile_off_and_refuse_it_on():
+def test_offloaded_embeddings_keep_auto_compile_off_and_true_on():
     recipe = recipe_from_dict({"model": {"offload_embeddings": True}, "train": {"steps": 1000}})
     assert not recipe.rollout.compiles_on("cuda", 10**6, embeddings_on_cpu=True)
     assert recipe_from_dict({"train": {"steps": 1000}}).rollout.compiles_on("cuda", 10**6)
-    with pytest.raises(RecipeError, match="rollout.compile: true cannot run with model.offload_embeddings"):
-        recipe_from_dict({"model": {"offload_embeddings": True}, "rollout": {"compile": True}})
+    forced = recipe_from_dict({"model": {"offload_embeddings": True}, "rollout": {"compile": True}})
+    assert forced.rollout.compiles_on("cuda", 10**6, embeddings_on_cpu=True)
 
 
 # ---- a quantized LM head ----------------------------------------------------------------------
