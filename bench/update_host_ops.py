@@ -1,0 +1,131 @@
+"""The host's work in one update micro-batch, counted on CPU, printed as JSON.
+
+On a GPU the update is bound by the host below 8 rows (bench/README.md#gpu_steppy-needs-a-cuda-gpu):
+Python and the dispatcher issue every operator, and each operator that computes launches a kernel.
+Their number does not depend on the width of the model, so it can be counted here: the 8B recipe's
+structure (Llama-3.1-8B's config: 32 layers, LoRA r=16 on all 7 linear layers of each, 4-bit NF4)
+at a tiny width (hidden 64), where compute is next to nothing. One micro-batch of `--rows` rows of
+`--prompt` + `--response` tokens: the policy's and the value's forward and backward with gradient
+checkpointing, as `ppo_update` runs it.
+
+In bfloat16, alone, with `model.adapter_autocast` and with `ppo.compile_update`: the operators dispatched, those
+that launch work (everything but views and other metadata), the dtype casts among them, the 4-bit
+dequantizations, and the micro-batch's seconds at this width (median of `--repeats`; mostly host,
+plus attention over the full sequence). With `ppo.compile_update` the fused kernels of the compiled
+layers are not operators and are not counted: on a GPU each is one more launch.
+
+    python bench/update_host_ops.py [--rows 4] [--prompt 256 --response 256]   # about 3 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 32, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 2048}
+# Operators that only describe memory (no kernel on a GPU).
+METADATA = {"aten::view", "aten::as_strided", "aten::transpose", "aten::t", "aten::reshape", "aten::_unsafe_view",
+            "aten::slice", "aten::select", "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::permute",
+            "aten::detach", "detach", "aten::resolve_conj", "aten::resolve_neg", "aten::alias", "aten::empty",
+            "aten::empty_strided", "aten::empty_like", "aten::split", "aten::chunk", "aten::narrow",
+            "aten::contiguous", "aten::lift_fresh", "aten::result_type", "aten::size", "aten::stride",
+            "aten::is_nonzero", "aten::matmul", "aten::linear", "aten::to", "aten::flatten", "aten::unflatten",
+            "aten::view_as", "aten::_reshape_alias", "aten::split_with_sizes", "aten::unbind"}
+# bfloat16 as on a GPU (on CPU `auto` means float32, and `model.adapter_autocast` needs bfloat16).
+VARIANTS = {"bfloat16": ["model.compute_dtype=bfloat16"],
+            "bfloat16_adapter_autocast": ["model.compute_dtype=bfloat16", "model.adapter_autocast=true"],
+            "bfloat16_compile_update": ["model.compute_dtype=bfloat16", "ppo.compile_update=true"]}
+
+
+def model_folder(work: Path) -> Path:
+    from random_models import build_random_4bit_model, small_tokenizer
+
+    config = json.loads((Path(__file__).parent / "model_configs" / "llama-3.1-8b" / "config.json").read_text())
+    config.update(SHAPE)
+    config.pop("head_dim", None)
+    (work / "config").mkdir(parents=True, exist_ok=True)
+    (work / "config" / "config.json").write_text(json.dumps(config))
+    folder = work / "model"
+    if not (folder / "config.json").exists():
+        build_random_4bit_model(work / "config", small_tokenizer(work / "tokenizer"), folder)
+    return folder
+
+
+def measure(model_dir: Path, work: Path, overrides: list[str], args) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import lora_ppo
+    from lora_ppo.rollout import Rollout, score_passes
+    from lora_ppo.update import UpdateSettings, _TokenWeightedMeans, compute_advantages, minibatch_backward
+
+    recipe = lora_ppo.load_recipe(str(Path(__file__).parents[1] / "recipes" / "single_gpu_8b.yaml"), [
+        f"model.name={model_dir}", f"train.output_dir={work / 'run'}", "model.gradient_checkpointing=true",
+        "ppo.grad_accum_steps=2", "rollout.forward_batch_size=4", *overrides])
+    trainer = lora_ppo.PPOTrainer(recipe, progress=False)
+    roles, optimizer = trainer.parts.roles, trainer.parts.optimizer
+    rows, prompt, response = args.rows, args.prompt, args.response
+    ids = torch.randint(3, SHAPE["vocab_size"], (rows, prompt + response), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    old, ref, values = score_passes(roles, ids, mask, prompt, 1.0, rows)
+    scores = torch.zeros(rows)
+    rollout = Rollout(rows=[None] * rows, completions=[""] * rows, query_ids=ids[:, :prompt],
+                      query_mask=mask[:, :prompt], response_ids=ids[:, prompt:], response_mask=mask[:, prompt:].bool(),
+                      old_logprobs=old, ref_logprobs=ref, values=values, raw_scores=scores, scores=scores,
+                      stopped=torch.zeros(rows, dtype=torch.bool))
+    adv = compute_advantages(rollout, recipe.ppo, 0.05, scores)
+    compiled = trainer.update_settings.compiled_layers  # ppo.compile_update
+    settings = UpdateSettings(rows, rows, 1.0, gradient_checkpointing=True, compiled_layers=compiled)
+
+    def micro_batch() -> None:
+        with roles.gradient_checkpointing(True, compiled):
+            minibatch_backward(roles, rollout, adv, torch.arange(rows), recipe.ppo, settings, 0.05, _TokenWeightedMeans())
+        optimizer.zero_grad(set_to_none=True)
+
+    micro_batch()  # warm (and compile)
+    seconds = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        micro_batch()
+        seconds.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        micro_batch()
+    counts = {e.key: e.count for e in prof.key_averages() if e.key.startswith(("aten::", "bitsandbytes::"))}
+    launching = {k: n for k, n in counts.items() if k.startswith("aten::") and k not in METADATA}
+    return {
+        "operators": sum(n for k, n in counts.items() if k.startswith("aten::")),
+        "launching_work_aten": sum(launching.values()),
+        "casts": counts.get("aten::_to_copy", 0),
+        "dequantize_4bit": counts.get("bitsandbytes::dequantize_4bit", 0),
+        "top_launching": sorted(launching.items(), key=lambda kv: -kv[1])[:8],
+        "seconds_median": round(statistics.median(seconds), 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--response", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--work", default="/tmp/lora_ppo_update_host_ops")
+    args = parser.parse_args()
+    work = Path(args.work)
+    model_dir = model_folder(work)
+    result = {"shape": {**SHAPE, "rows": args.rows, "prompt": args.prompt, "response": args.response}}
+    for name, overrides in VARIANTS.items():
+        result[name] = measure(model_dir, work / name, overrides, args)
+        print(json.dumps({name: result[name]}), file=sys.stderr, flush=True)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
