@@ -33,7 +33,8 @@ class OnDevice(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        to_host = name == "to" and any(a == "cpu" or a == torch.device("cpu") for a in (*args[1:], *(kwargs or {}).values()))
+        targets = (*args[1:], *(kwargs or {}).values())
+        to_host = name == "to" and any(a == "cpu" or a == torch.device("cpu") for a in targets)
         if name in READS or to_host:
             frames = [f.filename for f in traceback.extract_stack()[:-1]]
             library = next((lib for f in reversed(frames) for lib in LIBRARIES if f"/{lib}/" in f), "lora_ppo")
