@@ -1,4 +1,4 @@
-"""Scoring reads the device once, and the update once per minibatch, not once per statistic.
+"""Scoring reads the device once, and the update twice per minibatch, not once per statistic.
 
 On a GPU every read of a tensor's value into Python (`float(t)`, `t.item()`, `if t:`, boolean
 indexing) waits until the GPU has run everything queued before it; between a forward and its
@@ -64,11 +64,14 @@ def reads_of_an_update(roles, rollout, micro_batch: int, epochs: int, minibatche
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["equal-lengths", "padded"])
-def test_an_update_reads_the_device_once_per_minibatch_whatever_its_micro_batches(make_roles, tiny_tokenizer, padded):
+def test_an_update_reads_what_it_computed_once_per_minibatch_whatever_its_micro_batches(make_roles, tiny_tokenizer,
+                                                                                          padded):
     """2 epochs x 2 minibatches of 2 rows: the two masks once (the counts and column cuts), each
     minibatch's mean ratio and loss checks once, then the logged means and the self-check once each,
-    in micro-batches of one row as of two. transformers reads a mask with padding to decide its
-    attention path; a micro-batch without padding gives it none to read."""
+    in micro-batches of one row as of two. (The optimizer step's read of the gradients' norms is not
+    counted: the gradients are the adapters', not computed from the marked rollout.) transformers
+    reads a mask with padding to decide its attention path; a micro-batch without padding gives it
+    none to read."""
     roles = make_roles(seed=1, scale=0.3)
     rollout = rollout_for_update(roles, tiny_tokenizer)
     if not padded:  # every prompt and response at full length
