@@ -408,8 +408,9 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
         save()
         # Each later part is recorded on its own: one that breaks (a profiler API of another torch)
         # must not cost the device call the parts that worked.
-        result["kl_check"] = recorded(kl_check, trainer, prompts)
-        save()
+        if args.kl_check:
+            result["kl_check"] = recorded(kl_check, trainer, prompts)
+            save()
         result["profile"] = recorded(profile_update, trainer, rollout)
         save()
         if args.update_variants and gpu_gb == args.gpu_gb[0]:  # the first budget only: each costs a step
@@ -439,6 +440,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--work", default="/tmp/lora_ppo_gpu_step")
     parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--no-kl-check", dest="kl_check", action="store_false",
+                        help="skip the KL check (a fresh sample, scored three ways, and an eager one: a minute)")
     parser.add_argument("--no-update-variants", dest="update_variants", action="store_false",
                         help="skip the extra steps that try other update settings")
     parser.add_argument("overrides", nargs="*")
