@@ -18,7 +18,8 @@ as `data.max_prompt_tokens` allows and every response at full length. For each b
   its waits for the GPU (CUDA's sync debug mode);
 - one extra step per update variant (compiled layers, double the micro-batch, both roles in one
   pass, checkpointing off, half the micro-batch, then the `auto` choice again as a control), on the
-  same loaded run: the update's seconds, TFLOP/s and peak, or where it ran out of memory;
+  same loaded run: the update's seconds, TFLOP/s and peak, or where it ran out of memory; then
+  `ppo.trim_padding` on and off over responses cut at random lengths (their padding share too);
 - the KL check: objective/kl per step of the near-reference policy (per token, against the bf16
   self-check tolerance), and on a fresh sample the per-token mean of generation logprobs minus
   scoring logprobs, and the KL measured from each (scoring the policy together with the reference
@@ -236,10 +237,12 @@ def update_variants(trainer, results: dict, save=lambda: None) -> dict:
     seconds, TFLOP/s and peak of the update, or the out-of-memory, and the allocator's retries so
     far. Each lands in `results` and is saved as it comes.
 
+    Then `ppo.trim_padding` on and off, in two adjacent steps whose responses are cut at random
+    lengths (`ragged_responses`): the rest of this workload has no padding to trim.
+
     Not here: `model.adapter_autocast` changes generation's compiled graph, so its step compiled and
     recorded a second decode graph (99 s on 2026-11-27) whose memory every later variant then ran
-    beside; it gets a run of its own (`model.adapter_autocast=true --no-update-variants`). `ppo.trim_padding` neither: this
-    workload has no padding to trim (every prompt and response at full length)."""
+    beside; it gets a run of its own (`model.adapter_autocast=true --no-update-variants`)."""
     import dataclasses
 
     import torch
@@ -271,7 +274,45 @@ def update_variants(trainer, results: dict, save=lambda: None) -> dict:
             step(f"{name}_compiling", described, ("time/update", "time/compile", "memory/update_gb"))
         step(name, described)
     trainer.update_settings, trainer.work = base_settings, base_work
+    roles, sampler = trainer.parts.roles, trainer.sampler
+    keys = ("time/score_forward", "time/update", "perf/update_tflops", "memory/update_gb", "update/padding_frac",
+            "check/logprob_mean_diff")
+    for name, trim in (("ragged_trim_padding_on", True), ("ragged_trim_padding_off", False)):
+        trainer.sampler, roles.trim_padding = RaggedResponses(sampler, seed=0), trim
+        try:
+            step(name, {"micro_batch": base_settings.micro_batch_size}, keys)
+        finally:
+            trainer.sampler, roles.trim_padding = sampler, True
     return results
+
+
+class RaggedResponses:
+    """A sampler whose responses are cut at random lengths between 1/8 of `max_new_tokens` and all of
+    it, as responses that stop at their EOS are (the same lengths for the same `seed`): padding for
+    `ppo.trim_padding` to trim, where a random model never samples its stop token. The completions'
+    text is left whole (the reward sees it; only the timing is measured)."""
+
+    def __init__(self, sampler, seed: int) -> None:
+        self._sampler, self._seed = sampler, seed
+
+    def __getattr__(self, name):
+        return getattr(self._sampler, name)
+
+    def sample(self, *args, **kwargs):
+        import dataclasses
+
+        import torch
+
+        samples = self._sampler.sample(*args, **kwargs)
+        rows, width = samples.response_ids.shape
+        g = torch.Generator().manual_seed(self._seed)
+        lengths = torch.randint(max(1, width // 8), width + 1, (rows,), generator=g)
+        keep = (torch.arange(width)[None, :] < lengths[:, None]).to(samples.response_mask.device)
+        mask = samples.response_mask & keep
+        pad = torch.full_like(samples.response_ids, self._sampler.tokenizer.pad_token_id)
+        logprobs = None if samples.logprobs is None else torch.where(mask, samples.logprobs, 0.0)
+        return dataclasses.replace(samples, response_ids=torch.where(mask, samples.response_ids, pad),
+                                   response_mask=mask, stopped=samples.stopped | ~keep[:, -1], logprobs=logprobs)
 
 
 def kl_check(trainer, prompts) -> dict:

@@ -40,7 +40,7 @@ def run_script(script: str, *args: str) -> None:
 def test_gpu_step_writes_every_part(tiny_config, tmp_path):
     out = tmp_path / "gpu_step.json"
     run_script("gpu_step.py", "--config", str(tiny_config), "--gpu-gb", "4", "--work", str(tmp_path / "work"),
-               "--out", str(out), *SIZES, "rollout.compile=true")
+               "--out", str(out), *SIZES, "rollout.compile=true", "ppo.grad_accum_steps=4")
     (budget,) = json.loads(out.read_text())["budgets"]
     assert len(budget["steps"]) == 2 and all(s["time/step"] > 0 and "perf/update_tflops" in s for s in budget["steps"])
     assert set(budget["auto"]) >= {"micro_batch", "rollout.forward_batch_size", "model.gradient_checkpointing"}
@@ -50,8 +50,12 @@ def test_gpu_step_writes_every_part(tiny_config, tmp_path):
     assert 0 <= budget["steps"][-1]["update/padding_frac"] < 1
     assert variants["compile_update_compiling"]["time/compile"] > 0 and "time/update" in variants["compile_update"]
     assert list(variants)[0] == "compile_update_compiling"  # the one most wanted, first
-    assert "time/update" in variants["auto_again"]  # the control, last
-    assert list(variants)[-1] == "auto_again"
+    assert "time/update" in variants["auto_again"]  # the control, after the settings
+    # Trimming on and off over the same responses cut at random lengths: the padding it skips (4
+    # micro-batches a minibatch, rows ordered by length first).
+    on, off = variants["ragged_trim_padding_on"], variants["ragged_trim_padding_off"]
+    assert 0 <= on["update/padding_frac"] < off["update/padding_frac"] < 1
+    assert list(variants)[-2:] == ["ragged_trim_padding_on", "ragged_trim_padding_off"]
     kl = budget["kl_check"]
     assert {"generation_minus_scoring_first_token_abs", "generation_minus_scoring_later_tokens_abs",
             "eager_generation_minus_scoring_policy_abs"} <= set(kl)
