@@ -11,6 +11,7 @@ after every real token (causal attention).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
 
@@ -64,3 +65,31 @@ def longest_first(attention_mask: torch.Tensor) -> torch.Tensor:
     """Row indices ordered by real length, longest first (ties in their given order): consecutive
     micro-batches of this order hold rows of similar length, so each pads little."""
     return torch.sort(attention_mask.long().sum(dim=1), descending=True, stable=True).indices
+
+
+@dataclass(frozen=True)
+class CutMicroBatch:
+    """Rows of a rollout over the columns they use (`cols`), ready for a forward."""
+
+    rows: torch.Tensor  # the rows, on the device of the rollout's tensors
+    host_rows: torch.Tensor  # the same rows, on the host
+    cols: UsedColumns
+    input_ids: torch.Tensor  # [b, cut columns]
+    attention_mask: Optional[torch.Tensor]  # None where no kept position is padding
+    host_mask: torch.Tensor  # the cut attention mask, on the host: counts without a read from the device
+
+
+def cut_micro_batches(order: torch.Tensor, host_mask: torch.Tensor, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor, response_start: int, size: int,
+                      trim: bool) -> Iterator[CutMicroBatch]:
+    """The rows of `order` (on the host), `size` at a time, each cut to the columns it uses (with
+    `trim`). Lengths and cuts come from `host_mask`, the host's copy of `attention_mask`: reading
+    the device's per micro-batch would wait for the GPU each time. Without padding the forward gets
+    no mask: the same causal attention, and nothing for transformers to read back."""
+    on_device = order.to(input_ids.device)
+    for start in range(0, len(order), size):
+        host_rows, rows = order[start : start + size], on_device[start : start + size]
+        cols = used_columns(host_mask[host_rows], response_start, trim)
+        cut_host = cols.cut(host_mask[host_rows])
+        mask = None if bool(cut_host.all()) else cols.cut(attention_mask[rows])
+        yield CutMicroBatch(rows, host_rows, cols, cols.cut(input_ids[rows]), mask, cut_host)

@@ -16,7 +16,7 @@ from lora_ppo.config import RolloutConfig
 from lora_ppo.data import PromptRow
 from lora_ppo.distributed import World
 from lora_ppo.memory import PhasePeaks
-from lora_ppo.padding import UsedColumns, longest_first, pad_responses, used_columns
+from lora_ppo.padding import UsedColumns, cut_micro_batches, longest_first, pad_responses
 from lora_ppo.rewards import RewardBatch, RewardSources
 from lora_ppo.roles import POLICY, REFERENCE, VALUE, Role, RoleModel
 
@@ -380,11 +380,8 @@ def score_passes(
     out: dict[Role, list[torch.Tensor]] = {role: [] for role in needed}
     width = input_ids.shape[1] - response_start
     trim_padding = roles.trim_padding
-    # Lengths and column cuts come from a host copy of the mask, read once: a read from the device
-    # per micro-batch would wait for the GPU each time (docs/performance.md#the-updates-reads).
-    host_mask = attention_mask.cpu()
+    host_mask = attention_mask.cpu()  # read once (docs/performance.md#the-updates-reads)
     order = longest_first(host_mask) if trim_padding else torch.arange(input_ids.shape[0])
-    on_device = order.to(input_ids.device)
 
     def read(role: Role, hidden: torch.Tensor, ids: torch.Tensor, cols: UsedColumns) -> None:
         if role == VALUE:
@@ -393,12 +390,9 @@ def score_passes(
             per_token = roles.logprobs_from_hidden(hidden, ids, cols.response_start, temperature)[0]
         out[role].append(pad_responses(per_token, width))
 
-    for start in range(0, len(order), forward_batch_size):
-        rows_host, rows = order[start : start + forward_batch_size], on_device[start : start + forward_batch_size]
-        cols = used_columns(host_mask[rows_host], response_start, trim_padding)
-        ids = cols.cut(input_ids[rows])
-        # Without padding, no mask: the same causal attention, and nothing for transformers to read.
-        mask = None if bool(cols.cut(host_mask[rows_host]).all()) else cols.cut(attention_mask[rows])
+    for part in cut_micro_batches(order, host_mask, input_ids, attention_mask, response_start, forward_batch_size,
+                                  trim_padding):
+        ids, mask, cols = part.input_ids, part.attention_mask, part.cols
         if together and len(needed) > 1 and roles.mixed_batches[False]:
             for role, hidden in zip(needed, roles.hidden_states_as_roles(ids, mask, needed)):
                 read(role, hidden, ids, cols)
@@ -406,7 +400,7 @@ def score_passes(
             for role in needed:
                 with roles.as_role(role):
                     read(role, roles.hidden_states(ids, mask), ids, cols)
-    unsorted = torch.argsort(on_device)  # back to the rollout's row order
+    unsorted = torch.argsort(order).to(input_ids.device)  # back to the rollout's row order
     old = old_logprobs if old_logprobs is not None else torch.cat(out[POLICY])[unsorted]
     ref = torch.cat(out[REFERENCE])[unsorted] if with_reference else old.clone()
     return old, ref, (torch.cat(out[VALUE])[unsorted] if with_values else None)

@@ -14,7 +14,7 @@ from lora_ppo import ppo_math
 from lora_ppo.compiled_update import CompiledLayers
 from lora_ppo.config import PPOConfig
 from lora_ppo.distributed import World
-from lora_ppo.padding import UsedColumns, longest_first, used_columns
+from lora_ppo.padding import UsedColumns, cut_micro_batches, longest_first
 from lora_ppo.roles import POLICY, VALUE, RoleModel
 from lora_ppo.rollout import Rollout
 
@@ -334,18 +334,12 @@ def minibatch_backward(
     mine = rows.tensor_split(world.size)[world.rank]
     if roles.trim_padding and len(mine) > settings.micro_batch_size:
         mine = mine[longest_first(host.attention[mine])]  # micro-batches of similar lengths pad little
-    on_device = mine.to(device)
-    for start in range(0, len(mine), settings.micro_batch_size):
-        idx_host = mine[start : start + settings.micro_batch_size]
-        idx = on_device[start : start + settings.micro_batch_size]
-        cols = used_columns(host.attention[idx_host], rollout.response_start, roles.trim_padding)
-        am_host = cols.cut(host.attention[idx_host])
-        n_tokens = float(cols.responses(host.response[idx_host]).sum())
-        # Without padding the forward gets no mask: transformers would read the mask back from the
-        # device to find that out, and then take the same causal path.
-        ids = cols.cut(rollout.input_ids[idx])
-        am = None if bool(am_host.all()) else cols.cut(rollout.attention_mask[idx])
-        means.add({"padding_frac": 1.0 - float(am_host.sum()) / am_host.numel()}, float(am_host.numel()))
+    for cut in cut_micro_batches(mine, host.attention, rollout.input_ids, rollout.attention_mask,
+                                 rollout.response_start, settings.micro_batch_size, roles.trim_padding):
+        idx, cols, ids, am = cut.rows, cut.cols, cut.input_ids, cut.attention_mask
+        n_tokens = float(cols.responses(host.response[cut.host_rows]).sum())
+        means.add({"padding_frac": 1.0 - float(cut.host_mask.sum()) / cut.host_mask.numel()},
+                  float(cut.host_mask.numel()))
         # Loss parts are shares of the minibatch loss; logged per token they are scaled back up.
         share = n_tokens / token_count_host if cfg.loss_aggregation == "token" else len(idx) / len(rows)
         share = max(share, 1e-12)
