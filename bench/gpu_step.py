@@ -287,10 +287,10 @@ def update_variants(trainer, results: dict, save=lambda: None) -> dict:
 
 
 class RaggedResponses:
-    """A sampler whose responses are cut at random lengths between 1/8 of `max_new_tokens` and all of
-    it, as responses that stop at their EOS are (the same lengths for the same `seed`): padding for
-    `ppo.trim_padding` to trim, where a random model never samples its stop token. The completions'
-    text is left whole (the reward sees it; only the timing is measured)."""
+    """A sampler whose responses are cut at random lengths (`trim_padding.ragged`, as the CPU benchmark
+    cuts them; the same lengths for the same `seed`): padding for `ppo.trim_padding` to trim, where a
+    random model never samples its stop token. The completions' text is left whole (the reward sees
+    it; only the timing is measured)."""
 
     def __init__(self, sampler, seed: int) -> None:
         self._sampler, self._seed = sampler, seed
@@ -303,16 +303,14 @@ class RaggedResponses:
 
         import torch
 
+        from trim_padding import ragged  # bench/, beside this script: the CPU benchmark's lengths
+
         samples = self._sampler.sample(*args, **kwargs)
-        rows, width = samples.response_ids.shape
-        g = torch.Generator().manual_seed(self._seed)
-        lengths = torch.randint(max(1, width // 8), width + 1, (rows,), generator=g)
-        keep = (torch.arange(width)[None, :] < lengths[:, None]).to(samples.response_mask.device)
-        mask = samples.response_mask & keep
-        pad = torch.full_like(samples.response_ids, self._sampler.tokenizer.pad_token_id)
+        ids, mask, keep = ragged(samples.response_ids, samples.response_mask, self._sampler.tokenizer.pad_token_id,
+                                 self._seed)
         logprobs = None if samples.logprobs is None else torch.where(mask, samples.logprobs, 0.0)
-        return dataclasses.replace(samples, response_ids=torch.where(mask, samples.response_ids, pad),
-                                   response_mask=mask, stopped=samples.stopped | ~keep[:, -1], logprobs=logprobs)
+        return dataclasses.replace(samples, response_ids=ids, response_mask=mask, logprobs=logprobs,
+                                   stopped=samples.stopped | ~keep[:, -1])
 
 
 def kl_check(trainer, prompts) -> dict:

@@ -50,16 +50,10 @@ def peak_live_bytes(run) -> int:
 
 
 def model_folder(work: Path) -> Path:
-    from random_models import build_random_model, small_tokenizer
+    from random_models import build_random_model, resized_config, small_tokenizer
 
-    config = json.loads((Path(__file__).parent / "model_configs" / "llama-3.1-8b" / "config.json").read_text())
-    config.update(SHAPE)
-    config.pop("head_dim", None)
-    config_dir = work / "config"
-    config_dir.mkdir(parents=True, exist_ok=True)
-    (config_dir / "config.json").write_text(json.dumps(config))
     folder = work / "model"
-    build_random_model(config_dir, small_tokenizer(work / "tokenizer"), folder)
+    build_random_model(resized_config(SHAPE, work / "config"), small_tokenizer(work / "tokenizer"), folder)
     return folder
 
 

@@ -11,6 +11,17 @@ from pathlib import Path
 SHARD_BYTES = 4 * 10**9  # safetensors shards of the 4-bit checkpoint
 
 
+def resized_config(shape: dict, folder: Path, base: str = "llama-3.1-8b") -> Path:
+    """`folder` holding `bench/model_configs/<base>`'s config with `shape`'s sizes (a real
+    architecture at a size the CPU runs), head size left to follow them."""
+    config = json.loads((Path(__file__).parent / "model_configs" / base / "config.json").read_text())
+    config.update(shape)
+    config.pop("head_dim", None)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 def _config_and_tokenizer(config_dir: Path, tokenizer_dir: str):
     """The model's config with the tokenizer's special tokens, and the tokenizer (whose vocabulary
     must fit the model's)."""

@@ -23,16 +23,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def variable_lengths(rollout, pad_id: int, seed: int):
-    """The rollout with each response cut at a random length (padding after it)."""
+def ragged(response_ids, response_mask, pad_id: int, seed: int):
+    """Responses cut at random lengths between 1/8 of their width and all of it (padding after), as
+    responses that stop at their EOS are; the same lengths for the same seed. (ids, mask, kept) [B, T]."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    width = rollout.response_ids.shape[1]
-    lengths = torch.randint(max(1, width // 8), width + 1, (len(rollout.rows),), generator=g)
-    keep = torch.arange(width)[None, :] < lengths[:, None]
-    response_ids = torch.where(keep, rollout.response_ids, torch.full_like(rollout.response_ids, pad_id))
-    return dataclasses.replace(rollout, response_ids=response_ids, response_mask=keep & rollout.response_mask)
+    rows, width = response_ids.shape
+    lengths = torch.randint(max(1, width // 8), width + 1, (rows,), generator=g)
+    keep = (torch.arange(width)[None, :] < lengths[:, None]).to(response_mask.device)
+    mask = response_mask & keep
+    return torch.where(mask, response_ids, torch.full_like(response_ids, pad_id)), mask, keep
+
+
+def variable_lengths(rollout, pad_id: int, seed: int):
+    """The rollout with each response cut at a random length (`ragged`)."""
+    response_ids, response_mask, _ = ragged(rollout.response_ids, rollout.response_mask, pad_id, seed)
+    return dataclasses.replace(rollout, response_ids=response_ids, response_mask=response_mask)
 
 
 def main() -> None:

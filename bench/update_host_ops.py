@@ -46,16 +46,11 @@ VARIANTS = {"bfloat16": ["model.compute_dtype=bfloat16"],
 
 
 def model_folder(work: Path) -> Path:
-    from random_models import build_random_4bit_model, small_tokenizer
+    from random_models import build_random_4bit_model, resized_config, small_tokenizer
 
-    config = json.loads((Path(__file__).parent / "model_configs" / "llama-3.1-8b" / "config.json").read_text())
-    config.update(SHAPE)
-    config.pop("head_dim", None)
-    (work / "config").mkdir(parents=True, exist_ok=True)
-    (work / "config" / "config.json").write_text(json.dumps(config))
     folder = work / "model"
     if not (folder / "config.json").exists():
-        build_random_4bit_model(work / "config", small_tokenizer(work / "tokenizer"), folder)
+        build_random_4bit_model(resized_config(SHAPE, work / "config"), small_tokenizer(work / "tokenizer"), folder)
     return folder
 
 
