@@ -325,7 +325,8 @@ def minibatch_backward(
     host = host or HostMasks.of(rollout)
     device = rollout.response_ids.device
     rows = rows.cpu()
-    token_count_host = max(int(host.response[rows].sum()), 1)
+    token_count_host = max(int(host.response[rows].sum()), 1)  # for the logged shares
+    # The losses' normaliser stays the device count it always was (the same rounding), queued, not read.
     token_count = rollout.response_mask[rows.to(device)].sum().clamp(min=1)
     normalizer = token_count if cfg.loss_aggregation == "token" else len(rows)
     with_critic = adv.returns is not None
@@ -386,7 +387,7 @@ class _MicroBatch:
 
     def __init__(self, roles: RoleModel, rollout: Rollout, adv: Advantages, idx: torch.Tensor, cols: UsedColumns,
                  ids: torch.Tensor, cfg: PPOConfig, settings: UpdateSettings, kl_coef: float, normalizer, share: float,
-                 check: Optional[LogprobCheck] = None, n_tokens: Optional[float] = None):
+                 check: Optional[LogprobCheck], n_tokens: float):
         self.roles, self.rollout, self.adv, self.idx, self.cols, self.cfg = roles, rollout, adv, idx, cols, cfg
         self.ids = ids
         self.settings, self.kl_coef, self.normalizer, self.share = settings, kl_coef, normalizer, share
