@@ -85,6 +85,14 @@ UPDATE_VARIANTS = {
 }
 
 
+def variant_names(text: str) -> list[str]:
+    names = text.split(",")
+    unknown = sorted(set(names) - {*UPDATE_VARIANTS, "ragged"})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {[*UPDATE_VARIANTS, 'ragged']}")
+    return names
+
+
 def _compiled_layers():
     from lora_ppo.compiled_update import CompiledLayers
 
@@ -232,7 +240,7 @@ def _device_time_under(event, cuda: bool) -> float:
     return event.device_time_total if cuda else event.cpu_time_total
 
 
-def update_variants(trainer, results: dict, save=lambda: None) -> dict:
+def update_variants(trainer, results: dict, save=lambda: None, only=None) -> dict:
     """One extra step per UPDATE_VARIANTS entry on the loaded run (the rollout work is the same):
     seconds, TFLOP/s and peak of the update, or the out-of-memory, and the allocator's retries so
     far. Each lands in `results` and is saved as it comes.
@@ -262,6 +270,8 @@ def update_variants(trainer, results: dict, save=lambda: None) -> dict:
         save()
 
     for name, change in UPDATE_VARIANTS.items():
+        if only is not None and name not in only:
+            continue
         settings = dataclasses.replace(base_settings, **change(base_settings))
         if settings == base_settings and name != "auto_again":
             results[name] = "same as the auto choice"
@@ -277,7 +287,8 @@ def update_variants(trainer, results: dict, save=lambda: None) -> dict:
     roles, sampler = trainer.parts.roles, trainer.sampler
     keys = ("time/score_forward", "time/update", "perf/update_tflops", "memory/update_gb", "update/padding_frac",
             "check/logprob_mean_diff")
-    for name, trim in (("ragged_trim_padding_on", True), ("ragged_trim_padding_off", False)):
+    ragged = (("ragged_trim_padding_on", True), ("ragged_trim_padding_off", False))
+    for name, trim in ragged if only is None or "ragged" in only else ():
         trainer.sampler, roles.trim_padding = RaggedResponses(sampler, seed=0), trim
         try:
             step(name, {"micro_batch": base_settings.micro_batch_size}, keys)
@@ -454,7 +465,7 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
         save()
         if args.update_variants and gpu_gb == args.gpu_gb[0]:  # the first budget only: each costs a step
             result["update_variants"] = {}
-            outcome = recorded(update_variants, trainer, result["update_variants"], save)
+            outcome = recorded(update_variants, trainer, result["update_variants"], save, args.variants)
             result["update_variants"].update({"error": outcome["error"]} if "error" in outcome else {})
     except torch.OutOfMemoryError as err:
         result["error"] = f"out of memory: {str(err).splitlines()[0]}"
@@ -483,6 +494,8 @@ def main() -> None:
                         help="skip the KL check (a fresh sample, scored three ways, and an eager one: a minute)")
     parser.add_argument("--no-update-variants", dest="update_variants", action="store_false",
                         help="skip the extra steps that try other update settings")
+    parser.add_argument("--variants", type=variant_names, default=None,
+                        help="only these update variants, comma-separated (ragged: trimming on and off); default all")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 

@@ -73,3 +73,13 @@ def test_gpu_memory_check_writes_the_measurement_beside_the_estimate(tiny_config
     assert result["fits"] and result["error"] is None and len(result["steps"]) == 1
     assert result["estimated"]["peak_gb"] > 0 and set(result["auto"]) == {
         "ppo.grad_accum_steps", "rollout.forward_batch_size", "model.gradient_checkpointing"}
+
+
+def test_gpu_step_runs_only_the_variants_named(tiny_config, tmp_path):
+    """`--variants` keeps a short device call to the settings it is for, in their usual order."""
+    out = tmp_path / "gpu_step.json"
+    run_script("gpu_step.py", "--config", str(tiny_config), "--gpu-gb", "4", "--work", str(tmp_path / "work"),
+               "--out", str(out), "--steps", "1", "--no-kl-check", "--variants", "auto_again,compile_update",
+               *SIZES, "ppo.grad_accum_steps=4")
+    (budget,) = json.loads(out.read_text())["budgets"]
+    assert list(budget["update_variants"]) == ["compile_update_compiling", "compile_update", "auto_again"]
