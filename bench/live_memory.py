@@ -12,11 +12,13 @@ A random 4-bit model of Llama-3.1-8B's proportions (hidden 512, MLP 1792, 2 laye
 every row `--prompt` + `--response` real tokens, computing in float32, in bfloat16, and in bfloat16
 with `model.adapter_autocast`. For `--rows` of each size: one scoring pass
 (policy, reference and value, stacked as `rollout.score_roles_together` does) and one update
-micro-batch (policy then value, forward and backward, gradient checkpointing on and off). The
+micro-batch (policy then value, forward and backward, gradient checkpointing on and off; with
+`--compile-update`, also `ppo.compile_update` with checkpointing). The
 per-row slope (largest rows minus smallest, divided by their difference) cancels what does not
 grow with rows (weights dequantized per matmul, the logits chunk, gradients of the adapters).
 
     python bench/live_memory.py [--rows 2 6] [--prompt 48 --response 80]   # about 2 minutes
+    python bench/live_memory.py --dtypes bfloat16 --rows 4 8 --prompt 64 --response 64 --compile-update
 """
 
 from __future__ import annotations
@@ -34,21 +36,6 @@ SHAPE = {"hidden_size": 512, "intermediate_size": 1792, "num_hidden_layers": 2, 
 MB = 1e6
 
 
-def peak_live_bytes(run) -> int:
-    """The most bytes torch's CPU allocator held at once while `run()` ran, above what it held before."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def model_folder(work: Path) -> Path:
     from random_models import build_random_model, resized_config, small_tokenizer
 
@@ -57,11 +44,14 @@ def model_folder(work: Path) -> Path:
     return folder
 
 
-def measure(folder: Path, dtype: str, rows_list: list[int], prompt: int, response: int) -> dict:
+def measure(folder: Path, dtype: str, rows_list: list[int], prompt: int, response: int,
+            compile_update: bool = False) -> dict:
     import torch
 
     import lora_ppo
     from lora_ppo.estimate import load_shape, score_bytes, update_bytes
+    from lora_ppo.compiled_update import CompiledLayers
+    from lora_ppo.memory import peak_live_cpu_bytes
     from lora_ppo.rollout import Rollout, score_passes
     from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
 
@@ -80,12 +70,13 @@ def measure(folder: Path, dtype: str, rows_list: list[int], prompt: int, respons
     roles = lora_ppo.PPOTrainer(recipe, progress=False).parts.roles
     shape, act = load_shape(str(folder)), 2 if dtype.startswith("bfloat16") else 4
     g = torch.Generator().manual_seed(0)
+    compiled_layers = CompiledLayers()
     result: dict = {}
     for rows in rows_list:
         ids = torch.randint(3, SHAPE["vocab_size"], (rows, prompt + response), generator=g)
         mask = torch.ones_like(ids)
         scored = {}
-        measured = peak_live_bytes(lambda: scored.update(zip(("old", "ref", "values"), score_passes(
+        measured = peak_live_cpu_bytes(lambda: scored.update(zip(("old", "ref", "values"), score_passes(
             roles, ids, mask, prompt, 1.0, rows, together=recipe.rollout.score_roles_together))))
         point = {"score": {"measured_mb": measured / MB, "estimated_mb": score_bytes(shape, recipe, act, rows) / MB}}
         scores = torch.ones(rows)
@@ -96,13 +87,18 @@ def measure(folder: Path, dtype: str, rows_list: list[int], prompt: int, respons
         adv = compute_advantages(rollout, recipe.ppo, recipe.ppo.kl_coef, scores)
         # Plain SGD at lr 0: no optimizer state allocated in the window, the weights never move.
         optimizer = torch.optim.SGD(roles.policy_parameters() + roles.value_parameters(), lr=0.0)
-        for checkpointing in (True, False):
-            settings = UpdateSettings(rows, rows, 1.0, gradient_checkpointing=checkpointing)
-            measured = peak_live_bytes(lambda: ppo_update(roles, optimizer, None, rollout, adv, recipe.ppo, settings,
-                                                          recipe.ppo.kl_coef, torch.Generator().manual_seed(0)))
+        variants = [(True, None), (False, None)] + ([(True, compiled_layers)] if compile_update else [])
+        for checkpointing, compiled in variants:
+            settings = UpdateSettings(rows, rows, 1.0, gradient_checkpointing=checkpointing, compiled_layers=compiled)
+            def update():
+                ppo_update(roles, optimizer, None, rollout, adv, recipe.ppo, settings, recipe.ppo.kl_coef,
+                           torch.Generator().manual_seed(0))
+            if compiled is not None:
+                update()  # compiling allocates what the update does not hold
+            measured = peak_live_cpu_bytes(update)
             planned = recipe.model_copy(update={"model": recipe.model.model_copy(
                 update={"gradient_checkpointing": checkpointing})})
-            point[f"update_checkpointing_{'on' if checkpointing else 'off'}"] = {
+            point[f"update_checkpointing_{'on' if checkpointing else 'off'}" + ("_compiled" if compiled else "")] = {
                 "measured_mb": measured / MB, "estimated_mb": update_bytes(shape, planned, act, rows) / MB}
         result[rows] = point
     low, high = min(rows_list), max(rows_list)
@@ -122,12 +118,14 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=48)
     parser.add_argument("--response", type=int, default=80)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "bfloat16+autocast"])
+    parser.add_argument("--compile-update", action="store_true",
+                        help="also the update with ppo.compile_update (checkpointing on): compiling takes a minute")
     parser.add_argument("--work", default="/tmp/lora_ppo_live_memory")
     args = parser.parse_args()
     folder = model_folder(Path(args.work))
     out = {"shape": SHAPE, "prompt": args.prompt, "response": args.response}
     for dtype in args.dtypes:
-        out[dtype] = measure(folder, dtype, args.rows, args.prompt, args.response)
+        out[dtype] = measure(folder, dtype, args.rows, args.prompt, args.response, args.compile_update)
         print(json.dumps({dtype: out[dtype]["per_row"]}), file=sys.stderr, flush=True)
     print(json.dumps(out, indent=1))
 

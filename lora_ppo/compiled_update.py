@@ -2,12 +2,17 @@
 
 The update runs every decoder layer through PEFT's LoRA layers and bitsandbytes' 4-bit matmuls:
 thousands of small kernels per micro-batch, each launched from Python. On a GPU below 8 rows a
-micro-batch took about twice its kernels' time (bench/README.md). Here every decoder layer runs one
-function compiled once (`torch.compile`, sequence length dynamic), inside gradient checkpointing
-where that is on: fewer launches, elementwise work fused. Inductor emulates eager's rounding of
+micro-batch took about twice its kernels' time (bench/README.md). Here every decoder layer's forward
+runs one function compiled once (`torch.compile`, sequence length dynamic), whose backward is
+compiled with it: fewer launches, elementwise work fused. Inductor emulates eager's rounding of
 each intermediate (`emulate_precision_casts`), so logprobs, losses and gradients are eager's (bit
 for bit on CPU in bfloat16; in float32 within rounding, a norm being summed in another order:
 tests/test_compiled_update.py) and the PPO ratio still starts at 1.
+
+Gradient checkpointing stays eager, around the compiled forward: the forward's saved tensors are
+dropped, and the backward reruns the compiled forward for the one layer it is in. With the
+checkpoint compiled inside the function, a layer's recomputation held half as much again per row
+as eager's and ran out of memory on the device where eager fit (bench/README.md, live_memory.py).
 
 One graph per role, and for the first layer, whose input needs no gradient; a layer's module is an
 input to the graph (not a constant), so a 32-layer model compiles as few graphs as a 2-layer one.
@@ -29,10 +34,15 @@ from lora_ppo.errors import named_first_line
 log = logging.getLogger(__name__)
 
 
-def layer_step(layer: torch.nn.Module, checkpointing: bool, *args, **kwargs):
-    """A decoder layer's own forward (not the instance's wrapper around it), checkpointed or not."""
-    forward = functools.partial(type(layer).forward, layer, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False) if checkpointing else forward(*args)
+def layer_forward(layer: torch.nn.Module, *args, **kwargs):
+    """A decoder layer's own forward (not the instance's wrapper around it)."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+def layer_step(layer: torch.nn.Module, checkpointing: bool, *args, forward=layer_forward, **kwargs):
+    """`forward` (a decoder layer's own, or its compiled version) of `layer`, checkpointed or not."""
+    run = functools.partial(forward, layer, **kwargs)
+    return checkpoint(run, *args, use_reentrant=False) if checkpointing else run(*args)
 
 
 class CompiledLayers:
@@ -43,7 +53,7 @@ class CompiledLayers:
         # micro-batch are graphs of their own: past dynamo's default 8 per function, later ones would
         # run eager. Recent torch.compile (2.13 here) takes a limit of its own; older ones keep the default.
         limit = {"recompile_limit": 64} if "recompile_limit" in inspect.signature(torch.compile).parameters else {}
-        self._step = torch.compile(layer_step, dynamic=True, options={"emulate_precision_casts": True}, **limit)
+        self._forward = torch.compile(layer_forward, dynamic=True, options={"emulate_precision_casts": True}, **limit)
         self.compile_s = 0.0  # the calls that compiled a graph: compiling, then running one layer
         self.graphs = 0
         self.disabled: Optional[str] = None  # why the compiled path is off, after a failure
@@ -56,7 +66,7 @@ class CompiledLayers:
         graphs_before = unique_graphs()
         t0 = time.perf_counter()
         try:
-            out = self._step(layer, checkpointing, *args, **kwargs)
+            out = layer_step(layer, checkpointing, *args, forward=self._forward, **kwargs)
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # noqa: BLE001 - any failure to compile means "run eager"

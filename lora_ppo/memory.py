@@ -95,6 +95,23 @@ def peak_bytes() -> int:
     return maxrss if sys.platform == "darwin" else maxrss * 1024
 
 
+def peak_live_cpu_bytes(run) -> int:
+    """The most bytes torch's CPU allocator held at once while `run()` ran, above what it held
+    before: what a GPU's `max_memory_allocated` counts, where the resident set (`peak_bytes`) also
+    counts what glibc keeps. From the profiler's allocation and free events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
 def run_peak_gb() -> float:
     """Peak memory since the process started (across phase resets), in GB."""
     return max(_run_peak, peak_bytes()) / 1e9

@@ -17,7 +17,9 @@ from lora_ppo.compiled_update import CompiledLayers
 from lora_ppo.config import PPOConfig
 from lora_ppo.roles import RoleModel
 from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
-from tests.conftest import TIMING_PREFIXES, rollout_for_update, tiny_recipe_dict
+from lora_ppo.memory import peak_live_cpu_bytes
+from tests.conftest import (TIMING_PREFIXES, prompt_and_random_response, prompt_rows, rollout_for_update,
+                            scored_rollout, tiny_recipe_dict)
 
 def bf16_roles(make_roles) -> RoleModel:
     torch.manual_seed(0)  # LoRA A's random init: the same for every copy
@@ -46,6 +48,22 @@ def test_a_compiled_bfloat16_update_is_eagers_bit_for_bit(make_roles, tiny_token
     assert compiled_stats == eager_stats  # losses, ratios, entropy, grad norms, the logprob self-check
     for eager, compiled_weight in zip(eager_weights, compiled_weights):
         assert torch.equal(eager, compiled_weight)
+
+
+def test_the_compiled_update_holds_no_more_memory_than_eagers(make_roles, tiny_tokenizer):
+    """`auto` sizes micro-batches from eager's memory (`lora-ppo estimate`), so the compiled layers
+    must not hold more: compiled with the checkpoint inside, one layer's recomputation held half as
+    much again as eager's (bench/README.md) and ran out of memory where eager fit on the device."""
+    prompts = ["This movie was", "The acting in this film", "Honestly", "I"]
+    ids, mask, start = prompt_and_random_response(tiny_tokenizer, prompts, 96)
+    eager_roles, compiled_roles = bf16_roles(make_roles), bf16_roles(make_roles)
+    rollout = scored_rollout(eager_roles, ids, mask, start, prompt_rows(tiny_tokenizer, prompts))
+    compiled = CompiledLayers()
+    updated(compiled_roles, rollout, compiled)  # compiles (its own allocations are not the update's)
+    eager_peak = peak_live_cpu_bytes(lambda: updated(eager_roles, rollout, None))
+    compiled_peak = peak_live_cpu_bytes(lambda: updated(compiled_roles, rollout, compiled))
+    assert compiled.disabled is None
+    assert compiled_peak <= 1.02 * eager_peak, (compiled_peak, eager_peak)
 
 
 def test_a_run_with_the_update_compiled_trains_as_one_without_and_compiles_once(tmp_path, tiny_model_dir):
@@ -85,7 +103,7 @@ def test_layers_that_cannot_compile_run_eager_with_one_log_line(make_roles, tiny
         calls.append(1)
         raise RuntimeError("inductor: no C++ compiler found\nmore detail")
 
-    failing._step = cannot_compile
+    failing._forward = cannot_compile
     with caplog.at_level(logging.WARNING, logger="lora_ppo.compiled_update"):
         fallback_stats, fallback_weights = updated(fallback_roles, rollout, failing)
     eager_stats, eager_weights = updated(eager_roles, rollout, None)
