@@ -47,3 +47,18 @@ def test_a_4bit_checkpoint_built_weight_by_weight_loads_as_written(tmp_path, tin
         assert weight.std().item() == pytest.approx(0.02, rel=0.15)  # drawn as N(0, initializer_range)
     assert torch.equal(model.lm_head.weight.to(torch.bfloat16), saved["lm_head.weight"])
     assert torch.isfinite(model(input_ids=torch.tensor([[1, 5, 9]])).logits).all()
+
+
+def test_the_lever_cost_bench_times_the_adapters_a_run_trains(tmp_path, tiny_model_dir, make_roles):
+    """bench/lever_costs.py times the CPU optimizer over the adapter shapes it counts from the config
+    and recipe (no model loaded): they must be the tensors a loaded run trains."""
+    from lever_costs import adapter_tensors
+
+    import lora_ppo
+    from lora_ppo.estimate import load_shape
+    from tests.conftest import tiny_recipe_dict
+
+    recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run"))
+    roles = make_roles()  # the same r=4 policy and value adapters, loaded
+    trained = roles.policy_parameters() + roles.value_parameters()
+    assert sorted(adapter_tensors(load_shape(str(tiny_model_dir)), recipe)) == sorted(p.numel() for p in trained)
