@@ -83,3 +83,18 @@ def test_gpu_step_runs_only_the_variants_named(tiny_config, tmp_path):
                *SIZES, "ppo.grad_accum_steps=4")
     (budget,) = json.loads(out.read_text())["budgets"]
     assert list(budget["update_variants"]) == ["compile_update_compiling", "compile_update", "auto_again"]
+
+
+def test_lever_costs_times_every_lever(tiny_config, tmp_path):
+    """bench/lever_costs.py (a minute on the device, no model built) writes each lever's timings."""
+    out = tmp_path / "lever_costs.json"
+    run_script("lever_costs.py", "--config", str(tiny_config), "--recipe", str(REPO / "recipes" / "single_gpu_8b.yaml"),
+               "--repeats", "1", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert all(result["optimizer_state"][f"{state}_step_s"] > 0 for state in ("device", "8bit", "cpu"))
+    assert all(result["offload_embeddings"][f"{where}_{what}_s"] > 0
+               for where in ("device", "cpu") for what in ("whole_batch", "decode_token"))
+    head = result["quantize_lm_head"]
+    assert head["compute_dtype_chunk_s"] > 0 and head["4bit_chunk_s"] > 0
+    # 16 x 256 response positions in chunks of 64, through the head 2 + 3 x 2 epochs times
+    assert head["lm_head_matmuls_per_step"] == 64 * 8
