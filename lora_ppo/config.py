@@ -570,12 +570,12 @@ class PPOConfig(Section):
     of the update's work was padding. Off: every micro-batch at the rollout's width, as before 2026-11-27.
     """
     compile_update: bool = Field(False, json_schema_extra=MAY_CHANGE_ON_RESUME)
-    """Run the forward and backward of the update's decoder layers as one function compiled with
-    `torch.compile` (gradient checkpointing, where on, around it), not op by op from Python: fewer kernel launches, where a GPU update
-    below 8 rows a micro-batch spent half its time (bench/README.md). The same numbers as without it (Inductor
-    rounds each intermediate as eager does; float32 sums can differ in the last bits). Compiling takes a while
-    once per role at the first update (a failure logs one line and the update runs eager). Off by default
-    until its speed is measured on a GPU.
+    """Run the forward and backward of each of the update's decoder layers as one function compiled
+    with `torch.compile` (gradient checkpointing, where on, around it), not op by op from Python: fewer
+    kernel launches, where a GPU update below 8 rows a micro-batch spent half its time (bench/README.md).
+    The same numbers as without it (Inductor rounds each intermediate as eager does; float32 sums can differ
+    in the last bits), and no more memory. Compiling takes a while once per role at the first update (a
+    failure logs one line and the update runs eager). Off by default until its speed is measured on a GPU.
     """
     clip_eps: float = Field(0.2, gt=0.0)
     """Policy ratio clip: the objective ignores ratios beyond 1 ± clip_eps; 0.2 is PPO's standard value."""
