@@ -261,7 +261,7 @@ def update_variants(trainer, results: dict, save=lambda: None, only=None) -> dic
         try:
             metrics, _ = trainer.train_step()
             results[name] = {**described, **{k: round(metrics[k], 4) for k in keys if k in metrics},
-                             **allocator_counts()}
+                             **allocator_counts(), **card_state()}
         except torch.OutOfMemoryError as err:
             results[name] = f"out of memory: {str(err).splitlines()[0][:160]}"
             trainer.parts.optimizer.zero_grad(set_to_none=True)
@@ -404,6 +404,28 @@ def allocator_counts() -> dict:
             "cuda/alloc_retries": stats.get("num_alloc_retries", 0), "cuda/ooms": stats.get("num_ooms", 0)}
 
 
+def card_state() -> dict:
+    """The card's SM clock, temperature and power now, and the milliseconds it has spent held back
+    by its power and thermal limits so far (NVML's violation counters, where nvidia-ml-py is
+    installed; {} elsewhere). Identical work that took longer while these counters grew was the
+    card slowing down, not the code."""
+    try:
+        import pynvml
+        import torch
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        held = {name: pynvml.nvmlDeviceGetViolationStatus(handle, policy).violationTime / 1e6
+                for name, policy in (("power", pynvml.NVML_PERF_POLICY_POWER),
+                                     ("thermal", pynvml.NVML_PERF_POLICY_THERMAL))}
+        return {"card/sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                "card/temperature_c": pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),
+                "card/power_w": round(pynvml.nvmlDeviceGetPowerUsage(handle) / 1000),
+                **{f"card/{name}_limited_ms": round(ms) for name, ms in held.items()}}
+    except Exception:  # noqa: BLE001  (no NVML here: nothing to record)
+        return {}
+
+
 def recorded(part, *args):
     """The part's result, or its error as text (printed too) where it raised."""
     try:
@@ -448,7 +470,7 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
                 if f"perf/{phase}_tflops" in metrics:
                     step[f"{phase}_share_of_measured_matmul"] = round(metrics[f"perf/{phase}_tflops"] / matmul_rate, 4)
             step["objective/kl_per_token"] = round(metrics["objective/kl"] / max(metrics["response/length"], 1), 6)
-            step.update(allocator_counts())
+            step.update({**allocator_counts(), **card_state()})
             steps.append(step)
             print(json.dumps(step), file=sys.stderr, flush=True)
         result["steps"] = steps
