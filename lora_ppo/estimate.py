@@ -1063,7 +1063,8 @@ def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
         verdict = "fits" if est.fits else "does NOT fit"
         lines.append(f"{verdict} in {est.budget_gb:g} GB")
         if est.fitting:
-            lines.append("largest sizes that fit together (others as in the recipe): "
+            lines.append(f"largest sizes that fit together in all {est.budget_gb:g} GB (others as in the recipe; "
+                         f"`auto` plans for {AUTO_PLAN_SHARE:.0%} of it): "
                          + " ".join(f"{k}={v}" for k, v in est.fitting.items()))
         elif sum(est.components.values()) > est.budget_gb * GB:
             experts = est.weight_parts.get("moe_experts", 0.0)
