@@ -48,13 +48,10 @@ def median_seconds(run, repeats: int, sync=lambda: None) -> float:
 
 
 def adapter_tensors(shape, recipe) -> list[int]:
-    """Element counts of every trainable adapter tensor (policy, and value with its head)."""
-    ad = recipe.adapters
-    sizes = [n for n, count in shape.lora_tensors(ad.policy.r, ad.policy.target_modules) for _ in range(count)]
-    if recipe.uses_critic:
-        sizes += [n for n, count in shape.lora_tensors(ad.value.r, ad.value.target_modules) for _ in range(count)]
-        sizes += [shape.hidden, 1]  # the value head
-    return sizes
+    """Element counts of every trainable tensor, one entry each, as the estimate counts them."""
+    from lora_ppo.estimate import trainable_tensors
+
+    return [numel for numel, count in trainable_tensors(shape, recipe) for _ in range(count)]
 
 
 def optimizer_costs(sizes: list[int], device, repeats: int, sync) -> dict:

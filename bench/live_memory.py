@@ -70,7 +70,8 @@ def measure(folder: Path, dtype: str, rows_list: list[int], prompt: int, respons
     roles = lora_ppo.PPOTrainer(recipe, progress=False).parts.roles
     shape, act = load_shape(str(folder)), 2 if dtype.startswith("bfloat16") else 4
     g = torch.Generator().manual_seed(0)
-    compiled_layers = CompiledLayers()
+    # (checkpointing, compiled layers) of each update measured
+    variants = [(True, None), (False, None)] + ([(True, CompiledLayers())] if compile_update else [])
     result: dict = {}
     for rows in rows_list:
         ids = torch.randint(3, SHAPE["vocab_size"], (rows, prompt + response), generator=g)
@@ -87,7 +88,6 @@ def measure(folder: Path, dtype: str, rows_list: list[int], prompt: int, respons
         adv = compute_advantages(rollout, recipe.ppo, recipe.ppo.kl_coef, scores)
         # Plain SGD at lr 0: no optimizer state allocated in the window, the weights never move.
         optimizer = torch.optim.SGD(roles.policy_parameters() + roles.value_parameters(), lr=0.0)
-        variants = [(True, None), (False, None)] + ([(True, compiled_layers)] if compile_update else [])
         for checkpointing, compiled in variants:
             settings = UpdateSettings(rows, rows, 1.0, gradient_checkpointing=checkpointing, compiled_layers=compiled)
             def update():

@@ -448,7 +448,7 @@ def _optimizer_bytes(shape: ModelShape, recipe: Recipe, device: str) -> float:
     if state != "8bit":
         return _adapter_params(shape, recipe)[0] * ADAM_BYTES
     total = 0.0
-    for numel, count in _trainable_tensors(shape, recipe):
+    for numel, count in trainable_tensors(shape, recipe):
         if numel < MIN_8BIT_SIZE:
             total += count * numel * ADAM_BYTES
         else:
@@ -456,7 +456,7 @@ def _optimizer_bytes(shape: ModelShape, recipe: Recipe, device: str) -> float:
     return total
 
 
-def _trainable_tensors(shape: ModelShape, recipe: Recipe) -> list[tuple[int, int]]:
+def trainable_tensors(shape: ModelShape, recipe: Recipe) -> list[tuple[int, int]]:
     """(elements, how many) of each trainable tensor: LoRA's A (r x in) and B (out x r) per adapted
     layer of the policy and the value, and the value head's weight and bias."""
     ad = recipe.adapters

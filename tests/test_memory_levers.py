@@ -195,7 +195,7 @@ def test_8bit_moments_by_hand_for_a_large_adapter():
     each moment 1 byte a weight plus an fp32 absmax per 256 and a 256-entry fp32 code."""
     llama = est.ModelShape(4096, 14336, 32, 32, 8, 128, 128256, False)
     recipe = recipe_from_dict({"ppo": {"optimizer_state": "8bit"}})
-    tensors = est._trainable_tensors(llama, recipe)
+    tensors = est.trainable_tensors(llama, recipe)
     expected = sum(count * (2 * n + 2 * 4 * -(-n // 256) + 2 * 1024) if n >= 4096 else count * 8 * n
                    for n, count in tensors)
     e = est.estimate(llama, recipe, device="cuda")
