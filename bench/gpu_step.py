@@ -246,7 +246,7 @@ def update_variants(trainer, results: dict, save=lambda: None, only=None) -> dic
     far. Each lands in `results` and is saved as it comes.
 
     Then `ppo.trim_padding` on and off, in two adjacent steps whose responses are cut at random
-    lengths (`ragged_responses`): the rest of this workload has no padding to trim.
+    lengths (`RaggedResponses`): the rest of this workload has no padding to trim.
 
     Not here: `model.adapter_autocast` changes generation's compiled graph, so its step compiled and
     recorded a second decode graph (99 s on 2026-11-27) whose memory every later variant then ran
