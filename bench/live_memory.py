@@ -10,7 +10,7 @@ allocation and free events), above what was held before the pass, in either comp
 
 A random 4-bit model of Llama-3.1-8B's proportions (hidden 512, MLP 1792, 2 layers, GQA 4:1),
 every row `--prompt` + `--response` real tokens, computing in float32, in bfloat16, and in bfloat16
-with `model.adapter_autocast`. For `--rows` of each size: one scoring pass
+with `model.adapter_autocast` (`--dtypes` also takes `+fused`: `model.fused_lora`). For `--rows` of each size: one scoring pass
 (policy, reference and value, stacked as `rollout.score_roles_together` does) and one update
 micro-batch (policy then value, forward and backward, gradient checkpointing on and off; with
 `--compile-update`, also `ppo.compile_update` with checkpointing). The
@@ -55,9 +55,10 @@ def measure(folder: Path, dtype: str, rows_list: list[int], prompt: int, respons
     from lora_ppo.rollout import Rollout, score_passes
     from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
 
+    compute, *levers = dtype.split("+")  # "bfloat16+autocast": model.adapter_autocast, "+fused": model.fused_lora
     recipe = lora_ppo.recipe_from_dict({
-        "model": {"name": str(folder), "quantization": "4bit", "compute_dtype": dtype.removesuffix("+autocast"),
-                  "adapter_autocast": dtype.endswith("+autocast"), "dequantize_per_step": False,
+        "model": {"name": str(folder), "quantization": "4bit", "compute_dtype": compute,
+                  "adapter_autocast": "autocast" in levers, "fused_lora": "fused" in levers, "dequantize_per_step": False,
                   "gradient_checkpointing": True},
         "adapters": {"policy": {"r": 16, "alpha": 32}, "value": {"r": 16, "alpha": 32}},
         "reward": {"kind": "function", "function": "tests.reward_fns:count_letter_e"},
@@ -68,7 +69,7 @@ def measure(folder: Path, dtype: str, rows_list: list[int], prompt: int, respons
         "train": {"output_dir": "/tmp/lora_ppo_live_memory_run", "eval": False, "overwrite": True},
     })
     roles = lora_ppo.PPOTrainer(recipe, progress=False).parts.roles
-    shape, act = load_shape(str(folder)), 2 if dtype.startswith("bfloat16") else 4
+    shape, act = load_shape(str(folder)), 2 if compute == "bfloat16" else 4
     g = torch.Generator().manual_seed(0)
     # (checkpointing, compiled layers) of each update measured
     variants = [(True, None), (False, None)] + ([(True, CompiledLayers())] if compile_update else [])
@@ -117,7 +118,8 @@ def main() -> None:
     parser.add_argument("--rows", nargs=2, type=int, default=[2, 6])
     parser.add_argument("--prompt", type=int, default=48)
     parser.add_argument("--response", type=int, default=80)
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "bfloat16+autocast"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "bfloat16+autocast"],
+                        help="compute dtypes, each with +autocast (model.adapter_autocast) or +fused (model.fused_lora)")
     parser.add_argument("--compile-update", action="store_true",
                         help="also the update with ppo.compile_update (checkpointing on): compiling takes a minute")
     parser.add_argument("--work", default="/tmp/lora_ppo_live_memory")

@@ -8,13 +8,15 @@ at a tiny width (hidden 64), where compute is next to nothing. One micro-batch o
 `--prompt` + `--response` tokens: the policy's and the value's forward and backward with gradient
 checkpointing, as `ppo_update` runs it.
 
-In bfloat16, alone, with `model.adapter_autocast` and with `ppo.compile_update`: the operators dispatched, those
+In bfloat16, alone, with `model.adapter_autocast`, with `ppo.compile_update` and with `model.fused_lora`
+(`--variants` picks some): the operators dispatched, those
 that launch work (everything but views and other metadata), the dtype casts among them, the 4-bit
 dequantizations, and the micro-batch's seconds at this width (median of `--repeats`; mostly host,
 plus attention over the full sequence). With `ppo.compile_update` the fused kernels of the compiled
 layers are not operators and are not counted: on a GPU each is one more launch.
 
-    python bench/update_host_ops.py [--rows 4] [--prompt 256 --response 256]   # about 3 minutes
+    python bench/update_host_ops.py [--rows 4] [--prompt 256 --response 256]   # about 4 minutes
+    python bench/update_host_ops.py --variants bfloat16,bfloat16_fused_lora
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ METADATA = {"aten::view", "aten::as_strided", "aten::transpose", "aten::t", "ate
 # bfloat16 as on a GPU (on CPU `auto` means float32, and `model.adapter_autocast` needs bfloat16).
 VARIANTS = {"bfloat16": ["model.compute_dtype=bfloat16"],
             "bfloat16_adapter_autocast": ["model.compute_dtype=bfloat16", "model.adapter_autocast=true"],
-            "bfloat16_compile_update": ["model.compute_dtype=bfloat16", "ppo.compile_update=true"]}
+            "bfloat16_compile_update": ["model.compute_dtype=bfloat16", "ppo.compile_update=true"],
+            "bfloat16_fused_lora": ["model.compute_dtype=bfloat16", "model.fused_lora=true"]}
 
 
 def model_folder(work: Path) -> Path:
@@ -111,13 +114,18 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--response", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default=",".join(VARIANTS), type=lambda text: text.split(","),
+                        help=f"comma-separated, of: {', '.join(VARIANTS)}")
     parser.add_argument("--work", default="/tmp/lora_ppo_update_host_ops")
     args = parser.parse_args()
+    unknown = [name for name in args.variants if name not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
     work = Path(args.work)
     model_dir = model_folder(work)
     result = {"shape": {**SHAPE, "rows": args.rows, "prompt": args.prompt, "response": args.response}}
-    for name, overrides in VARIANTS.items():
-        result[name] = measure(model_dir, work / name, overrides, args)
+    for name in args.variants:
+        result[name] = measure(model_dir, work / name, VARIANTS[name], args)
         print(json.dumps({name: result[name]}), file=sys.stderr, flush=True)
     print(json.dumps(result, indent=2))
 

@@ -123,6 +123,16 @@ class ModelConfig(Section):
     outputs carry bfloat16 rounding. Only where computation runs in bfloat16 (a GPU's `auto`); elsewhere it
     stays off and the log says so. Off by default until its speed is measured on a GPU.
     """
+    fused_lora: bool = False
+    """Compute each LoRA linear layer as its base layer's output plus the adapter's product added by one
+    matrix multiply-add in the compute dtype (`addmm`), instead of PEFT's float32 path: a copy of the base
+    output, a float32 copy of the input kept per projection for the backward, and a scale, cast and add over
+    the full output width. Fewer kernels and launches per layer, and no float32 copies of activations; the
+    adapters' float32 weights stay the optimizer's master copies. In bfloat16 the adapters' products carry
+    bfloat16 rounding (as with `adapter_autocast`); in float32 the numbers are PEFT's within rounding. LoRA
+    layers of other kinds (embeddings, 8-bit, expert parameters) keep PEFT's forward. Off by default until its
+    speed is measured on a GPU.
+    """
     trust_remote_code: bool = False
     """Run model code downloaded from the hub. Off unless the recipe says so, since it executes code that
     comes with the model.

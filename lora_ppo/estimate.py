@@ -78,6 +78,11 @@ FWD_INTERMEDIATE_TERMS = 3
 # terms on CPU, as on an H100 at 8B, 0.26 GB against 0.18; the same with `model.adapter_autocast` on
 # CPU, where PEFT still casts; on a GPU it then skips the casts, and this may over-count).
 FP32_ADAPTER_OUTPUT_TERMS = 2
+# `model.fused_lora` computing in 16 bits keeps no such float32 copies: no adapter terms in a no-grad
+# forward, and a layer's values for the backward measured 0.58x PEFT's path (bench/live_memory.py: 4.00
+# against 6.61 MB a row with checkpointing, of which 0.26 are the layer inputs kept either way: 0.58x,
+# rounded up).
+FUSED_LORA_LAYER_FACTOR = 0.59
 # fp32 [positions, vocab] tensors alive at once in a logits chunk: logits, softmax, log-softmax
 # (and their gradient under autograd).
 LOGIT_COPIES_NO_GRAD = 3
@@ -548,7 +553,7 @@ def generate_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int
     kv = static_kv if static_kv else kv_cache_bytes(shape, act_bytes, batch, recipe.sequence_tokens)
     logits = GEN_LOGIT_COPIES * batch * shape.vocab * 4
     dequant = _dequantized_weight_bytes(shape, recipe, act_bytes)
-    prefill = batch * recipe.data.max_prompt_tokens * forward_values_per_token(shape, act_bytes)
+    prefill = batch * recipe.data.max_prompt_tokens * forward_values_per_token(shape, act_bytes, recipe.model.fused_lora)
     return kv + logits + dequant + prefill
 
 
@@ -561,16 +566,17 @@ def score_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int) ->
     return forward_bytes(shape, recipe, act_bytes, tokens, min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.response_tokens))
 
 
-def forward_values_per_token(shape: ModelShape, act_bytes: int) -> float:
+def forward_values_per_token(shape: ModelShape, act_bytes: int, fused_lora: bool = False) -> float:
     """Bytes a no-grad forward keeps alive per token while one layer runs."""
-    intermediate = FWD_INTERMEDIATE_TERMS + (FP32_ADAPTER_OUTPUT_TERMS if act_bytes < ADAPTER_WEIGHT_BYTES else 0)
+    casts = act_bytes < ADAPTER_WEIGHT_BYTES and not fused_lora  # PEFT's float32 copies
+    intermediate = FWD_INTERMEDIATE_TERMS + (FP32_ADAPTER_OUTPUT_TERMS if casts else 0)
     return (FWD_HIDDEN_TERMS * shape.hidden + intermediate * shape.intermediate) * act_bytes
 
 
 def forward_bytes(shape: ModelShape, recipe, act_bytes: int, tokens: int, logit_positions: int) -> float:
     """A no-grad forward of `tokens` tokens (one layer live at a time), a logits chunk of
     `logit_positions`, and the dequantized weights (`recipe.model`: a PPO or an SFT recipe's)."""
-    layer = tokens * forward_values_per_token(shape, act_bytes)
+    layer = tokens * forward_values_per_token(shape, act_bytes, recipe.model.fused_lora)
     logits = LOGIT_COPIES_NO_GRAD * logit_positions * shape.vocab * 4
     dequant = _dequantized_weight_bytes(shape, recipe, act_bytes)
     return layer + logits + dequant
@@ -593,6 +599,8 @@ def backward_bytes(shape: ModelShape, recipe, act_bytes: int, tokens: int, logit
     per_layer = tokens * (
         ACT_HIDDEN_TERMS * shape.hidden + ACT_INTERMEDIATE_TERMS * shape.intermediate + ACT_KV_TERMS * shape.kv_width
     ) * act_bytes
+    if recipe.model.fused_lora and act_bytes < ADAPTER_WEIGHT_BYTES:
+        per_layer *= FUSED_LORA_LAYER_FACTOR
     if recipe.model.checkpointing_on:
         # Layer inputs stay; one layer's activations are rebuilt at a time during backward.
         acts = shape.layers * tokens * shape.hidden * act_bytes + BACKWARD_FACTOR * per_layer

@@ -70,7 +70,7 @@ class RewardTrainer(AdapterTrainer):
         # Data before weights: a bad dataset fails in seconds.
         self.train_pairs, self.eval_pairs = load_preference_sets(recipe.data, self.tokenizer, recipe.train.seed)
         model = RewardModel(load_base_model(recipe.model), recipe.adapter, portable_name(recipe.model.name),
-                            adapter_autocast_dtype(recipe.model))
+                            adapter_autocast_dtype(recipe.model), recipe.model.fused_lora)
         self.start_training(model, model.parameters(), self.train_pairs.pairs)
 
     def before_training(self) -> None:

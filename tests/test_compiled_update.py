@@ -15,6 +15,7 @@ import torch
 import lora_ppo
 from lora_ppo.compiled_update import CompiledLayers
 from lora_ppo.config import PPOConfig
+from lora_ppo.fused_lora import fuse_lora_layers
 from lora_ppo.roles import RoleModel
 from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
 from lora_ppo.memory import peak_live_cpu_bytes
@@ -40,10 +41,14 @@ def updated(roles, rollout, compiled, checkpointing: bool = True,
     return vars(stats), weights
 
 
-@pytest.mark.parametrize("checkpointing, together", [(True, False), (False, False), (True, True)],
-                         ids=["checkpointing", "no-checkpointing", "roles-together"])
-def test_a_compiled_bfloat16_update_is_eagers_bit_for_bit(make_roles, tiny_tokenizer, checkpointing, together):
+@pytest.mark.parametrize("checkpointing, together, fused", [(True, False, False), (False, False, False),
+                                                            (True, True, False), (True, False, True)],
+                         ids=["checkpointing", "no-checkpointing", "roles-together", "fused-lora"])
+def test_a_compiled_bfloat16_update_is_eagers_bit_for_bit(make_roles, tiny_tokenizer, checkpointing, together, fused):
     eager_roles, compiled_roles = bf16_roles(make_roles), bf16_roles(make_roles)
+    if fused:  # model.fused_lora: its layers compile too
+        fuse_lora_layers(eager_roles.peft)
+        fuse_lora_layers(compiled_roles.peft)
     rollout = rollout_for_update(eager_roles, tiny_tokenizer)
     eager_stats, eager_weights = updated(eager_roles, rollout, None, checkpointing, together)
     torch._dynamo.reset()  # graphs compiled by an earlier test would be reused, and not counted here

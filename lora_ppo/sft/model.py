@@ -26,8 +26,9 @@ class SFTModel(SingleAdapterModel):
     recipe's `adapters.policy.init_from` takes."""
 
     def __init__(self, base_model, settings: SFTAdapterSettings, base_name: Optional[str] = None,
-                 autocast_dtype: Optional[torch.dtype] = None):
-        super().__init__(base_model, settings, POLICY, (POLICY,), base_name, settings.dropout, autocast_dtype)
+                 autocast_dtype: Optional[torch.dtype] = None, fused_lora: bool = False):
+        super().__init__(base_model, settings, POLICY, (POLICY,), base_name, settings.dropout, autocast_dtype,
+                         fused_lora)
 
     def batch_hidden_states(self, batch: Batch) -> torch.Tensor:
         """Last hidden states of the decoder, [B, T, H]: positions as the batch gives them, and

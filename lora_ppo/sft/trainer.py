@@ -60,7 +60,7 @@ class SFTTrainer(AdapterTrainer):
         # Data before weights: a bad dataset fails in seconds.
         self.train_rows, self.eval_rows = load_sft_sets(recipe.data, recipe.sft, self.tokenizer, recipe.train.seed)
         model = SFTModel(load_base_model(recipe.model), recipe.adapter, portable_name(recipe.model.name),
-                         adapter_autocast_dtype(recipe.model))
+                         adapter_autocast_dtype(recipe.model), recipe.model.fused_lora)
         if recipe.sft.packing:
             model.check_packing()
         self.start_training(model, model.parameters(), self.train_rows.rows)

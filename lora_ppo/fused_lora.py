@@ -1,0 +1,127 @@
+"""LoRA layers computed by one addmm in the compute dtype (`model.fused_lora`).
+
+PEFT computes a LoRA layer as `base(x).clone() + (lora_B(lora_A(x.float())) * scale).to(dtype)`:
+on a bfloat16 model with float32 adapters that is a copy of the base output, a float32 copy of
+the input (saved for the backward, once per projection that reads it: q, k and v each keep their
+own), and a scale, a cast and an add over the full output width, forward and backward. On a GPU
+that elementwise work was 43% of the update's kernel time, and each of those operators is one
+more launch from Python in an update bound by the host (bench/README.md).
+
+Here the adapter's two small weights are cast to the input's dtype (r x width: nothing next to an
+activation) and the second matmul adds its product, scaled, to the base output in its epilogue:
+`addmm(base(x), x @ A.T, B.T, alpha=scale)`. Autograd differentiates it as written, so the
+gradients are those of this expression; the float32 weights stay the optimizer's master copies.
+In bfloat16 the adapter's product carries bfloat16 rounding, as with `model.adapter_autocast`,
+and is rounded once where PEFT rounds it three times. In float32 it is PEFT's result within
+rounding (tests/test_fused_lora.py).
+
+Unsloth goes further with hand-written autograd functions and Triton kernels per MLP and
+attention block; this keeps PEFT's modules, their state dicts and bitsandbytes' own 4-bit matmul
+(and its dispatch per GPU), replacing only the arithmetic around the adapters.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections import Counter
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def lora_addmm_forward(layer, x: torch.Tensor, *args, adapter_names: Optional[list[str]] = None,
+                       **kwargs) -> torch.Tensor:
+    """`layer`'s output: its base layer's, plus each active adapter's scaled product by addmm.
+    `adapter_names` (PEFT's per-row adapters, one name per row: the roles stacked in one forward) in
+    runs of rows, each computed as that adapter's own forward would be. Anything else PEFT's forward
+    handles (adapters off or merged, DoRA and other variants, a bias on the adapter, rows of one
+    adapter not side by side) goes to PEFT's forward."""
+    if args or kwargs or layer.disable_adapters or layer.merged:
+        return _pefts(layer, x, *args, adapter_names=adapter_names, **kwargs)
+    runs = [(0, x.shape[0], layer.active_adapters)] if adapter_names is None else _runs(adapter_names)
+    if runs is None:
+        return _pefts(layer, x, adapter_names=adapter_names)
+    used = {name for *_, names in runs for name in names if name in layer.lora_A}
+    if any(name in layer.lora_variant or layer.lora_B[name].bias is not None for name in used):
+        return _pefts(layer, x, adapter_names=adapter_names)
+    result = layer.base_layer(x)
+    if result.dtype != x.dtype:
+        raise TypeError(f"model.fused_lora: {type(layer.base_layer).__name__} returned {result.dtype} "
+                        f"for {x.dtype} input")
+    if not torch.is_grad_enabled() and result.is_contiguous():  # generation, scoring: add in place
+        for start, end, names in runs:
+            _with_adapters(layer, x[start:end], result[start:end], names, in_place=True)
+        return result
+    if len(runs) == 1:  # no slices with autograd: a slice's backward fills zeros of the full size
+        return _with_adapters(layer, x, result, runs[0][2])
+    return torch.cat([_with_adapters(layer, x[start:end], result[start:end], names) for start, end, names in runs])
+
+
+def _with_adapters(layer, x: torch.Tensor, result: torch.Tensor, names, in_place: bool = False) -> torch.Tensor:
+    """`result` (the base layer's output for `x`) plus the product of each adapter in `names` that
+    this layer has, scaled, each added by one addmm (`in_place`: into `result`)."""
+    out = result.view(-1, result.shape[-1]) if in_place else result.reshape(-1, result.shape[-1])
+    rows = x.reshape(-1, x.shape[-1])
+    for name in names:
+        if name not in layer.lora_A:
+            continue
+        down = layer.lora_A[name].weight.to(x.dtype)  # [r, in]
+        up = layer.lora_B[name].weight.to(x.dtype)  # [out, r]
+        product = layer.lora_dropout[name](rows) @ down.t()
+        if in_place:
+            out.addmm_(product, up.t(), alpha=layer.scaling[name])
+        else:
+            out = torch.addmm(out, product, up.t(), alpha=layer.scaling[name])
+    return out.view(result.shape)
+
+
+def _runs(adapter_names: list[str]) -> Optional[list[tuple[int, int, tuple[str]]]]:
+    """(first row, end row, (adapter,)) for each run of rows with one adapter name; None where a name
+    comes back after another (PEFT's path handles any order)."""
+    runs: list[tuple[int, int, tuple[str]]] = []
+    for row, name in enumerate(adapter_names):
+        if runs and runs[-1][2] == (name,):
+            runs[-1] = (runs[-1][0], row + 1, (name,))
+        elif any(seen == (name,) for *_, seen in runs):
+            return None
+        else:
+            runs.append((row, row + 1, (name,)))
+    return runs
+
+
+def _pefts(layer, x: torch.Tensor, *args, adapter_names=None, **kwargs) -> torch.Tensor:
+    """PEFT's own forward of `layer`."""
+    if adapter_names is not None:
+        kwargs["adapter_names"] = adapter_names
+    return type(layer).forward(layer, x, *args, **kwargs)
+
+
+def fuse_lora_layers(peft_model: torch.nn.Module) -> Counter:
+    """Route every LoRA linear layer of `peft_model` (on a plain or bitsandbytes 4-bit base) through
+    `lora_addmm_forward`; other LoRA layers (embeddings, 8-bit, expert parameters) keep PEFT's.
+    Returns how many layers of each kind were routed and kept, and logs it once."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    kinds: list[type] = [LoraLinear]
+    try:
+        from peft.tuners.lora.bnb import Linear4bit
+        kinds.append(Linear4bit)
+    except ImportError:  # PEFT without bitsandbytes: no 4-bit layers to route
+        pass
+    counts: Counter = Counter()
+    for module in peft_model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        if type(module) in kinds:
+            module.forward = types.MethodType(lora_addmm_forward, module)  # shadows the class's forward
+            counts["fused"] += 1
+        else:
+            counts[f"PEFT's ({type(module).__name__})"] += 1
+    kept = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()) if kind != "fused")
+    log.info("model.fused_lora: %d LoRA layers add their adapters by one addmm in the compute dtype%s",
+             counts["fused"], f"; kept {kept}" if kept else "")
+    return counts
