@@ -17,7 +17,8 @@ as `data.max_prompt_tokens` allows and every response at full length. For each b
   and LoRA ranges (forward) and the top kernels by name; then the same micro-batch's wall time and
   its waits for the GPU (CUDA's sync debug mode);
 - one extra step per update variant (compiled layers, double the micro-batch, both roles in one
-  pass, checkpointing off, half the micro-batch, then the `auto` choice again as a control), on the
+  pass, checkpointing off, half the micro-batch, `model.fused_lora` in the update, then the `auto`
+  choice again as a control), on the
   same loaded run: the update's seconds, TFLOP/s and peak, or where it ran out of memory; then
   `ppo.trim_padding` on and off over responses cut at random lengths (their padding share too);
 - the KL check: objective/kl per step of the near-reference policy (per token, against the bf16
@@ -49,7 +50,7 @@ import json
 import re
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,6 +82,8 @@ UPDATE_VARIANTS = {
     "roles_together": lambda s: {"roles_together": True},
     "checkpointing_off": lambda s: {"gradient_checkpointing": False},
     "micro_batch_half": lambda s: {"micro_batch_size": max(1, s.micro_batch_size // 2)},
+    # model.fused_lora in the update alone (`fused_in_update`): the same settings otherwise
+    "fused_lora": lambda s: {},
     "auto_again": lambda s: {},
 }
 
@@ -273,7 +276,7 @@ def update_variants(trainer, results: dict, save=lambda: None, only=None) -> dic
         if only is not None and name not in only:
             continue
         settings = dataclasses.replace(base_settings, **change(base_settings))
-        if settings == base_settings and name != "auto_again":
+        if settings == base_settings and name not in ("auto_again", "fused_lora"):
             results[name] = "same as the auto choice"
             continue
         trainer.update_settings = settings
@@ -282,7 +285,8 @@ def update_variants(trainer, results: dict, save=lambda: None, only=None) -> dic
                      "gradient_checkpointing": settings.gradient_checkpointing}
         if settings.compiled_layers is not None:
             step(f"{name}_compiling", described, ("time/update", "time/compile", "memory/update_gb"))
-        step(name, described)
+        with fused_in_update(trainer.parts.roles) if name == "fused_lora" else nullcontext():
+            step(name, described, ("time/update", "perf/update_tflops", "memory/update_gb", "check/logprob_mean_diff"))
     trainer.update_settings, trainer.work = base_settings, base_work
     roles, sampler = trainer.parts.roles, trainer.sampler
     keys = ("time/score_forward", "time/update", "perf/update_tflops", "memory/update_gb", "update/padding_frac",
@@ -295,6 +299,32 @@ def update_variants(trainer, results: dict, save=lambda: None, only=None) -> dic
         finally:
             trainer.sampler, roles.trim_padding = sampler, True
     return results
+
+
+@contextmanager
+def fused_in_update(roles):
+    """`model.fused_lora` in the update's forwards and backwards only. Generation's compiled decode step
+    was traced with PEFT's forward: routing the layers for the whole step would compile it again (as
+    `model.adapter_autocast` did, 99 s and a second graph's memory). Scoring keeps PEFT's numbers, so
+    the step's `check/logprob_mean_diff` reads the bfloat16 gap between the two paths."""
+    from lora_ppo.fused_lora import fuse_lora_layers, unfuse_lora_layers
+
+    plain = roles.gradient_checkpointing  # the update's context around its forwards and backwards
+
+    @contextmanager
+    def fused(*args, **kwargs):
+        fuse_lora_layers(roles.peft)
+        try:
+            with plain(*args, **kwargs):
+                yield
+        finally:
+            unfuse_lora_layers(roles.peft)
+
+    roles.gradient_checkpointing = fused
+    try:
+        yield
+    finally:
+        del roles.gradient_checkpointing
 
 
 class RaggedResponses:

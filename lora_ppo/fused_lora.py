@@ -125,3 +125,11 @@ def fuse_lora_layers(peft_model: torch.nn.Module) -> Counter:
     log.info("model.fused_lora: %d LoRA layers add their adapters by one addmm in the compute dtype%s",
              counts["fused"], f"; kept {kept}" if kept else "")
     return counts
+
+
+def unfuse_lora_layers(peft_model: torch.nn.Module) -> None:
+    """PEFT's forward again on every layer `fuse_lora_layers` routed."""
+    for module in peft_model.modules():
+        routed = module.__dict__.get("forward")
+        if getattr(routed, "__func__", None) is lora_addmm_forward:
+            del module.forward

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from lora_ppo.alarms import LOGPROB_TOLERANCE
+
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 2048}
@@ -49,6 +51,11 @@ def test_gpu_step_writes_every_part(tiny_config, tmp_path):
     assert variants["compile_update_compiling"]["time/compile"] > 0 and "time/update" in variants["compile_update"]
     assert list(variants)[0] == "compile_update_compiling"  # the one most wanted, first
     assert "time/update" in variants["auto_again"]  # the control, after the settings
+    # model.fused_lora in the update alone: its logprobs are scoring's (PEFT's path) within the
+    # self-check's bfloat16 tolerance (the prequantized random model computes in bfloat16)
+    assert list(variants).index("fused_lora") < list(variants).index("auto_again")
+    fused = variants["fused_lora"]
+    assert "time/update" in fused and 0 < fused["check/logprob_mean_diff"] <= LOGPROB_TOLERANCE["bfloat16"]
     # Trimming on and off over the same responses cut at random lengths: the padding it skips (4
     # micro-batches a minibatch, rows ordered by length first).
     on, off = variants["ragged_trim_padding_on"], variants["ragged_trim_padding_off"]

@@ -13,16 +13,14 @@ import torch
 import lora_ppo
 from lora_ppo.alarms import LOGPROB_TOLERANCE
 from lora_ppo.config import recipe_from_dict
-from lora_ppo.fused_lora import fuse_lora_layers
+from lora_ppo.fused_lora import fuse_lora_layers, unfuse_lora_layers
 from lora_ppo.roles import POLICY, REFERENCE, VALUE
 from lora_ppo.rollout import score_passes
 from tests.conftest import prompt_and_random_response, tiny_recipe_dict
 
 
 def unfuse(roles) -> None:
-    """Back to PEFT's forward (the class's) on every layer `fuse_lora_layers` routed."""
-    for module in roles.peft.modules():
-        module.__dict__.pop("forward", None)
+    unfuse_lora_layers(roles.peft)
 
 
 def role_forward(roles, tokenizer, role) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
