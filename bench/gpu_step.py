@@ -17,8 +17,8 @@ as `data.max_prompt_tokens` allows and every response at full length. For each b
   and LoRA ranges (forward) and the top kernels by name; then the same micro-batch's wall time and
   its waits for the GPU (CUDA's sync debug mode);
 - one extra step per update variant (compiled layers, double the micro-batch, both roles in one
-  pass, checkpointing off, half the micro-batch, `model.fused_lora` in the update, then the `auto`
-  choice again as a control), on the
+  pass, checkpointing off, half the micro-batch, `model.fused_lora` in the update at the same and
+  double the micro-batch, then the `auto` choice again as a control), on the
   same loaded run: the update's seconds, TFLOP/s and peak, or where it ran out of memory; then
   `ppo.trim_padding` on and off over responses cut at random lengths (their padding share too);
 - the KL check: objective/kl per step of the near-reference policy (per token, against the bf16
@@ -82,8 +82,10 @@ UPDATE_VARIANTS = {
     "roles_together": lambda s: {"roles_together": True},
     "checkpointing_off": lambda s: {"gradient_checkpointing": False},
     "micro_batch_half": lambda s: {"micro_batch_size": max(1, s.micro_batch_size // 2)},
-    # model.fused_lora in the update alone (`fused_in_update`): the same settings otherwise
+    # model.fused_lora in the update alone (`fused_in_update`): the same settings, then double the
+    # micro-batch in the memory its float32 copies no longer take
     "fused_lora": lambda s: {},
+    "fused_lora_micro_batch_double": lambda s: {"micro_batch_size": min(s.minibatch_size, 2 * s.micro_batch_size)},
     "auto_again": lambda s: {},
 }
 
@@ -276,7 +278,7 @@ def update_variants(trainer, results: dict, save=lambda: None, only=None) -> dic
         if only is not None and name not in only:
             continue
         settings = dataclasses.replace(base_settings, **change(base_settings))
-        if settings == base_settings and name not in ("auto_again", "fused_lora"):
+        if settings == base_settings and name not in ("auto_again", "fused_lora"):  # (fused: same settings)
             results[name] = "same as the auto choice"
             continue
         trainer.update_settings = settings
@@ -285,7 +287,7 @@ def update_variants(trainer, results: dict, save=lambda: None, only=None) -> dic
                      "gradient_checkpointing": settings.gradient_checkpointing}
         if settings.compiled_layers is not None:
             step(f"{name}_compiling", described, ("time/update", "time/compile", "memory/update_gb"))
-        with fused_in_update(trainer.parts.roles) if name == "fused_lora" else nullcontext():
+        with fused_in_update(trainer.parts.roles) if name.startswith("fused_lora") else nullcontext():
             step(name, described, ("time/update", "perf/update_tflops", "memory/update_gb", "check/logprob_mean_diff"))
     trainer.update_settings, trainer.work = base_settings, base_work
     roles, sampler = trainer.parts.roles, trainer.sampler

@@ -8,8 +8,8 @@ at a tiny width (hidden 64), where compute is next to nothing. One micro-batch o
 `--prompt` + `--response` tokens: the policy's and the value's forward and backward with gradient
 checkpointing, as `ppo_update` runs it.
 
-In bfloat16, alone, with `model.adapter_autocast`, with `ppo.compile_update` and with `model.fused_lora`
-(`--variants` picks some): the operators dispatched, those
+In bfloat16, alone, with `model.adapter_autocast`, with `ppo.compile_update`, with `model.fused_lora`
+and with both of the last two (`--variants` picks some): the operators dispatched, those
 that launch work (everything but views and other metadata), the dtype casts among them, the 4-bit
 dequantizations, and the micro-batch's seconds at this width (median of `--repeats`; mostly host,
 plus attention over the full sequence). With `ppo.compile_update` the fused kernels of the compiled
@@ -45,7 +45,9 @@ METADATA = {"aten::view", "aten::as_strided", "aten::transpose", "aten::t", "ate
 VARIANTS = {"bfloat16": ["model.compute_dtype=bfloat16"],
             "bfloat16_adapter_autocast": ["model.compute_dtype=bfloat16", "model.adapter_autocast=true"],
             "bfloat16_compile_update": ["model.compute_dtype=bfloat16", "ppo.compile_update=true"],
-            "bfloat16_fused_lora": ["model.compute_dtype=bfloat16", "model.fused_lora=true"]}
+            "bfloat16_fused_lora": ["model.compute_dtype=bfloat16", "model.fused_lora=true"],
+            "bfloat16_compile_update_fused_lora": ["model.compute_dtype=bfloat16", "ppo.compile_update=true",
+                                                   "model.fused_lora=true"]}
 
 
 def model_folder(work: Path) -> Path:

@@ -54,6 +54,7 @@ def test_gpu_step_writes_every_part(tiny_config, tmp_path):
     # model.fused_lora in the update alone: its logprobs are scoring's (PEFT's path) within the
     # self-check's bfloat16 tolerance (the prequantized random model computes in bfloat16)
     assert list(variants).index("fused_lora") < list(variants).index("auto_again")
+    assert variants["fused_lora_micro_batch_double"]["micro_batch"] == 2 * variants["fused_lora"]["micro_batch"]
     fused = variants["fused_lora"]
     assert "time/update" in fused and 0 < fused["check/logprob_mean_diff"] <= LOGPROB_TOLERANCE["bfloat16"]
     # Trimming on and off over the same responses cut at random lengths: the padding it skips (4
