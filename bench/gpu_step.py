@@ -287,8 +287,10 @@ def update_variants(trainer, results: dict, save=lambda: None, only=None) -> dic
                      "gradient_checkpointing": settings.gradient_checkpointing}
         if settings.compiled_layers is not None:
             step(f"{name}_compiling", described, ("time/update", "time/compile", "memory/update_gb"))
-        with fused_in_update(trainer.parts.roles) if name.startswith("fused_lora") else nullcontext():
+        with fused_in_update(trainer.parts.roles) if name.startswith("fused_lora") else nullcontext() as routed:
             step(name, described, ("time/update", "perf/update_tflops", "memory/update_gb", "check/logprob_mean_diff"))
+        if routed is not None and isinstance(results[name], dict):
+            results[name]["fused_layers"] = routed["layers"]
     trainer.update_settings, trainer.work = base_settings, base_work
     roles, sampler = trainer.parts.roles, trainer.sampler
     keys = ("time/score_forward", "time/update", "perf/update_tflops", "memory/update_gb", "update/padding_frac",
@@ -308,14 +310,16 @@ def fused_in_update(roles):
     """`model.fused_lora` in the update's forwards and backwards only. Generation's compiled decode step
     was traced with PEFT's forward: routing the layers for the whole step would compile it again (as
     `model.adapter_autocast` did, 99 s and a second graph's memory). Scoring keeps PEFT's numbers, so
-    the step's `check/logprob_mean_diff` reads the bfloat16 gap between the two paths."""
+    the step's `check/logprob_mean_diff` reads the bfloat16 gap between the two paths. Yields how
+    many layers the update ran fused."""
     from lora_ppo.fused_lora import fuse_lora_layers, unfuse_lora_layers
 
     plain = roles.gradient_checkpointing  # the update's context around its forwards and backwards
+    routed = {"layers": 0}  # LoRA layers the update ran fused
 
     @contextmanager
     def fused(*args, **kwargs):
-        fuse_lora_layers(roles.peft)
+        routed["layers"] = fuse_lora_layers(roles.peft)["fused"]
         try:
             with plain(*args, **kwargs):
                 yield
@@ -324,7 +328,7 @@ def fused_in_update(roles):
 
     roles.gradient_checkpointing = fused
     try:
-        yield
+        yield routed
     finally:
         del roles.gradient_checkpointing
 

@@ -115,6 +115,7 @@ def load_base_model(cfg: ModelConfig):
         raise _load_error(cfg.name, err) from None
     model.requires_grad_(False)
     model.config.use_cache = True
+    _compute_in(model, dtype, cfg.name)
     _log_what_stays_unquantized(model, cfg)
     keep_4bit_weights_differentiable(model)
     if dev.type == "cpu":
@@ -162,6 +163,32 @@ class CpuEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # The original module's forward (Gemma scales its rows), on the CPU.
         return self.table(input_ids.to("cpu")).to(self.out_device, non_blocking=True)
+
+
+def _compute_in(model: nn.Module, dtype: torch.dtype, name: str) -> None:
+    """A checkpoint saved in 4-bit (a hub's `...-bnb-4bit`) loads its unquantized weights and its
+    4-bit layers' compute dtype as it was saved, whatever dtype `from_pretrained` is given
+    (transformers 5): the recipe's `model.compute_dtype` would be ignored, and with it the tolerances
+    and memory counted for it. Those weights and layers are cast to `dtype` here (the 4-bit codes
+    stay; they dequantize into `dtype`), as a load that quantizes would have made them."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:  # no bitsandbytes: nothing was loaded quantized
+        return
+    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
+    saved = {m.compute_dtype for m in layers} - {dtype, None}
+    if not saved:
+        return
+    for layer in layers:
+        layer.compute_dtype = dtype
+        layer.weight.quant_state.dtype = dtype
+    for param in model.parameters():
+        # Weights a model keeps in float32 whatever the dtype (`_keep_in_fp32_modules`) have another dtype.
+        if param.is_floating_point() and param.dtype in saved:
+            param.data = param.data.to(dtype)
+    log.info("model.compute_dtype: %s was saved quantized to compute in %s; its unquantized weights and "
+             "4-bit layers now compute in %s", name, ", ".join(sorted(str(d).removeprefix("torch.") for d in saved)),
+             str(dtype).removeprefix("torch."))
 
 
 def _log_what_stays_unquantized(model: nn.Module, cfg: ModelConfig) -> None:
