@@ -101,6 +101,21 @@ def test_embeddings_in_cpu_memory_are_looked_up_before_each_compiled_step(make_r
     assert decoder.disabled is None and decoder.graphs == 1 and decoder.recompiles == 0
 
 
+def test_fused_lora_layers_compile_and_sample_what_generate_samples(make_roles, tiny_tokenizer):
+    """model.fused_lora with rollout.compile: the decode step's graph holds the fused layers (their
+    products added in place, no autograd) and samples what generate() samples through them."""
+    from lora_ppo.fused_lora import fuse_lora_layers
+
+    torch.manual_seed(0)
+    roles = make_roles(seed=3)
+    assert fuse_lora_layers(roles.peft)["fused"] == 14  # 2 layers x 7 linear layers (each with both adapters)
+    decoder = StaticDecoder(roles.peft, cache_tokens=64)
+    cfg = RolloutConfig(**SAMPLING, stop_token=None)
+    today, compiled = both_paths(roles, tiny_tokenizer, decoder, cfg, PROMPTS, seed=5)
+    assert_same_samples(today, compiled)
+    assert decoder.disabled is None and decoder.graphs == 1 and decoder.recompiles == 0
+
+
 def test_a_stop_check_read_late_returns_the_tokens_generate_samples(roles, tiny_tokenizer, decoder):
     """On a GPU "every row has stopped" is read two steps late (`stop_check_lag`), so the loop runs
     past the last stop: those steps must come out as padding, cut off with the rest. One prompt
