@@ -166,29 +166,40 @@ class CpuEmbedding(nn.Module):
 
 
 def _compute_in(model: nn.Module, dtype: torch.dtype, name: str) -> None:
-    """A checkpoint saved in 4-bit (a hub's `...-bnb-4bit`) loads its unquantized weights and its
-    4-bit layers' compute dtype as it was saved, whatever dtype `from_pretrained` is given
+    """A checkpoint saved quantized (a hub's `...-bnb-4bit`) loads its unquantized weights, and its
+    4-bit layers' compute dtype, as it was saved, whatever dtype `from_pretrained` is given
     (transformers 5): the recipe's `model.compute_dtype` would be ignored, and with it the tolerances
-    and memory counted for it. Those weights and layers are cast to `dtype` here (the 4-bit codes
-    stay; they dequantize into `dtype`), as a load that quantizes would have made them."""
+    and memory counted for it. They are cast to `dtype` here, as a load that quantizes would have
+    made them; the quantized codes stay (4-bit ones dequantize into `dtype`)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None or not getattr(quantizer, "pre_quantized", False):
+        return
+    # Weights the model keeps in float32 at any dtype (transformers' `_keep_in_fp32_modules`) stay.
+    kept = [*(getattr(model, "_keep_in_fp32_modules", None) or ()),
+            *(getattr(model, "_keep_in_fp32_modules_strict", None) or ())]
+    saved: set[torch.dtype] = set()
+    for param_name, param in model.named_parameters():
+        if not param.is_floating_point() or param.dtype == dtype:
+            continue
+        if param.dtype == torch.float32 and any(k in param_name.split(".") for k in kept):
+            continue
+        saved.add(param.dtype)
+        param.data = param.data.to(dtype)
     try:
         from bitsandbytes.nn import Linear4bit
-    except ImportError:  # no bitsandbytes: nothing was loaded quantized
-        return
-    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
-    saved = {m.compute_dtype for m in layers} - {dtype, None}
-    if not saved:
-        return
-    for layer in layers:
-        layer.compute_dtype = dtype
-        layer.weight.quant_state.dtype = dtype
-    for param in model.parameters():
-        # Weights a model keeps in float32 whatever the dtype (`_keep_in_fp32_modules`) have another dtype.
-        if param.is_floating_point() and param.dtype in saved:
-            param.data = param.data.to(dtype)
-    log.info("model.compute_dtype: %s was saved quantized to compute in %s; its unquantized weights and "
-             "4-bit layers now compute in %s", name, ", ".join(sorted(str(d).removeprefix("torch.") for d in saved)),
-             str(dtype).removeprefix("torch."))
+    except ImportError:  # no bitsandbytes: no 4-bit layers
+        Linear4bit = ()
+    for layer in model.modules():
+        if isinstance(layer, Linear4bit) and layer.compute_dtype != dtype:
+            saved.add(layer.compute_dtype)
+            layer.compute_dtype = dtype
+            layer.weight.quant_state.dtype = dtype
+    saved.discard(None)
+    if saved:
+        log.info("model.compute_dtype: %s was saved quantized to compute in %s; its unquantized weights%s now "
+                 "compute in %s", name, ", ".join(sorted(str(d).removeprefix("torch.") for d in saved)),
+                 " and 4-bit layers" if any(isinstance(m, Linear4bit) for m in model.modules()) else "",
+                 str(dtype).removeprefix("torch."))
 
 
 def _log_what_stays_unquantized(model: nn.Module, cfg: ModelConfig) -> None:

@@ -94,28 +94,30 @@ def test_prompt_and_response_longer_than_the_context_are_refused_before_loading(
                                      "(data.max_prompt_tokens) plus 100 new ones exceed the model's context of 256 tokens")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_checkpoint_saved_in_4bit_computes_in_the_recipes_dtype(tmp_path, dtype, caplog):
+@pytest.mark.parametrize("quantization, dtype", [("4bit", "float32"), ("4bit", "bfloat16"), ("8bit", "float32")])
+def test_a_checkpoint_saved_quantized_computes_in_the_recipes_dtype(tmp_path, quantization, dtype, caplog):
     """A `...-bnb-4bit` checkpoint loads, by transformers alone, in the dtype it was saved to compute in
     (bfloat16 here) whatever dtype it is asked for. lora_ppo casts it to the recipe's: its logits are
-    those of the same weights quantized at load in that dtype (the same 4-bit codes), bit for bit."""
+    those of the same weights quantized at load in that dtype (the same codes), bit for bit."""
     from tests.conftest import build_tiny_llama, build_tiny_tokenizer
 
-    plain, saved = tmp_path / "plain", tmp_path / "saved-in-4bit"
+    plain, saved = tmp_path / "plain", tmp_path / "saved-quantized"
     tokenizer = build_tiny_tokenizer(plain)
     # bfloat16 values, so the unquantized weights saved in bfloat16 lose nothing against the plain ones
     build_tiny_llama(plain, len(tokenizer)).to(torch.bfloat16).save_pretrained(plain)
-    load_base_model(ModelConfig(name=str(plain), compute_dtype="bfloat16")).save_pretrained(saved)
-    assert json.loads((saved / "config.json").read_text())["quantization_config"]["bnb_4bit_compute_dtype"] == "bfloat16"
+    load_base_model(ModelConfig(name=str(plain), compute_dtype="bfloat16", quantization=quantization)).save_pretrained(saved)
+    assert json.loads((saved / "config.json").read_text())["quantization_config"][f"load_in_{quantization}"]
     with caplog.at_level("INFO", logger="lora_ppo.model"):
-        loaded = load_base_model(ModelConfig(name=str(saved), compute_dtype=dtype))
-    quantized_at_load = load_base_model(ModelConfig(name=str(plain), compute_dtype=dtype))
-    layer = loaded.model.layers[0].self_attn.q_proj
-    assert layer.compute_dtype == layer.weight.quant_state.dtype == loaded.model.embed_tokens.weight.dtype \
-        == loaded.model.norm.weight.dtype == getattr(torch, dtype)
+        loaded = load_base_model(ModelConfig(name=str(saved), compute_dtype=dtype, quantization=quantization))
+    quantized_at_load = load_base_model(ModelConfig(name=str(plain), compute_dtype=dtype, quantization=quantization))
+    assert loaded.model.embed_tokens.weight.dtype == loaded.model.norm.weight.dtype == getattr(torch, dtype)
+    if quantization == "4bit":
+        layer = loaded.model.layers[0].self_attn.q_proj
+        assert layer.compute_dtype == layer.weight.quant_state.dtype == getattr(torch, dtype)
     ids = torch.tensor([[5, 9, 17, 33, 60, 7]])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, quantized_at_load(ids).logits)
+    layers = " and 4-bit layers" if quantization == "4bit" else ""
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model.compute_dtype")]
     assert said == ([f"model.compute_dtype: {saved} was saved quantized to compute in bfloat16; its unquantized "
-                     "weights and 4-bit layers now compute in float32"] if dtype == "float32" else [])
+                     f"weights{layers} now compute in float32"] if dtype == "float32" else [])
