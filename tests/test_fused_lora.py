@@ -19,13 +19,9 @@ from lora_ppo.rollout import score_passes
 from tests.conftest import prompt_and_random_response, tiny_recipe_dict
 
 
-def unfuse(roles) -> None:
-    unfuse_lora_layers(roles.peft)
-
-
 def role_forward(roles, tokenizer, role) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """(hidden states, response logprobs, the trainable adapters' gradients) of one forward and
-    backward as `role`; the backward of the response logprobs' sum (their sum times 0 for the value)."""
+    backward as `role`: of the response logprobs' sum (the values' sum as the value)."""
     ids, mask, start = prompt_and_random_response(tokenizer, ["the film was", "a"], response_len=5)
     with roles.as_role(role):
         hidden = roles.hidden_states(ids, mask)
@@ -45,13 +41,13 @@ def role_forward(roles, tokenizer, role) -> tuple[torch.Tensor, torch.Tensor, li
 
 def both_ways(roles, tokenizer, role):
     """`role_forward` with PEFT's forward, then with the fused one, on the same weights."""
-    unfuse(roles)
+    unfuse_lora_layers(roles.peft)
     peft = role_forward(roles, tokenizer, role)
     fuse_lora_layers(roles.peft)
     try:
         return peft, role_forward(roles, tokenizer, role)
     finally:
-        unfuse(roles)
+        unfuse_lora_layers(roles.peft)
 
 
 @pytest.fixture(scope="module")
@@ -135,14 +131,14 @@ def float32_saved_inside_lora_layers(roles, tokenizer) -> tuple[int, int]:
 
 def test_bfloat16_keeps_no_float32_copies_of_activations(make_roles, tiny_tokenizer):
     roles = make_roles(seed=0, scale=0.5, perturbed=(POLICY,), compute_dtype="bfloat16")
-    unfuse(roles)
+    unfuse_lora_layers(roles.peft)
     peft_saved, by_hand = float32_saved_inside_lora_layers(roles, tiny_tokenizer)
     assert peft_saved == by_hand > 0  # what is counted is what PEFT's path keeps
     fuse_lora_layers(roles.peft)
     try:
         assert float32_saved_inside_lora_layers(roles, tiny_tokenizer)[0] == 0
     finally:
-        unfuse(roles)
+        unfuse_lora_layers(roles.peft)
 
 
 def test_lora_dropout_draws_pefts_masks(tiny_model_dir, caplog):
@@ -169,7 +165,7 @@ def test_lora_dropout_draws_pefts_masks(tiny_model_dir, caplog):
 
     fused = dropped(0)
     assert not torch.equal(fused, dropped(1))  # dropout acts
-    unfuse(model)
+    unfuse_lora_layers(model.peft)
     torch.testing.assert_close(fused, dropped(0), rtol=1e-5, atol=1e-5)
 
 
@@ -184,7 +180,7 @@ def test_stacked_scoring_gives_each_roles_own_forward(make_roles, tiny_tokenizer
     assert roles.mixed_batches[False]
     together = score_passes(roles, ids, mask, start, 1.0, 3, together=True)
     apart = score_passes(roles, ids, mask, start, 1.0, 3, together=False)
-    unfuse(roles)
+    unfuse_lora_layers(roles.peft)
     pefts = score_passes(roles, ids, mask, start, 1.0, 3, together=False)
     for stacked, alone, peft in zip(together, apart, pefts):
         assert torch.equal(stacked, alone)
