@@ -48,9 +48,6 @@ def lora_addmm_forward(layer, x: torch.Tensor, *args, adapter_names: Optional[li
     if any(name in layer.lora_variant or layer.lora_B[name].bias is not None for name in used):
         return _pefts(layer, x, adapter_names=adapter_names)
     result = layer.base_layer(x)
-    if result.dtype != x.dtype:
-        raise TypeError(f"model.fused_lora: {type(layer.base_layer).__name__} returned {result.dtype} "
-                        f"for {x.dtype} input")
     if not torch.is_grad_enabled() and result.is_contiguous():  # generation, scoring: add in place
         for start, end, names in runs:
             _with_adapters(layer, x[start:end], result[start:end], names, in_place=True)
@@ -62,14 +59,16 @@ def lora_addmm_forward(layer, x: torch.Tensor, *args, adapter_names: Optional[li
 
 def _with_adapters(layer, x: torch.Tensor, result: torch.Tensor, names, in_place: bool = False) -> torch.Tensor:
     """`result` (the base layer's output for `x`) plus the product of each adapter in `names` that
-    this layer has, scaled, each added by one addmm (`in_place`: into `result`)."""
+    this layer has, scaled, each added by one addmm in the output's dtype (`in_place`: into `result`)."""
     out = result.view(-1, result.shape[-1]) if in_place else result.reshape(-1, result.shape[-1])
     rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype != result.dtype:  # a base layer answering in another dtype: its output's, as PEFT adds
+        rows = rows.to(result.dtype)
     for name in names:
         if name not in layer.lora_A:
             continue
-        down = layer.lora_A[name].weight.to(x.dtype)  # [r, in]
-        up = layer.lora_B[name].weight.to(x.dtype)  # [out, r]
+        down = layer.lora_A[name].weight.to(result.dtype)  # [r, in]
+        up = layer.lora_B[name].weight.to(result.dtype)  # [out, r]
         product = layer.lora_dropout[name](rows) @ down.t()
         if in_place:
             out.addmm_(product, up.t(), alpha=layer.scaling[name])
