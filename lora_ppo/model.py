@@ -19,7 +19,7 @@ from lora_ppo.config import AUTO_DEQUANTIZE_SHARE, BUILTIN_PREFIX, ModelConfig
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.model_checks import fused_expert_parameters, unconverted_linears
 from lora_ppo.devices import accelerator_module, device, device_map
-from lora_ppo.quantization import compute_dtype, quantization_config
+from lora_ppo.quantization import compute_dtype, compute_in, quantization_config
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def load_base_model(cfg: ModelConfig):
         raise _load_error(cfg.name, err) from None
     model.requires_grad_(False)
     model.config.use_cache = True
-    _compute_in(model, dtype, cfg.name)
+    compute_in(model, dtype, cfg.name)
     _log_what_stays_unquantized(model, cfg)
     keep_4bit_weights_differentiable(model)
     if dev.type == "cpu":
@@ -163,43 +163,6 @@ class CpuEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # The original module's forward (Gemma scales its rows), on the CPU.
         return self.table(input_ids.to("cpu")).to(self.out_device, non_blocking=True)
-
-
-def _compute_in(model: nn.Module, dtype: torch.dtype, name: str) -> None:
-    """A checkpoint saved quantized (a hub's `...-bnb-4bit`) loads its unquantized weights, and its
-    4-bit layers' compute dtype, as it was saved, whatever dtype `from_pretrained` is given
-    (transformers 5): the recipe's `model.compute_dtype` would be ignored, and with it the tolerances
-    and memory counted for it. They are cast to `dtype` here, as a load that quantizes would have
-    made them; the quantized codes stay (4-bit ones dequantize into `dtype`)."""
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is None or not getattr(quantizer, "pre_quantized", False):
-        return
-    # Weights the model keeps in float32 at any dtype (transformers' `_keep_in_fp32_modules`) stay.
-    kept = [*(getattr(model, "_keep_in_fp32_modules", None) or ()),
-            *(getattr(model, "_keep_in_fp32_modules_strict", None) or ())]
-    saved: set[torch.dtype] = set()
-    for param_name, param in model.named_parameters():
-        if not param.is_floating_point() or param.dtype == dtype:
-            continue
-        if param.dtype == torch.float32 and any(k in param_name.split(".") for k in kept):
-            continue
-        saved.add(param.dtype)
-        param.data = param.data.to(dtype)
-    try:
-        from bitsandbytes.nn import Linear4bit
-    except ImportError:  # no bitsandbytes: no 4-bit layers
-        Linear4bit = ()
-    for layer in model.modules():
-        if isinstance(layer, Linear4bit) and layer.compute_dtype != dtype:
-            saved.add(layer.compute_dtype)
-            layer.compute_dtype = dtype
-            layer.weight.quant_state.dtype = dtype
-    saved.discard(None)
-    if saved:
-        log.info("model.compute_dtype: %s was saved quantized to compute in %s; its unquantized weights%s now "
-                 "compute in %s", name, ", ".join(sorted(str(d).removeprefix("torch.") for d in saved)),
-                 " and 4-bit layers" if any(isinstance(m, Linear4bit) for m in model.modules()) else "",
-                 str(dtype).removeprefix("torch."))
 
 
 def _log_what_stays_unquantized(model: nn.Module, cfg: ModelConfig) -> None:

@@ -38,6 +38,43 @@ def adapter_autocast_dtype(cfg: ModelConfig) -> Optional[torch.dtype]:
     return dtype
 
 
+def compute_in(model: torch.nn.Module, dtype: torch.dtype, name: str, field: str = "model.compute_dtype") -> None:
+    """A checkpoint saved quantized (a hub's `...-bnb-4bit`: a base model or a reward classifier)
+    loads its unquantized weights, and its 4-bit layers' compute dtype, as it was saved, whatever
+    dtype `from_pretrained` is given (transformers 5): the recipe's `field` would be ignored, and with
+    it the tolerances and memory counted for it. They are cast to `dtype` here, as a load that
+    quantizes would have made them; the quantized codes stay (4-bit ones dequantize into `dtype`)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None or not getattr(quantizer, "pre_quantized", False):
+        return
+    # Weights the model keeps in float32 at any dtype (transformers' `_keep_in_fp32_modules`) stay.
+    kept = [*(getattr(model, "_keep_in_fp32_modules", None) or ()),
+            *(getattr(model, "_keep_in_fp32_modules_strict", None) or ())]
+    saved: set[torch.dtype] = set()
+    for param_name, param in model.named_parameters():
+        if not param.is_floating_point() or param.dtype == dtype:
+            continue
+        if param.dtype == torch.float32 and any(k in param_name.split(".") for k in kept):
+            continue
+        saved.add(param.dtype)
+        param.data = param.data.to(dtype)
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:  # no bitsandbytes: no 4-bit layers
+        Linear4bit = ()
+    for layer in model.modules():
+        if isinstance(layer, Linear4bit) and layer.compute_dtype != dtype:
+            saved.add(layer.compute_dtype)
+            layer.compute_dtype = dtype
+            layer.weight.quant_state.dtype = dtype
+    saved.discard(None)
+    if saved:
+        log.info("%s: %s was saved quantized to compute in %s; its unquantized weights%s now "
+                 "compute in %s", field, name, ", ".join(sorted(str(d).removeprefix("torch.") for d in saved)),
+                 " and 4-bit layers" if any(isinstance(m, Linear4bit) for m in model.modules()) else "",
+                 str(dtype).removeprefix("torch."))
+
+
 def modules_kept_unquantized(model: torch.nn.Module) -> list[str]:
     """The module names a quantized load of `model` (built on the meta device) keeps in compute
     dtype: what transformers keeps by default (the module of the last weight, tied and output

@@ -32,7 +32,7 @@ from lora_ppo.bnb_workarounds import eval_on_training_kernel
 from lora_ppo.config import VERIFIABLE_KINDS, ModelConfig, RewardConfig, RewardSourceConfig
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.devices import device_map
-from lora_ppo.quantization import compute_dtype, modules_kept_unquantized, quantization_config
+from lora_ppo.quantization import compute_dtype, compute_in, modules_kept_unquantized, quantization_config
 from lora_ppo.verifiable import answers_match, normalise_text, states_answer_in_format
 
 RewardFn = Callable[..., Sequence[float]]
@@ -244,6 +244,7 @@ class ClassifierReward:
             )
         except (OSError, ValueError, SafetensorError) as err:
             raise RecipeError(f"reward.model: cannot load a sequence classifier from {cfg.model!r}: {first_line(err)}") from None
+        compute_in(self.model, compute_dtype(settings), cfg.model, "reward.dtype")
         # bitsandbytes' CPU inference repacking (AVX512-BF16 hosts) breaks on layers narrower than its
         # block size and rounds differently: the classifier stays on the kernel the policy uses.
         eval_on_training_kernel(self.model).requires_grad_(False)

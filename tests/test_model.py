@@ -107,7 +107,7 @@ def test_a_checkpoint_saved_quantized_computes_in_the_recipes_dtype(tmp_path, qu
     build_tiny_llama(plain, len(tokenizer)).to(torch.bfloat16).save_pretrained(plain)
     load_base_model(ModelConfig(name=str(plain), compute_dtype="bfloat16", quantization=quantization)).save_pretrained(saved)
     assert json.loads((saved / "config.json").read_text())["quantization_config"][f"load_in_{quantization}"]
-    with caplog.at_level("INFO", logger="lora_ppo.model"):
+    with caplog.at_level("INFO", logger="lora_ppo.quantization"):
         loaded = load_base_model(ModelConfig(name=str(saved), compute_dtype=dtype, quantization=quantization))
     quantized_at_load = load_base_model(ModelConfig(name=str(plain), compute_dtype=dtype, quantization=quantization))
     assert loaded.model.embed_tokens.weight.dtype == loaded.model.norm.weight.dtype == getattr(torch, dtype)

@@ -278,6 +278,29 @@ def test_classifier_loads_in_4bit_like_the_policy(tiny_classifier_dir):
     assert not any(isinstance(m, bnb.nn.Linear4bit) for m in plain.model.modules())
 
 
+def test_a_classifier_saved_in_4bit_scores_in_the_recipes_dtype(tiny_classifier_dir, tmp_path):
+    """A classifier checkpoint saved quantized (bfloat16 compute) loaded for a float32 recipe scores as
+    the same weights quantized at load in float32: the same 4-bit codes, every other weight cast."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    plain, saved = tmp_path / "plain", tmp_path / "saved-in-4bit"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_classifier_dir)
+    for folder in (plain, saved):
+        tokenizer.save_pretrained(folder)
+    # bfloat16 values, so the weights saved in bfloat16 lose nothing against the plain ones
+    AutoModelForSequenceClassification.from_pretrained(tiny_classifier_dir).to(torch.bfloat16).save_pretrained(plain)
+    build_reward(RewardConfig(kind="classifier", model=str(plain), dtype="bfloat16"),
+                 ModelConfig(quantization="4bit")).model.save_pretrained(saved)
+    batch = RewardBatch(["the film", "a film"], [" good great", " bad"])
+    scores = {}
+    for folder in (plain, saved):
+        fn = build_reward(RewardConfig(kind="classifier", model=str(folder), dtype="float32"),
+                          ModelConfig(quantization="4bit"))
+        assert all(p.dtype == torch.float32 for p in fn.model.parameters() if p.is_floating_point())
+        scores[folder] = score_completions(fn, batch)
+    assert scores[saved] == scores[plain]
+
+
 CLASSIFIER_WORDS = ["[PAD]", "[UNK]", "good", "bad", "film", "a", "the", "great", "awful"]
 
 
