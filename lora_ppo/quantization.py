@@ -62,17 +62,17 @@ def compute_in(model: torch.nn.Module, dtype: torch.dtype, name: str, field: str
         from bitsandbytes.nn import Linear4bit
     except ImportError:  # no bitsandbytes: no 4-bit layers
         Linear4bit = ()
-    for layer in model.modules():
-        if isinstance(layer, Linear4bit) and layer.compute_dtype != dtype:
+    four_bit = [layer for layer in model.modules() if isinstance(layer, Linear4bit)]
+    for layer in four_bit:
+        if layer.compute_dtype != dtype:
             saved.add(layer.compute_dtype)
             layer.compute_dtype = dtype
             layer.weight.quant_state.dtype = dtype
     saved.discard(None)
     if saved:
-        log.info("%s: %s was saved quantized to compute in %s; its unquantized weights%s now "
-                 "compute in %s", field, name, ", ".join(sorted(str(d).removeprefix("torch.") for d in saved)),
-                 " and 4-bit layers" if any(isinstance(m, Linear4bit) for m in model.modules()) else "",
-                 str(dtype).removeprefix("torch."))
+        log.info("%s: %s was saved quantized to compute in %s; its unquantized weights%s now compute in %s",
+                 field, name, ", ".join(sorted(str(d).removeprefix("torch.") for d in saved)),
+                 " and 4-bit layers" if four_bit else "", str(dtype).removeprefix("torch."))
 
 
 def modules_kept_unquantized(model: torch.nn.Module) -> list[str]:
