@@ -10,12 +10,12 @@ allocation and free events), above what was held before the pass, in either comp
 
 A random 4-bit model of Llama-3.1-8B's proportions (hidden 512, MLP 1792, 2 layers, GQA 4:1),
 every row `--prompt` + `--response` real tokens, computing in float32, in bfloat16, and in bfloat16
-with `model.adapter_autocast` (`--dtypes` also takes `+fused`: `model.fused_lora`). For `--rows` of each size: one scoring pass
-(policy, reference and value, stacked as `rollout.score_roles_together` does) and one update
-micro-batch (policy then value, forward and backward, gradient checkpointing on and off; with
-`--compile-update`, also `ppo.compile_update` with checkpointing). The
-per-row slope (largest rows minus smallest, divided by their difference) cancels what does not
-grow with rows (weights dequantized per matmul, the logits chunk, gradients of the adapters).
+with `model.adapter_autocast` (`--dtypes` also takes `+fused`: `model.fused_lora`). For `--rows` of
+each size: one scoring pass (policy, reference and value, stacked as `rollout.score_roles_together`
+does) and one update micro-batch (policy then value, forward and backward, gradient checkpointing on
+and off; with `--compile-update`, also `ppo.compile_update` with checkpointing). The per-row slope
+(largest rows minus smallest, divided by their difference) cancels what does not grow with rows
+(weights dequantized per matmul, the logits chunk, gradients of the adapters).
 
     python bench/live_memory.py [--rows 2 6] [--prompt 48 --response 80]   # about 2 minutes
     python bench/live_memory.py --dtypes bfloat16 --rows 4 8 --prompt 64 --response 64 --compile-update
