@@ -205,3 +205,32 @@ def test_a_ppo_run_with_fused_lora_samples_scores_and_updates_one_policy(tmp_pat
     after = trainer.roles.policy_parameters()
     assert all(p.dtype == torch.float32 for p in after)
     assert any(not torch.equal(b, a) for b, a in zip(before, after))
+
+
+def test_a_dora_adapter_is_left_to_pefts_forward(tiny_model_dir, tmp_path):
+    """An adapter PEFT computes another way (DoRA, started from with `init_from`) keeps PEFT's forward
+    in every fused layer: the same numbers as without the setting, bit for bit."""
+    from peft import LoraConfig, get_peft_model
+
+    from lora_ppo.config import ModelConfig, SFTAdapterSettings
+    from lora_ppo.model import load_base_model
+    from lora_ppo.sft.batches import Batch
+    from lora_ppo.sft.model import SFTModel
+
+    dora = get_peft_model(load_base_model(ModelConfig(name=str(tiny_model_dir))),
+                          LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=True))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # PEFT starts B at zero: the adapter would change nothing
+        for name, p in dora.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    dora.save_pretrained(tmp_path / "dora")
+    model = SFTModel(load_base_model(ModelConfig(name=str(tiny_model_dir))),
+                     SFTAdapterSettings(init_from=str(tmp_path / "dora")), fused_lora=True)
+    assert any(POLICY in m.lora_variant for m in model.peft.modules() if hasattr(m, "lora_variant"))
+    ids = torch.tensor([[5, 9, 17, 33, 60, 7]])
+    batch = Batch(ids, torch.arange(6).unsqueeze(0), torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
+    with torch.no_grad():
+        fused = model.target_logprobs(batch)
+        unfuse_lora_layers(model.peft)
+        assert torch.equal(fused, model.target_logprobs(batch))
