@@ -191,6 +191,25 @@ def prompt_and_random_response(tokenizer, prompts, response_len=5, seed=0):
     return ids, mask, enc["input_ids"].shape[1]
 
 
+def forward_and_grads(roles, tokenizer, role: str = "policy"):
+    """(hidden states, response logprobs, gradients) of one forward and backward as `role` on two
+    prompts with a random response: the backward of the response logprobs' sum (the values' sum as
+    the value). The gradients are those of the trainable parameters that got one, in order; none
+    for the reference (no backward)."""
+    ids, mask, start = prompt_and_random_response(tokenizer, ["the film was", "a"], response_len=5)
+    with roles.as_role(role):
+        hidden = roles.hidden_states(ids, mask)
+        logprobs, _ = roles.logprobs_from_hidden(hidden, ids, start, temperature=1.0)
+        loss = roles.values_from_hidden(hidden, start).sum() if role == "value" else logprobs[mask[:, start:].bool()].sum()
+        if loss.requires_grad:
+            loss.backward()
+    params = roles.policy_parameters() + roles.value_parameters()
+    grads = [p.grad.clone() for p in params if p.grad is not None]
+    for p in params:
+        p.grad = None
+    return hidden.detach(), logprobs.detach(), grads
+
+
 def scored_rollout(roles, ids, mask, start: int, rows=(), forward_batch_size: int = 2):
     """A Rollout of left-padded prompts followed by right-padded responses (`ids`, `mask`: [4, T], the
     responses from column `start`), scored by `roles`, with the scores 1, -1, 0.5, 2: what an update

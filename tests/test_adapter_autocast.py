@@ -14,7 +14,7 @@ from lora_ppo.alarms import LOGPROB_TOLERANCE
 from lora_ppo.config import ModelConfig, recipe_from_dict
 from lora_ppo.quantization import adapter_autocast_dtype
 from lora_ppo.roles import POLICY
-from tests.conftest import prompt_and_random_response, tiny_recipe_dict
+from tests.conftest import forward_and_grads, tiny_recipe_dict
 
 
 @pytest.fixture(scope="module")
@@ -24,22 +24,12 @@ def roles(make_roles):
 
 
 def policy_forward(roles, tokenizer, autocast: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """(hidden states, response logprobs, the policy adapter's gradients) of one forward and
-    backward as the policy."""
-    ids, mask, start = prompt_and_random_response(tokenizer, ["the film was", "a"], response_len=5)
+    """`forward_and_grads` as the policy, with or without autocast."""
     roles.autocast_dtype = torch.bfloat16 if autocast else None
     try:
-        with roles.as_role(POLICY):
-            hidden = roles.hidden_states(ids, mask)
-            logprobs, _ = roles.logprobs_from_hidden(hidden, ids, start, temperature=1.0)
-            logprobs[mask[:, start:].bool()].sum().backward()
+        return forward_and_grads(roles, tokenizer, POLICY)
     finally:
         roles.autocast_dtype = None
-    params = roles.policy_parameters()
-    grads = [p.grad.clone() for p in params]
-    for p in params:
-        p.grad = None
-    return hidden.detach(), logprobs.detach(), grads
 
 
 def test_autocast_computes_what_adapters_stored_in_bfloat16_compute(roles, tiny_tokenizer):

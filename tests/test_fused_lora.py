@@ -16,36 +16,16 @@ from lora_ppo.config import recipe_from_dict
 from lora_ppo.fused_lora import fuse_lora_layers, unfuse_lora_layers
 from lora_ppo.roles import POLICY, REFERENCE, VALUE
 from lora_ppo.rollout import score_passes
-from tests.conftest import prompt_and_random_response, tiny_recipe_dict
-
-
-def role_forward(roles, tokenizer, role) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """(hidden states, response logprobs, the trainable adapters' gradients) of one forward and
-    backward as `role`: of the response logprobs' sum (the values' sum as the value)."""
-    ids, mask, start = prompt_and_random_response(tokenizer, ["the film was", "a"], response_len=5)
-    with roles.as_role(role):
-        hidden = roles.hidden_states(ids, mask)
-        logprobs, _ = roles.logprobs_from_hidden(hidden, ids, start, temperature=1.0)
-        if role == VALUE:
-            loss = roles.values_from_hidden(hidden, start).sum()
-        else:
-            loss = logprobs[mask[:, start:].bool()].sum()
-        if loss.requires_grad:
-            loss.backward()
-    params = roles.policy_parameters() + roles.value_parameters()
-    grads = [p.grad.clone() if p.grad is not None else None for p in params]
-    for p in params:
-        p.grad = None
-    return hidden.detach().float(), logprobs.detach(), grads
+from tests.conftest import forward_and_grads, prompt_and_random_response, tiny_recipe_dict
 
 
 def both_ways(roles, tokenizer, role):
-    """`role_forward` with PEFT's forward, then with the fused one, on the same weights."""
+    """`forward_and_grads` with PEFT's forward, then with the fused one, on the same weights."""
     unfuse_lora_layers(roles.peft)
-    peft = role_forward(roles, tokenizer, role)
+    peft = forward_and_grads(roles, tokenizer, role)
     fuse_lora_layers(roles.peft)
     try:
-        return peft, role_forward(roles, tokenizer, role)
+        return peft, forward_and_grads(roles, tokenizer, role)
     finally:
         unfuse_lora_layers(roles.peft)
 
@@ -61,12 +41,11 @@ def test_float32_gives_pefts_numbers(float32_roles, tiny_tokenizer, role):
     if role == REFERENCE:  # adapters disabled: PEFT's forward runs, the base alone
         assert torch.equal(hidden, peft_hidden)
         return
-    assert not torch.equal(peft_hidden, role_forward(float32_roles, tiny_tokenizer, REFERENCE)[0])  # adapters matter
+    assert not torch.equal(peft_hidden, forward_and_grads(float32_roles, tiny_tokenizer, REFERENCE)[0])  # adapters matter
     torch.testing.assert_close(hidden, peft_hidden, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logprobs, peft_logprobs, rtol=1e-5, atol=1e-5)
-    trained = [(g, e) for g, e in zip(grads, peft_grads) if e is not None]
-    assert trained and all(g is not None for g, _ in trained)
-    for g, e in trained:
+    assert len(grads) == len(peft_grads) > 0  # the same parameters got gradients
+    for g, e in zip(grads, peft_grads):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
 
 
@@ -81,13 +60,12 @@ def test_bfloat16_is_as_close_to_float32_as_pefts_path(make_roles, tiny_tokenize
         for mine, theirs in zip(exact.policy_parameters(), roles.policy_parameters()):
             mine.copy_(theirs)
     (_, peft_logprobs, peft_grads), (_, logprobs, grads) = both_ways(roles, tiny_tokenizer, POLICY)
-    _, exact_logprobs, exact_grads = role_forward(exact, tiny_tokenizer, POLICY)
+    _, exact_logprobs, exact_grads = forward_and_grads(exact, tiny_tokenizer, POLICY)
     assert not torch.equal(logprobs, peft_logprobs)  # the adapters really ran in another dtype
 
     def distance(logprobs, grads) -> tuple[float, float]:
-        pairs = [(g, e) for g, e in zip(grads, exact_grads) if e is not None]
         return (float((logprobs - exact_logprobs).abs().mean()),
-                max(float((g - e).norm() / e.norm()) for g, e in pairs))
+                max(float((g - e).norm() / e.norm()) for g, e in zip(grads, exact_grads, strict=True)))
 
     fused, peft = distance(logprobs, grads), distance(peft_logprobs, peft_grads)
     assert fused[0] <= 1.25 * peft[0] and fused[1] <= 1.25 * peft[1], (fused, peft)
@@ -122,7 +100,7 @@ def float32_saved_inside_lora_layers(roles, tokenizer) -> tuple[int, int]:
                                            m.register_forward_hook(leave))]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            role_forward(roles, tokenizer, POLICY)
+            forward_and_grads(roles, tokenizer, POLICY)
     finally:
         for h in handles:
             h.remove()
