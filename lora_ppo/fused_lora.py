@@ -22,6 +22,7 @@ attention block; this keeps PEFT's modules, their state dicts and bitsandbytes' 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import types
 from collections import Counter
@@ -80,15 +81,12 @@ def _with_adapters(layer, x: torch.Tensor, result: torch.Tensor, names, in_place
 def _runs(adapter_names: list[str]) -> Optional[list[tuple[int, int, tuple[str]]]]:
     """(first row, end row, (adapter,)) for each run of rows with one adapter name; None where a name
     comes back after another (PEFT's path handles any order)."""
-    runs: list[tuple[int, int, tuple[str]]] = []
-    for row, name in enumerate(adapter_names):
-        if runs and runs[-1][2] == (name,):
-            runs[-1] = (runs[-1][0], row + 1, (name,))
-        elif any(seen == (name,) for *_, seen in runs):
-            return None
-        else:
-            runs.append((row, row + 1, (name,)))
-    return runs
+    runs, start = [], 0
+    for name, rows in itertools.groupby(adapter_names):
+        end = start + len(list(rows))
+        runs.append((start, end, (name,)))
+        start = end
+    return runs if len({names for *_, names in runs}) == len(runs) else None
 
 
 def _pefts(layer, x: torch.Tensor, *args, adapter_names=None, **kwargs) -> torch.Tensor:
