@@ -278,7 +278,8 @@ def update_variants(trainer, results: dict, save=lambda: None, only=None) -> dic
         if only is not None and name not in only:
             continue
         settings = dataclasses.replace(base_settings, **change(base_settings))
-        if settings == base_settings and name not in ("auto_again", "fused_lora"):  # (fused: same settings)
+        fused = name.startswith("fused_lora")  # the layers change, whatever the settings
+        if settings == base_settings and name != "auto_again" and not fused:
             results[name] = "same as the auto choice"
             continue
         trainer.update_settings = settings
@@ -287,7 +288,7 @@ def update_variants(trainer, results: dict, save=lambda: None, only=None) -> dic
                      "gradient_checkpointing": settings.gradient_checkpointing}
         if settings.compiled_layers is not None:
             step(f"{name}_compiling", described, ("time/update", "time/compile", "memory/update_gb"))
-        with fused_in_update(trainer.parts.roles) if name.startswith("fused_lora") else nullcontext() as routed:
+        with fused_in_update(trainer.parts.roles) if fused else nullcontext() as routed:
             step(name, described, ("time/update", "perf/update_tflops", "memory/update_gb", "check/logprob_mean_diff"))
         if routed is not None and isinstance(results[name], dict):
             results[name]["fused_layers"] = routed["layers"]
