@@ -19,7 +19,7 @@ from lora_ppo.config import PPOConfig, Recipe, RolloutConfig
 from lora_ppo.data import PromptRow, PromptSet, load_prompt_sets
 from lora_ppo.model import check_context, dequantized_once, load_base_model, load_tokenizer
 from lora_ppo.optimizers import adamw
-from lora_ppo.quantization import adapter_autocast_dtype, compute_dtype
+from lora_ppo.quantization import adapter_numerics, compute_dtype
 from lora_ppo.rewards import RewardSources, build_reward_sources, check_reward_columns
 from lora_ppo.evaluation import Evaluation, evaluate
 from lora_ppo.library_notices import quiet_loading
@@ -93,8 +93,7 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
     with quiet_loading():  # the Python API shows what the CLI shows: no loading bar or kernel notice
         roles = RoleModel(load_base_model(recipe.model), recipe.adapters, with_value=recipe.uses_critic,
                           reward_adapter=reward_adapter, base_name=portable_name(recipe.model.name),
-                          autocast_dtype=adapter_autocast_dtype(recipe.model),
-                          trim_padding=recipe.ppo.trim_padding, fused_lora=recipe.model.fused_lora)
+                          numerics=adapter_numerics(recipe.model), trim_padding=recipe.ppo.trim_padding)
         # After the roles: a reward adapter lives on their backbone, and a classifier loads its weights.
         rewards = build_reward_sources(recipe.reward, recipe.model, reward_fn,
                                        roles.reward_scores if reward_adapter else None)

@@ -5,6 +5,7 @@ classifier reward model alike."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -23,6 +24,21 @@ def compute_dtype(cfg: ModelConfig) -> torch.dtype:
     # The recipe's rule knows a GPU and a CPU; XPU and MPS follow the GPU rule.
     rule_device = "cpu" if kind == "cpu" else "cuda"
     return getattr(torch, cfg.compute_dtype_name(rule_device, bf16_supported(kind)))
+
+
+@dataclass(frozen=True)
+class AdapterNumerics:
+    """How the LoRA adapters compute beside a 16-bit model: their matmuls autocast to `autocast_dtype`
+    (`model.adapter_autocast`; None: in their own float32), or each LoRA layer as one addmm in the
+    compute dtype (`fused`, `model.fused_lora`)."""
+
+    autocast_dtype: Optional[torch.dtype] = None
+    fused: bool = False
+
+
+def adapter_numerics(cfg: ModelConfig) -> AdapterNumerics:
+    """The recipe's adapter numerics on this machine (the autocast dtype decided and logged here)."""
+    return AdapterNumerics(adapter_autocast_dtype(cfg), cfg.fused_lora)
 
 
 def adapter_autocast_dtype(cfg: ModelConfig) -> Optional[torch.dtype]:

@@ -19,7 +19,7 @@ from lora_ppo.config import RewardRecipe
 from lora_ppo.data import PreferencePair, drop_counts_text, load_preference_sets
 from lora_ppo.memory import run_peak_gb
 from lora_ppo.model import dequantized_once, load_base_model
-from lora_ppo.quantization import adapter_autocast_dtype
+from lora_ppo.quantization import adapter_numerics
 from lora_ppo.roles import REWARD, RewardModel
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class RewardTrainer(AdapterTrainer):
         # Data before weights: a bad dataset fails in seconds.
         self.train_pairs, self.eval_pairs = load_preference_sets(recipe.data, self.tokenizer, recipe.train.seed)
         model = RewardModel(load_base_model(recipe.model), recipe.adapter, portable_name(recipe.model.name),
-                            adapter_autocast_dtype(recipe.model), recipe.model.fused_lora)
+                            adapter_numerics(recipe.model))
         self.start_training(model, model.parameters(), self.train_pairs.pairs)
 
     def before_training(self) -> None:

@@ -22,6 +22,7 @@ from lora_ppo.bnb_workarounds import eval_on_training_kernel
 from lora_ppo.compiled_update import CompiledLayers, layer_step
 from lora_ppo.fused_lora import fuse_lora_layers
 from lora_ppo.library_notices import without_peft_rename_notice
+from lora_ppo.quantization import AdapterNumerics
 from lora_ppo.model_checks import (check_logit_path, fused_expert_parameters, logit_path_error, logit_transform_of,
                                    probe_ids)
 from lora_ppo.run_dir import FINAL_DIR, RECIPE_FILE, is_checkpoint
@@ -117,12 +118,11 @@ class Backbone:
     """A frozen base model with LoRA adapters and scalar score heads: the decoder's hidden states
     (no LM head), a head's score at the last real token, gradient checkpointing, and saving."""
 
-    def __init__(self, peft_model, base_name: Optional[str] = None, autocast_dtype: Optional[torch.dtype] = None,
-                 fused_lora: bool = False):
+    def __init__(self, peft_model, base_name: Optional[str] = None, numerics: AdapterNumerics = AdapterNumerics()):
         self.peft = peft_model
         # model.adapter_autocast: the dtype the adapters' matmuls run in (None: their own float32).
-        self.autocast_dtype = autocast_dtype
-        if fused_lora:  # model.fused_lora: after every adapter is added, so each LoRA layer exists
+        self.autocast_dtype = numerics.autocast_dtype
+        if numerics.fused:  # model.fused_lora: after every adapter is added, so each LoRA layer exists
             fuse_lora_layers(self.peft)
         # What saved adapters name as their base (adapter_config.json), so they load elsewhere:
         # the recipe's name (a builtin model's hub id), never a local cache folder.
@@ -276,7 +276,7 @@ class RoleModel(Backbone):
     @without_peft_rename_notice
     def __init__(self, base_model, adapters: AdaptersConfig, with_value: bool = True,
                  reward_adapter: Optional[str] = None, base_name: Optional[str] = None,
-                 autocast_dtype: Optional[torch.dtype] = None, trim_padding: bool = True, fused_lora: bool = False):
+                 numerics: AdapterNumerics = AdapterNumerics(), trim_padding: bool = True):
         from peft import PeftModel, get_peft_model
 
         all_linear = linear_targets(base_model)
@@ -302,7 +302,7 @@ class RoleModel(Backbone):
         self.reward_adapter = reward_adapter
         if reward_adapter:
             peft.load_adapter(reward_adapter, adapter_name=REWARD, is_trainable=False)
-        super().__init__(peft, base_name, autocast_dtype, fused_lora)
+        super().__init__(peft, base_name, numerics)
         # ppo.trim_padding: the scoring and update micro-batches cut to the columns their rows use.
         self.trim_padding = trim_padding
         self.value_head: Optional[nn.Linear] = self.make_head(VALUE, value_head_from) if with_value else None
@@ -509,8 +509,7 @@ class SingleAdapterModel(Backbone):
 
     @without_peft_rename_notice
     def __init__(self, base_model, settings: LoraSettings, adapter_name: str, start_from: Sequence[str],
-                 base_name: Optional[str] = None, dropout: float = 0.0,
-                 autocast_dtype: Optional[torch.dtype] = None, fused_lora: bool = False):
+                 base_name: Optional[str] = None, dropout: float = 0.0, numerics: AdapterNumerics = AdapterNumerics()):
         from peft import PeftModel, get_peft_model
 
         self.start = adapter_folder(settings.init_from, "adapter.init_from", start_from) if settings.init_from else None
@@ -519,7 +518,7 @@ class SingleAdapterModel(Backbone):
         else:
             peft = get_peft_model(base_model, lora_config(settings, dropout, linear_targets(base_model)),
                                   adapter_name=adapter_name)
-        super().__init__(peft, base_name, autocast_dtype, fused_lora)
+        super().__init__(peft, base_name, numerics)
         self.adapter_name = adapter_name
         self.peft.set_adapter(adapter_name)
         for p in self.adapter_params(adapter_name):
@@ -536,10 +535,9 @@ class RewardModel(SingleAdapterModel):
     training (`lora-ppo train-reward`). Its saved folder is what `reward.kind: adapter` loads."""
 
     def __init__(self, base_model, settings: RewardAdapterSettings, base_name: Optional[str] = None,
-                 autocast_dtype: Optional[torch.dtype] = None, fused_lora: bool = False):
+                 numerics: AdapterNumerics = AdapterNumerics()):
         # A reward model may start from a reward adapter, or from the policy (an SFT run's).
-        super().__init__(base_model, settings, REWARD, (REWARD, POLICY), base_name, settings.dropout, autocast_dtype,
-                         fused_lora)
+        super().__init__(base_model, settings, REWARD, (REWARD, POLICY), base_name, settings.dropout, numerics)
         head_file = Path(self.start) / REWARD_HEAD_FILE if self.start else None
         self.make_head(REWARD, head_file if head_file is not None and head_file.is_file() else None)
 

@@ -14,6 +14,7 @@ import lora_ppo
 from lora_ppo.alarms import LOGPROB_TOLERANCE
 from lora_ppo.config import recipe_from_dict
 from lora_ppo.fused_lora import fuse_lora_layers, unfuse_lora_layers
+from lora_ppo.quantization import AdapterNumerics
 from lora_ppo.roles import POLICY, REFERENCE, VALUE
 from lora_ppo.rollout import score_passes
 from tests.conftest import forward_and_grads, prompt_and_random_response, tiny_recipe_dict
@@ -130,7 +131,7 @@ def test_lora_dropout_draws_pefts_masks(tiny_model_dir, caplog):
 
     with caplog.at_level(logging.INFO, logger="lora_ppo.fused_lora"):
         model = SFTModel(load_base_model(ModelConfig(name=str(tiny_model_dir))), SFTAdapterSettings(r=4, dropout=0.5),
-                         fused_lora=True)
+                         numerics=AdapterNumerics(fused=True))
     assert caplog.messages == ["model.fused_lora: 14 LoRA layers add their adapters by one addmm in the compute dtype"]
     perturb_lora_b(model, POLICY, seed=1, scale=0.3)
     ids = torch.tensor([[5, 9, 17, 33, 60, 7]])
@@ -204,7 +205,7 @@ def test_a_dora_adapter_is_left_to_pefts_forward(tiny_model_dir, tmp_path):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     dora.save_pretrained(tmp_path / "dora")
     model = SFTModel(load_base_model(ModelConfig(name=str(tiny_model_dir))),
-                     SFTAdapterSettings(init_from=str(tmp_path / "dora")), fused_lora=True)
+                     SFTAdapterSettings(init_from=str(tmp_path / "dora")), numerics=AdapterNumerics(fused=True))
     assert any(POLICY in m.lora_variant for m in model.peft.modules() if hasattr(m, "lora_variant"))
     ids = torch.tensor([[5, 9, 17, 33, 60, 7]])
     batch = Batch(ids, torch.arange(6).unsqueeze(0), torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))

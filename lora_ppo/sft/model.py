@@ -13,6 +13,7 @@ from lora_ppo.config import SFTAdapterSettings
 from lora_ppo.errors import RecipeError
 from lora_ppo.logprobs import token_logprobs
 from lora_ppo.model_checks import probe_ids
+from lora_ppo.quantization import AdapterNumerics
 from lora_ppo.roles import POLICY, SingleAdapterModel
 from lora_ppo.sft.batches import Batch
 
@@ -26,9 +27,8 @@ class SFTModel(SingleAdapterModel):
     recipe's `adapters.policy.init_from` takes."""
 
     def __init__(self, base_model, settings: SFTAdapterSettings, base_name: Optional[str] = None,
-                 autocast_dtype: Optional[torch.dtype] = None, fused_lora: bool = False):
-        super().__init__(base_model, settings, POLICY, (POLICY,), base_name, settings.dropout, autocast_dtype,
-                         fused_lora)
+                 numerics: AdapterNumerics = AdapterNumerics()):
+        super().__init__(base_model, settings, POLICY, (POLICY,), base_name, settings.dropout, numerics)
 
     def batch_hidden_states(self, batch: Batch) -> torch.Tensor:
         """Last hidden states of the decoder, [B, T, H]: positions as the batch gives them, and

@@ -20,7 +20,7 @@ from lora_ppo.config import SFTRecipe
 from lora_ppo.data import drop_counts_text
 from lora_ppo.memory import run_peak_gb
 from lora_ppo.model import check_row_length, dequantized_once, load_base_model
-from lora_ppo.quantization import adapter_autocast_dtype
+from lora_ppo.quantization import adapter_numerics
 from lora_ppo.roles import POLICY
 from lora_ppo.run_dir import write_jsonl
 from lora_ppo.sft.batches import Batch, packed_batch, padded_batch
@@ -60,7 +60,7 @@ class SFTTrainer(AdapterTrainer):
         # Data before weights: a bad dataset fails in seconds.
         self.train_rows, self.eval_rows = load_sft_sets(recipe.data, recipe.sft, self.tokenizer, recipe.train.seed)
         model = SFTModel(load_base_model(recipe.model), recipe.adapter, portable_name(recipe.model.name),
-                         adapter_autocast_dtype(recipe.model), recipe.model.fused_lora)
+                         adapter_numerics(recipe.model))
         if recipe.sft.packing:
             model.check_packing()
         self.start_training(model, model.parameters(), self.train_rows.rows)
