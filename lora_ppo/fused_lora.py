@@ -38,13 +38,11 @@ def lora_addmm_forward(layer, x: torch.Tensor, *args, adapter_names: Optional[li
     """`layer`'s output: its base layer's, plus each active adapter's scaled product by addmm.
     `adapter_names` (PEFT's per-row adapters, one name per row: the roles stacked in one forward) in
     runs of rows, each computed as that adapter's own forward would be. Anything else PEFT's forward
-    handles (adapters off or merged, DoRA and other variants, a bias on the adapter, rows of one
-    adapter not side by side) goes to PEFT's forward."""
+    handles (adapters off or merged, DoRA and other variants, a bias on the adapter) goes to PEFT's
+    forward."""
     if args or kwargs or layer.disable_adapters or layer.merged:
         return _pefts(layer, x, *args, adapter_names=adapter_names, **kwargs)
     runs = [(0, x.shape[0], layer.active_adapters)] if adapter_names is None else _runs(adapter_names)
-    if runs is None:
-        return _pefts(layer, x, adapter_names=adapter_names)
     used = {name for *_, names in runs for name in names if name in layer.lora_A}
     if any(name in layer.lora_variant or layer.lora_B[name].bias is not None for name in used):
         return _pefts(layer, x, adapter_names=adapter_names)
@@ -78,15 +76,15 @@ def _with_adapters(layer, x: torch.Tensor, result: torch.Tensor, names, in_place
     return out.view(result.shape)
 
 
-def _runs(adapter_names: list[str]) -> Optional[list[tuple[int, int, tuple[str]]]]:
-    """(first row, end row, (adapter,)) for each run of rows with one adapter name; None where a name
-    comes back after another (PEFT's path handles any order)."""
+def _runs(adapter_names: list[str]) -> list[tuple[int, int, tuple[str]]]:
+    """(first row, end row, (adapter,)) for each run of rows with one adapter name, in row order (a
+    name may come back after another: each run is computed alone)."""
     runs, start = [], 0
     for name, rows in itertools.groupby(adapter_names):
         end = start + len(list(rows))
         runs.append((start, end, (name,)))
         start = end
-    return runs if len({names for *_, names in runs}) == len(runs) else None
+    return runs
 
 
 def _pefts(layer, x: torch.Tensor, *args, adapter_names=None, **kwargs) -> torch.Tensor:

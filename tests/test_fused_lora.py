@@ -148,6 +148,45 @@ def test_lora_dropout_draws_pefts_masks(tiny_model_dir, caplog):
     torch.testing.assert_close(fused, dropped(0), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_rows_of_roles_in_any_order_get_their_own_adapters(float32_roles, grad):
+    """One fused layer over rows named policy, value, policy (PEFT's per-row adapter names, a name
+    coming back after another): each row is its base output plus its own adapter's scaled product,
+    computed here by hand, with autograd (blocks joined) and without (added in place); with autograd
+    the adapters' gradients are those of PEFT's own forward of the same rows."""
+    layer = next(m for m in float32_roles.peft.modules() if hasattr(m, "lora_A") and VALUE in m.lora_A)
+    names = [POLICY, VALUE, POLICY]
+    x = torch.randn(3, 4, layer.in_features, generator=torch.Generator().manual_seed(0))
+    weights = [layer.lora_A[n].weight for n in (POLICY, VALUE)] + [layer.lora_B[n].weight for n in (POLICY, VALUE)]
+
+    def rows_and_grads():
+        with torch.set_grad_enabled(grad):
+            out = layer(x, adapter_names=names)
+        if not grad:
+            return out, []
+        out.square().sum().backward()
+        grads = [w.grad.clone() for w in weights]
+        for w in weights:
+            w.grad = None
+        return out.detach(), grads
+
+    fuse_lora_layers(float32_roles.peft)
+    try:
+        fused, fused_grads = rows_and_grads()
+    finally:
+        unfuse_lora_layers(float32_roles.peft)
+    pefts, peft_grads = rows_and_grads()
+    with torch.no_grad():
+        by_hand = torch.stack([layer.base_layer(x[row]) + layer.scaling[name] * (
+            x[row] @ layer.lora_A[name].weight.t() @ layer.lora_B[name].weight.t()) for row, name in enumerate(names)])
+    assert not torch.allclose(by_hand[0], by_hand[1]), "policy and value must differ for the check to mean anything"
+    torch.testing.assert_close(fused, by_hand, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pefts, by_hand, rtol=1e-5, atol=1e-5)
+    for g, e in zip(fused_grads, peft_grads, strict=True):
+        assert e.abs().sum() > 0
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stacked_scoring_gives_each_roles_own_forward(make_roles, tiny_tokenizer, dtype):
     """Scoring every role in one stacked forward (PEFT's per-row adapter names) runs each block of rows
