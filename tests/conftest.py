@@ -3,15 +3,20 @@ temp folder, so every test loads them through the real loading path (4-bit inclu
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
-# Tests never reach a hub, and leave no datasets cache behind in the user's home.
+# Tests never reach a hub, and leave no datasets cache behind, in the user's home or in the temp
+# folder (the processes the tests start inherit this one's and leave it alone).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="lora_ppo-tests-datasets-"))
+if "HF_DATASETS_CACHE" not in os.environ:
+    os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="lora_ppo-tests-datasets-")
+    atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 CHAT_TEMPLATE = (
