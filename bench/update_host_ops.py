@@ -8,8 +8,9 @@ at a tiny width (hidden 64), where compute is next to nothing. One micro-batch o
 `--prompt` + `--response` tokens: the policy's and the value's forward and backward with gradient
 checkpointing, as `ppo_update` runs it.
 
-In bfloat16, alone, with `model.adapter_autocast`, with `ppo.compile_update`, with `model.fused_lora`
-and with both of the last two (`--variants` picks some): the operators dispatched, those
+In bfloat16, alone, with `model.adapter_autocast`, with `ppo.compile_update`, with `model.fused_lora`,
+with both of the last two, and with `ppo.update_roles_together` (policy and value stacked in one pass)
+without and with `model.fused_lora` (`--variants` picks some): the operators dispatched, those
 that launch work (everything but views and other metadata), the dtype casts among them, the 4-bit
 dequantizations, and the micro-batch's seconds at this width (median of `--repeats`; mostly host,
 plus attention over the full sequence). With `ppo.compile_update` the fused kernels of the compiled
@@ -47,6 +48,9 @@ VARIANTS = {"bfloat16": ["model.compute_dtype=bfloat16"],
             "bfloat16_compile_update": ["model.compute_dtype=bfloat16", "ppo.compile_update=true"],
             "bfloat16_fused_lora": ["model.compute_dtype=bfloat16", "model.fused_lora=true"],
             "bfloat16_compile_update_fused_lora": ["model.compute_dtype=bfloat16", "ppo.compile_update=true",
+                                                   "model.fused_lora=true"],
+            "bfloat16_roles_together": ["model.compute_dtype=bfloat16", "ppo.update_roles_together=true"],
+            "bfloat16_roles_together_fused_lora": ["model.compute_dtype=bfloat16", "ppo.update_roles_together=true",
                                                    "model.fused_lora=true"]}
 
 
@@ -83,7 +87,8 @@ def measure(model_dir: Path, work: Path, overrides: list[str], args) -> dict:
                       stopped=torch.zeros(rows, dtype=torch.bool))
     adv = compute_advantages(rollout, recipe.ppo, 0.05, scores)
     compiled = trainer.update_settings.compiled_layers  # ppo.compile_update
-    settings = UpdateSettings(rows, rows, 1.0, gradient_checkpointing=True, compiled_layers=compiled)
+    settings = UpdateSettings(rows, rows, 1.0, gradient_checkpointing=True,
+                              roles_together=trainer.update_settings.roles_together, compiled_layers=compiled)
 
     def micro_batch() -> None:
         with roles.gradient_checkpointing(True, compiled):

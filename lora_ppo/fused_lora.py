@@ -51,9 +51,13 @@ def lora_addmm_forward(layer, x: torch.Tensor, *args, adapter_names: Optional[li
         for start, end, names in runs:
             _with_adapters(layer, x[start:end], result[start:end], names, in_place=True)
         return result
-    if len(runs) == 1:  # no slices with autograd: a slice's backward fills zeros of the full size
+    if len(runs) == 1:
         return _with_adapters(layer, x, result, runs[0][2])
-    return torch.cat([_with_adapters(layer, x[start:end], result[start:end], names) for start, end, names in runs])
+    # Split, not sliced: a split's backward joins the pieces' gradients in one copy, where each slice's
+    # fills a tensor of the full size with zeros and copies its piece in.
+    sizes = [end - start for start, end, _ in runs]
+    pieces = zip(x.split(sizes), result.split(sizes), (names for *_, names in runs))
+    return torch.cat([_with_adapters(layer, rows, out, names) for rows, out, names in pieces])
 
 
 def _with_adapters(layer, x: torch.Tensor, result: torch.Tensor, names, in_place: bool = False) -> torch.Tensor:

@@ -153,11 +153,12 @@ def test_rows_of_roles_in_any_order_get_their_own_adapters(float32_roles, grad):
     """One fused layer over rows named policy, value, policy (PEFT's per-row adapter names, a name
     coming back after another): each row is its base output plus its own adapter's scaled product,
     computed here by hand, with autograd (blocks joined) and without (added in place); with autograd
-    the adapters' gradients are those of PEFT's own forward of the same rows."""
+    the gradients of the adapters and of the input are those of PEFT's own forward of the same rows."""
     layer = next(m for m in float32_roles.peft.modules() if hasattr(m, "lora_A") and VALUE in m.lora_A)
     names = [POLICY, VALUE, POLICY]
-    x = torch.randn(3, 4, layer.in_features, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 4, layer.in_features, generator=torch.Generator().manual_seed(0)).requires_grad_(grad)
     weights = [layer.lora_A[n].weight for n in (POLICY, VALUE)] + [layer.lora_B[n].weight for n in (POLICY, VALUE)]
+    weights += [x] if grad else []
 
     def rows_and_grads():
         with torch.set_grad_enabled(grad):

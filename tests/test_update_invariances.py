@@ -12,6 +12,7 @@ import torch
 
 from lora_ppo.bnb_workarounds import dequantized_4bit_layers
 from lora_ppo.config import AdaptersConfig, ModelConfig, PPOConfig, RolloutConfig
+from lora_ppo.fused_lora import fuse_lora_layers
 from lora_ppo.model import load_base_model, load_tokenizer
 from lora_ppo.roles import POLICY, RoleModel
 from lora_ppo.rollout import Rollout, Sampler, collect_rollout, score_passes
@@ -87,16 +88,21 @@ def test_gradient_accumulation_gives_the_same_update(roles, tokenizer, aggregati
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("gradient_checkpointing", [False, True])
-@pytest.mark.parametrize("dequantized", [False, True], ids=["4bit-per-pass", "dequantized-per-step"])
+@pytest.mark.parametrize("gradient_checkpointing, dequantized, fused", [
+    (False, False, False), (True, False, False), (False, True, False), (True, True, False), (True, False, True)],
+    ids=["4bit-per-pass", "checkpointing-4bit-per-pass", "dequantized-per-step", "checkpointing-dequantized-per-step",
+         "checkpointing-fused-lora"])
 @pytest.mark.parametrize("kl_penalty", ["reward", "loss"])
 def test_policy_and_value_trained_together_equal_one_pass_per_role(roles, tokenizer, gradient_checkpointing,
-                                                                   dequantized, kl_penalty):
+                                                                   dequantized, fused, kl_penalty):
     """ppo.update_roles_together: one forward and backward of the micro-batch under both adapters
     gives the update of a forward and backward per role (checkpointed layers recompute under the
-    right adapter too); 2 epochs x 2 minibatches, so later minibatches start from moved weights."""
+    right adapter too); 2 epochs x 2 minibatches, so later minibatches start from moved weights.
+    With `model.fused_lora` each fused layer splits the stacked rows by role and joins them again."""
     with torch.no_grad():  # the head starts at zero: no value gradient would reach the value adapter
         roles.value_head.weight.normal_(generator=torch.Generator().manual_seed(0))
+    if fused:
+        fuse_lora_layers(roles.peft)
     rollout = _rollout(roles, tokenizer)
     cfg = PPOConfig(num_epochs=2, num_minibatches=2, kl_coef=0.1, kl_penalty=kl_penalty, kl_estimator="k3")
     start = _snapshot(roles)
