@@ -11,12 +11,14 @@ checkpointing, as `ppo_update` runs it.
 In bfloat16, alone, with `model.adapter_autocast`, with `ppo.compile_update`, with `model.fused_lora`,
 with both of the last two, and with `ppo.update_roles_together` (policy and value stacked in one pass)
 without and with `model.fused_lora` (`--variants` picks some): the operators dispatched, those
-that launch work (everything but views and other metadata), the dtype casts among them, the 4-bit
-dequantizations, and the micro-batch's seconds at this width (median of `--repeats`; mostly host,
-plus attention over the full sequence). With `ppo.compile_update` the fused kernels of the compiled
-layers are not operators and are not counted: on a GPU each is one more launch.
+that launch work (everything but views and other metadata, counted with the operators they call),
+the kernels (`kernel_ops`: those that call no other such operator, about one GPU kernel each), the
+dtype casts, the 4-bit dequantizations, and the micro-batch's seconds at this width (median of
+`--repeats`; mostly host, plus attention over the full sequence). With `ppo.compile_update` the
+fused kernels of the compiled layers are not operators and are not counted: on a GPU each is one
+more launch.
 
-    python bench/update_host_ops.py [--rows 4] [--prompt 256 --response 256]   # about 4 minutes
+    python bench/update_host_ops.py [--rows 4] [--prompt 256 --response 256]   # about 6 minutes
     python bench/update_host_ops.py --variants bfloat16,bfloat16_fused_lora
 """
 
@@ -27,6 +29,7 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,10 +41,14 @@ SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 32, "
 METADATA = {"aten::view", "aten::as_strided", "aten::transpose", "aten::t", "aten::reshape", "aten::_unsafe_view",
             "aten::slice", "aten::select", "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::permute",
             "aten::detach", "detach", "aten::resolve_conj", "aten::resolve_neg", "aten::alias", "aten::empty",
-            "aten::empty_strided", "aten::empty_like", "aten::split", "aten::chunk", "aten::narrow",
+            "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::new_empty_strided", "aten::split",
+            "aten::chunk", "aten::narrow",
             "aten::contiguous", "aten::lift_fresh", "aten::result_type", "aten::size", "aten::stride",
             "aten::is_nonzero", "aten::matmul", "aten::linear", "aten::to", "aten::flatten", "aten::unflatten",
             "aten::view_as", "aten::_reshape_alias", "aten::split_with_sizes", "aten::unbind"}
+# Operators that launch a kernel of their own besides those of the operators they call.
+OWN_KERNEL = {"aten::addmm", "aten::baddbmm", "aten::addbmm", "bitsandbytes::gemm_4bit", "bitsandbytes::dequantize_4bit",
+              "bitsandbytes::dequantize_blockwise", "bitsandbytes::gemv_4bit"}
 # bfloat16 as on a GPU (on CPU `auto` means float32, and `model.adapter_autocast` needs bfloat16).
 VARIANTS = {"bfloat16": ["model.compute_dtype=bfloat16"],
             "bfloat16_adapter_autocast": ["model.compute_dtype=bfloat16", "model.adapter_autocast=true"],
@@ -101,18 +108,44 @@ def measure(model_dir: Path, work: Path, overrides: list[str], args) -> dict:
         t0 = time.perf_counter()
         micro_batch()
         seconds.append(time.perf_counter() - t0)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         micro_batch()
     counts = {e.key: e.count for e in prof.key_averages() if e.key.startswith(("aten::", "bitsandbytes::"))}
     launching = {k: n for k, n in counts.items() if k.startswith("aten::") and k not in METADATA}
+    kernels = kernel_ops(prof.events())
     return {
         "operators": sum(n for k, n in counts.items() if k.startswith("aten::")),
         "launching_work_aten": sum(launching.values()),
+        "kernel_ops": sum(kernels.values()),
+        "top_kernel_ops": kernels.most_common(8),
         "casts": counts.get("aten::_to_copy", 0),
         "dequantize_4bit": counts.get("bitsandbytes::dequantize_4bit", 0),
         "top_launching": sorted(launching.items(), key=lambda kv: -kv[1])[:8],
         "seconds_median": round(statistics.median(seconds), 3),
     }
+
+
+def kernel_ops(events) -> Counter:
+    """The operators that compute and call no other such operator, by name: about one kernel each on a
+    GPU. A cast (`_to_copy`) counts as its `copy_`, `zeros` as its `fill_`, an out-of-place `addmm` as
+    its `copy_` of the input added to and its own matmul, and a bitsandbytes op as one, whatever it runs
+    inside on CPU (on a GPU one kernel). Copies of 0-dim tensors are left out:
+    the Python numbers an operator wraps (`grad * alpha`) are cast on the host, with no kernel."""
+    def computes(e) -> bool:
+        if e.name in ("aten::_to_copy", "aten::copy_") and all(shape == [] for shape in e.input_shapes[:2]):
+            return False
+        return e.name.startswith("bitsandbytes::") or (e.name.startswith("aten::") and e.name not in METADATA)
+
+    def inside_bitsandbytes(e) -> bool:
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("bitsandbytes::"):
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    return Counter(e.name for e in events if computes(e) and not inside_bitsandbytes(e) and (
+        e.name in OWN_KERNEL or not any(computes(child) for child in e.cpu_children)))
 
 
 def main() -> None:
