@@ -129,8 +129,8 @@ def kernel_ops(events) -> Counter:
     """The operators that compute and call no other such operator, by name: about one kernel each on a
     GPU. A cast (`_to_copy`) counts as its `copy_`, `zeros` as its `fill_`, an out-of-place `addmm` as
     its `copy_` of the input added to and its own matmul, and a bitsandbytes op as one, whatever it runs
-    inside on CPU (on a GPU one kernel). Copies of 0-dim tensors are left out:
-    the Python numbers an operator wraps (`grad * alpha`) are cast on the host, with no kernel."""
+    inside on CPU (on a GPU one kernel). Casts of 0-dim tensors are left out: they are mostly the Python
+    numbers an operator wraps (`grad * alpha`), cast on the host with no kernel."""
     def computes(e) -> bool:
         if e.name in ("aten::_to_copy", "aten::copy_") and all(shape == [] for shape in e.input_shapes[:2]):
             return False
