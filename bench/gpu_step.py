@@ -17,8 +17,9 @@ as `data.max_prompt_tokens` allows and every response at full length. For each b
   and LoRA ranges (forward) and the top kernels by name; then the same micro-batch's wall time and
   its waits for the GPU (CUDA's sync debug mode);
 - one extra step per update variant (compiled layers, double the micro-batch, both roles in one
-  pass, checkpointing off, half the micro-batch, `model.fused_lora` in the update at the same and
-  double the micro-batch, then the `auto` choice again as a control), on the
+  pass, checkpointing off, half the micro-batch, `model.fused_lora` in the update at the same micro-
+  batch (also with its adapters cast per layer call) and double it, then the `auto` choice again as a
+  control), on the
   same loaded run: the update's seconds, TFLOP/s and peak, or where it ran out of memory; then
   `ppo.trim_padding` on and off over responses cut at random lengths (their padding share too);
 - the KL check: objective/kl per step of the near-reference policy (per token, against the bf16
@@ -52,6 +53,7 @@ import sys
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from unittest.mock import patch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -85,6 +87,8 @@ UPDATE_VARIANTS = {
     # model.fused_lora in the update alone (`fused_in_update`): the same settings, then double the
     # micro-batch in the memory its float32 copies no longer take
     "fused_lora": lambda s: {},
+    # the same with each layer casting its adapter's weights at every call (before `adapters_cast_once`)
+    "fused_lora_cast_per_call": lambda s: {},
     "fused_lora_micro_batch_double": lambda s: {"micro_batch_size": min(s.minibatch_size, 2 * s.micro_batch_size)},
     "auto_again": lambda s: {},
 }
@@ -288,7 +292,9 @@ def update_variants(trainer, results: dict, save=lambda: None, only=None) -> dic
                      "gradient_checkpointing": settings.gradient_checkpointing}
         if settings.compiled_layers is not None:
             step(f"{name}_compiling", described, ("time/update", "time/compile", "memory/update_gb"))
-        with fused_in_update(trainer.parts.roles) if fused else nullcontext() as routed:
+        per_call = patch("lora_ppo.update.adapters_cast_once", lambda *_: nullcontext()) \
+            if name.endswith("_cast_per_call") else nullcontext()
+        with fused_in_update(trainer.parts.roles) if fused else nullcontext() as routed, per_call:
             step(name, described, ("time/update", "perf/update_tflops", "memory/update_gb", "check/logprob_mean_diff"))
         if routed is not None and isinstance(results[name], dict):
             results[name]["fused_layers"] = routed["layers"]

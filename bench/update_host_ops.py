@@ -10,7 +10,8 @@ checkpointing, as `ppo_update` runs it.
 
 In bfloat16, alone, with `model.adapter_autocast`, with `ppo.compile_update`, with `model.fused_lora`,
 with both of the last two, and with `ppo.update_roles_together` (policy and value stacked in one pass)
-without and with `model.fused_lora` (`--variants` picks some): the operators dispatched, those
+without and with `model.fused_lora`; and both fused variants with each layer casting its adapter's
+weights at every call, as before `adapters_cast_once` (`--variants` picks some): the operators dispatched, those
 that launch work (everything but views and other metadata, counted with the operators they call),
 the kernels (`kernel_ops`: those that call no other such operator, about one GPU kernel each), the
 dtype casts, the 4-bit dequantizations, and the micro-batch's seconds at this width (median of
@@ -25,12 +26,15 @@ more launch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import statistics
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+from unittest.mock import patch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,6 +53,8 @@ METADATA = {"aten::view", "aten::as_strided", "aten::transpose", "aten::t", "ate
 # Operators that launch a kernel of their own besides those of the operators they call.
 OWN_KERNEL = {"aten::addmm", "aten::baddbmm", "aten::addbmm", "bitsandbytes::gemm_4bit", "bitsandbytes::dequantize_4bit",
               "bitsandbytes::dequantize_blockwise", "bitsandbytes::gemv_4bit"}
+# Tensors per launch of CUDA's multi-tensor kernels with two lists (ATen's depth_to_max_tensors).
+FOREACH_TENSORS = 64
 # bfloat16 as on a GPU (on CPU `auto` means float32, and `model.adapter_autocast` needs bfloat16).
 VARIANTS = {"bfloat16": ["model.compute_dtype=bfloat16"],
             "bfloat16_adapter_autocast": ["model.compute_dtype=bfloat16", "model.adapter_autocast=true"],
@@ -59,6 +65,10 @@ VARIANTS = {"bfloat16": ["model.compute_dtype=bfloat16"],
             "bfloat16_roles_together": ["model.compute_dtype=bfloat16", "ppo.update_roles_together=true"],
             "bfloat16_roles_together_fused_lora": ["model.compute_dtype=bfloat16", "ppo.update_roles_together=true",
                                                    "model.fused_lora=true"]}
+# The fused layers casting their adapters' weights at every call, as before `adapters_cast_once`.
+CAST_PER_CALL = {"bfloat16_fused_lora_cast_per_call": VARIANTS["bfloat16_fused_lora"],
+                 "bfloat16_roles_together_fused_lora_cast_per_call": VARIANTS["bfloat16_roles_together_fused_lora"]}
+VARIANTS.update(CAST_PER_CALL)
 
 
 def model_folder(work: Path) -> Path:
@@ -128,24 +138,34 @@ def measure(model_dir: Path, work: Path, overrides: list[str], args) -> dict:
 def kernel_ops(events) -> Counter:
     """The operators that compute and call no other such operator, by name: about one kernel each on a
     GPU. A cast (`_to_copy`) counts as its `copy_`, `zeros` as its `fill_`, an out-of-place `addmm` as
-    its `copy_` of the input added to and its own matmul, and a bitsandbytes op as one, whatever it runs
-    inside on CPU (on a GPU one kernel). Casts of 0-dim tensors are left out: they are mostly the Python
+    its `copy_` of the input added to and its own matmul, a bitsandbytes op as one, whatever it runs
+    inside on CPU (on a GPU one kernel), and a `_foreach_` op as one per 64 tensors (a tensor each on CPU). Casts of 0-dim tensors are left out: they are mostly the Python
     numbers an operator wraps (`grad * alpha`), cast on the host with no kernel."""
     def computes(e) -> bool:
         if e.name in ("aten::_to_copy", "aten::copy_") and all(shape == [] for shape in e.input_shapes[:2]):
             return False
         return e.name.startswith("bitsandbytes::") or (e.name.startswith("aten::") and e.name not in METADATA)
 
-    def inside_bitsandbytes(e) -> bool:
+    def one_kernel(e) -> bool:  # a GPU runs it as its own kernels, whatever it calls on CPU
+        return e.name.startswith(("bitsandbytes::", "aten::_foreach_"))
+
+    def inside_one_kernel(e) -> bool:
         parent = e.cpu_parent
         while parent is not None:
-            if parent.name.startswith("bitsandbytes::"):
+            if one_kernel(parent):
                 return True
             parent = parent.cpu_parent
         return False
 
-    return Counter(e.name for e in events if computes(e) and not inside_bitsandbytes(e) and (
-        e.name in OWN_KERNEL or not any(computes(child) for child in e.cpu_children)))
+    counts: Counter = Counter()
+    for e in events:
+        if computes(e) and not inside_one_kernel(e) and (
+                e.name in OWN_KERNEL or one_kernel(e) or not any(computes(child) for child in e.cpu_children)):
+            # a CUDA multi-tensor kernel takes up to 64 tensors (fewer when they are large); on CPU the
+            # op calls one operator per tensor (the profiler records no shapes for a list of tensors).
+            counts[e.name] += math.ceil(len(e.cpu_children) / FOREACH_TENSORS) if e.name.startswith(
+                "aten::_foreach_") else 1
+    return counts
 
 
 def main() -> None:
@@ -165,7 +185,9 @@ def main() -> None:
     model_dir = model_folder(work)
     result = {"shape": {**SHAPE, "rows": args.rows, "prompt": args.prompt, "response": args.response}}
     for name in args.variants:
-        result[name] = measure(model_dir, work / name, VARIANTS[name], args)
+        with patch("lora_ppo.update.adapters_cast_once", lambda *_: contextlib.nullcontext()) \
+                if name in CAST_PER_CALL else contextlib.nullcontext():
+            result[name] = measure(model_dir, work / name, VARIANTS[name], args)
         print(json.dumps({name: result[name]}), file=sys.stderr, flush=True)
     print(json.dumps(result, indent=2))
 

@@ -205,6 +205,11 @@ class AdapterTrainer:
                 model.training_mode():
             yield
 
+    def micro_batch(self) -> contextlib.AbstractContextManager:
+        """Around a micro-batch's forward and backward: with `model.fused_lora`, the trained adapter cast to
+        the compute dtype once for every layer (`Backbone.adapters_cast_once`)."""
+        return self.model.adapters_cast_once([self.model.adapter_name])
+
     def step_optimizer(self, parameters: list[torch.nn.Parameter]) -> dict[str, float]:
         """Clip the gradients of `parameters` (the step's backward done), step the optimizer and the
         schedule, count the step; returns the gradient norm and the learning rate (the schedule's

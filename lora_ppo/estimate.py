@@ -24,6 +24,7 @@ has the measurements and how far the estimate is from them.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -473,13 +474,15 @@ def trainable_tensors(shape: ModelShape, recipe: Recipe) -> list[tuple[int, int]
     return tensors
 
 
+def _lora_params(shape: ModelShape, settings: LoraSettings) -> int:
+    """The LoRA parameters of one adapter with `settings` on `shape`."""
+    return shape.lora_params(settings.r, settings.target_modules, getattr(settings, "target_parameters", ()))
+
+
 def _adapter_params(shape: ModelShape, recipe: Recipe) -> tuple[int, int]:
     """(trainable, frozen) LoRA parameter counts."""
     ad = recipe.adapters
-
-    def lora(settings: LoraSettings) -> int:
-        return shape.lora_params(settings.r, settings.target_modules, getattr(settings, "target_parameters", ()))
-
+    lora = functools.partial(_lora_params, shape)
     trainable = lora(ad.policy)
     if recipe.uses_critic:
         trainable += lora(ad.value) + shape.hidden + 1
@@ -587,8 +590,22 @@ def update_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int, d
     ppo.update_roles_together and a critic) and one logits chunk of the policy's."""
     copies = 2 if recipe.ppo.update_roles_together and recipe.uses_critic else 1
     tokens = rows * copies * recipe.sequence_tokens
-    return backward_bytes(shape, recipe, act_bytes, tokens,
-                          min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.response_tokens), device)
+    passes = [_lora_params(shape, recipe.adapters.policy)]
+    if recipe.uses_critic:
+        passes.append(_lora_params(shape, recipe.adapters.value))
+    in_pass = sum(passes) if copies == 2 else max(passes)
+    cast = 0.0 if recipe.ppo.compile_update else adapter_copies_bytes(recipe.model, act_bytes, in_pass)
+    return cast + backward_bytes(shape, recipe, act_bytes, tokens,
+                                 min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.response_tokens), device)
+
+
+def adapter_copies_bytes(model: Any, act_bytes: int, params_in_pass: int) -> float:
+    """`model.fused_lora` computing in 16 bits: the adapters of a pass cast once to the compute dtype
+    (`fused_lora.adapters_cast_once`), held with their gradients in it through the pass's forward and
+    backward (`model`: a PPO or an SFT recipe's)."""
+    if not model.fused_lora or act_bytes >= ADAPTER_WEIGHT_BYTES:
+        return 0.0
+    return 2 * act_bytes * params_in_pass
 
 
 def backward_bytes(shape: ModelShape, recipe, act_bytes: int, tokens: int, logit_positions: int,
@@ -837,8 +854,8 @@ def estimate_sft(shape: ModelShape, recipe: SFTRecipe, device: str = "cuda", bud
     micro = recipe.train.batch_size // recipe.train.grad_accum_steps
     length = recipe.data.max_length
     phases = {
-        "update": static + trainable * ADAPTER_GRAD_BYTES + backward_bytes(
-            shape, recipe, act, micro * length, min(DEFAULT_CHUNK_TOKENS, micro * length), device),
+        "update": static + trainable * ADAPTER_GRAD_BYTES + adapter_copies_bytes(recipe.model, act, trainable)
+        + backward_bytes(shape, recipe, act, micro * length, min(DEFAULT_CHUNK_TOKENS, micro * length), device),
         "evaluate": static + forward_bytes(shape, recipe, act, recipe.data.eval_batch_size * length,
                                            min(DEFAULT_CHUNK_TOKENS, recipe.data.eval_batch_size * length)),
     }

@@ -22,15 +22,21 @@ attention block; this keeps PEFT's modules, their state dicts and bitsandbytes' 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import types
 from collections import Counter
-from typing import Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 
 log = logging.getLogger(__name__)
+
+# The model's list of the layers `fuse_lora_layers` routed.
+FUSED_LAYERS = "_lora_ppo_fused_layers"
+# A fused layer's attribute, inside `adapters_cast_once`: {adapter name: (down, up) in the compute dtype}.
+CAST_COPIES = "_lora_cast_copies"
 
 
 def lora_addmm_forward(layer, x: torch.Tensor, *args, adapter_names: Optional[list[str]] = None,
@@ -67,17 +73,73 @@ def _with_adapters(layer, x: torch.Tensor, result: torch.Tensor, names, in_place
     rows = x.reshape(-1, x.shape[-1])
     if rows.dtype != result.dtype:  # a base layer answering in another dtype: its output's, as PEFT adds
         rows = rows.to(result.dtype)
+    copies = layer.__dict__.get(CAST_COPIES, {})
     for name in names:
         if name not in layer.lora_A:
             continue
-        down = layer.lora_A[name].weight.to(result.dtype)  # [r, in]
-        up = layer.lora_B[name].weight.to(result.dtype)  # [out, r]
+        down, up = copies.get(name) or (None, None)  # [r, in], [out, r]
+        if down is None or down.dtype != result.dtype:
+            down, up = layer.lora_A[name].weight.to(result.dtype), layer.lora_B[name].weight.to(result.dtype)
         product = layer.lora_dropout[name](rows) @ down.t()
         if in_place:
             out.addmm_(product, up.t(), alpha=layer.scaling[name])
         else:
             out = torch.addmm(out, product, up.t(), alpha=layer.scaling[name])
     return out.view(result.shape)
+
+
+class _CastTogether(torch.autograd.Function):
+    """Copies of many tensors of one dtype in `dtype`, by one batched copy (a few kernels on a GPU,
+    where a cast per tensor is a launch per tensor); their gradients come back the same way."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)  # an unused copy's gradient stays None, not a tensor of zeros
+        ctx.source_dtype = tensors[0].dtype
+        copies = [torch.empty_like(t, dtype=dtype) for t in tensors]
+        torch._foreach_copy_(copies, list(tensors))
+        return tuple(copies)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+        wanted = [i for i, grad in enumerate(grads) if grad is not None and ctx.needs_input_grad[i + 1]]
+        back: list[Optional[torch.Tensor]] = [None] * len(grads)
+        if wanted:
+            cast = [torch.empty_like(grads[i], dtype=ctx.source_dtype) for i in wanted]
+            torch._foreach_copy_(cast, [grads[i] for i in wanted])
+            for i, grad in zip(wanted, cast):
+                back[i] = grad
+        return (None, *back)
+
+
+@contextlib.contextmanager
+def adapters_cast_once(layers: Sequence[torch.nn.Module], names: Sequence[str], dtype: torch.dtype) -> Iterator[None]:
+    """Inside, the fused `layers` read the weights of their adapters in `names` from `dtype` copies made
+    here by one batched cast, instead of casting both weights at every call: in the forward, again in
+    a checkpointed layer's recomputation, and each gradient back in the backward, a kernel each (13%
+    of an update's kernels at the 8B recipe's structure: bench/README.md). The values are the same casts. A forward
+    and the backward that recomputes it must both run inside; the copies (the adapters' size in `dtype`)
+    and their gradients live until the end."""
+    pairs = [(layer, name) for layer in layers for name in names if name in layer.lora_A]
+    weights = [w for layer, name in pairs for w in (layer.lora_A[name].weight, layer.lora_B[name].weight)]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, weight in enumerate(weights):
+        if weight.dtype != dtype:
+            by_dtype.setdefault(weight.dtype, []).append(i)
+    if not by_dtype:  # nothing to cast: the layers' own weights are read
+        yield
+        return
+    copies = list(weights)
+    for indices in by_dtype.values():  # one batched cast per source dtype (usually just float32)
+        for i, copy in zip(indices, _CastTogether.apply(dtype, *(weights[i] for i in indices))):
+            copies[i] = copy
+    for k, (layer, name) in enumerate(pairs):
+        layer.__dict__.setdefault(CAST_COPIES, {})[name] = (copies[2 * k], copies[2 * k + 1])
+    try:
+        yield
+    finally:
+        for layer, _ in pairs:
+            layer.__dict__.pop(CAST_COPIES, None)
 
 
 def _runs(adapter_names: list[str]) -> list[tuple[int, int, tuple[str]]]:
@@ -112,23 +174,30 @@ def fuse_lora_layers(peft_model: torch.nn.Module) -> Counter:
     except ImportError:  # PEFT without bitsandbytes: no 4-bit layers to route
         pass
     counts: Counter = Counter()
+    routed = []
     for module in peft_model.modules():
         if not isinstance(module, LoraLayer):
             continue
         if type(module) in kinds:
             module.forward = types.MethodType(lora_addmm_forward, module)  # shadows the class's forward
-            counts["fused"] += 1
+            routed.append(module)
         else:
             counts[f"PEFT's ({type(module).__name__})"] += 1
+    counts["fused"] = len(routed)
+    peft_model.__dict__[FUSED_LAYERS] = routed  # a plain list: not registered as submodules again
     kept = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()) if kind != "fused")
     log.info("model.fused_lora: %d LoRA layers add their adapters by one addmm in the compute dtype%s",
              counts["fused"], f"; kept {kept}" if kept else "")
     return counts
 
 
+def fused_layers(peft_model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of `peft_model` that `fuse_lora_layers` routed (kept by it: a walk of an 8B model's
+    modules takes milliseconds, once per pass of the update)."""
+    return peft_model.__dict__.get(FUSED_LAYERS, [])
+
+
 def unfuse_lora_layers(peft_model: torch.nn.Module) -> None:
     """PEFT's forward again on every layer `fuse_lora_layers` routed."""
-    for module in peft_model.modules():
-        routed = module.__dict__.get("forward")
-        if getattr(routed, "__func__", None) is lora_addmm_forward:
-            del module.forward
+    for module in peft_model.__dict__.pop(FUSED_LAYERS, []):
+        del module.forward

@@ -94,11 +94,12 @@ class RewardTrainer(AdapterTrainer):
         totals = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0}
         with self.training_pass():
             for chunk in micro_batches:
-                chosen, rejected = self._scores(chunk)
-                margin = torch.tensor([p.margin for p in chunk], device=chosen.device)
-                # Summed over pairs and divided by the whole batch: micro-batches add up to it.
-                loss = pairwise_loss(chosen, rejected, margin).sum() / len(pairs)
-                loss.backward()
+                with self.micro_batch():
+                    chosen, rejected = self._scores(chunk)
+                    margin = torch.tensor([p.margin for p in chunk], device=chosen.device)
+                    # Summed over pairs and divided by the whole batch: micro-batches add up to it.
+                    loss = pairwise_loss(chosen, rejected, margin).sum() / len(pairs)
+                    loss.backward()
                 totals["loss"] += float(loss.detach())
                 totals["accuracy"] += float(pair_wins(chosen, rejected).sum()) / len(pairs)
                 totals["margin"] += float((chosen - rejected).sum()) / len(pairs)

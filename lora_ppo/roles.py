@@ -20,7 +20,7 @@ from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.logprobs import token_logprobs
 from lora_ppo.bnb_workarounds import eval_on_training_kernel
 from lora_ppo.compiled_update import CompiledLayers, layer_step
-from lora_ppo.fused_lora import fuse_lora_layers
+from lora_ppo.fused_lora import adapters_cast_once, fuse_lora_layers, fused_layers
 from lora_ppo.library_notices import without_peft_rename_notice
 from lora_ppo.model_checks import (check_logit_path, fused_expert_parameters, logit_path_error, logit_transform_of,
                                    probe_ids)
@@ -169,6 +169,17 @@ class Backbone:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.lm_head.weight.device.type, dtype=self.autocast_dtype)
+
+    def adapters_cast_once(self, adapter_names: Sequence[str]) -> contextlib.AbstractContextManager:
+        """With `model.fused_lora`: inside, the fused layers read these adapters from copies in the compute
+        dtype made by one batched cast, not a cast per layer and call (`fused_lora.adapters_cast_once`). A
+        forward and the backward that recomputes its checkpointed layers run inside. Elsewhere nothing."""
+        layers = fused_layers(self.peft)
+        if not layers:
+            return contextlib.nullcontext()
+        # The residual stream's dtype, which the base layers answer in (the fused layers check each copy).
+        dtype = self.peft.get_base_model().get_input_embeddings().weight.dtype
+        return adapters_cast_once(layers, adapter_names, dtype)
 
     def adapter_params(self, adapter_name: str) -> list[nn.Parameter]:
         marker = f".{adapter_name}."

@@ -4,6 +4,7 @@ value losses on the trainable adapters, with the NaN/inf guard, returning an `Up
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -15,7 +16,7 @@ from lora_ppo.compiled_update import CompiledLayers
 from lora_ppo.config import PPOConfig
 from lora_ppo.distributed import World
 from lora_ppo.padding import UsedColumns, cut_micro_batches, longest_first
-from lora_ppo.roles import POLICY, VALUE, RoleModel
+from lora_ppo.roles import POLICY, VALUE, Role, RoleModel
 from lora_ppo.rollout import Rollout
 
 
@@ -349,22 +350,22 @@ def minibatch_backward(
 
         if with_critic and settings.roles_together and roles.mixed_batches[True]:
             # One forward and one backward for both trainable roles: each base weight read once.
-            with roles.rows_as_roles((POLICY, VALUE), len(idx)):
+            with roles.rows_as_roles((POLICY, VALUE), len(idx)), adapters_cast_once(roles, settings, POLICY, VALUE):
                 policy_hidden, value_hidden = roles.stacked_hidden_states(ids, am, 2)
                 loss, ratio = part.policy_loss(policy_hidden)
                 vf_loss = part.value_loss(value_hidden)
                 finite += part.finiteness(loss, vf_loss)
                 (loss + cfg.vf_coef * vf_loss).backward()
         else:
-            with roles.as_role(POLICY):
+            with roles.as_role(POLICY), adapters_cast_once(roles, settings, POLICY):
                 loss, ratio = part.policy_loss(roles.hidden_states(ids, am))
-            finite += part.finiteness(loss, None)
-            loss.backward()
+                finite += part.finiteness(loss, None)
+                loss.backward()
             if with_critic:
-                with roles.as_role(VALUE):
+                with roles.as_role(VALUE), adapters_cast_once(roles, settings, VALUE):
                     vf_loss = part.value_loss(roles.hidden_states(ids, am))
-                finite += part.finiteness(None, vf_loss)
-                (cfg.vf_coef * vf_loss).backward()
+                    finite += part.finiteness(None, vf_loss)
+                    (cfg.vf_coef * vf_loss).backward()
         ratio_sum = ratio_sum + ratio * n_tokens
         # A micro-batch's logged loss is its own mean per token (or per response): weighted by its
         # tokens (or responses), the micro-batches' mean is the minibatch's loss whatever the split.
@@ -444,6 +445,15 @@ class _MicroBatch:
         """(loss name, whether it is finite) of the losses given, unread."""
         return [(name, torch.isfinite(loss.detach())) for name, loss in (("loss/policy", policy), ("loss/value", value))
                 if loss is not None]
+
+
+def adapters_cast_once(roles: RoleModel, settings: UpdateSettings, *trainable: Role) -> contextlib.AbstractContextManager:
+    """Around a micro-batch's forward and backward: with `model.fused_lora`, the trainable roles' adapters
+    cast to the compute dtype once (`Backbone.adapters_cast_once`). Compiled layers (`ppo.compile_update`)
+    cast inside their own kernels, and a tensor that changes every call would be one more input to guard."""
+    if settings.compiled_layers is not None:
+        return contextlib.nullcontext()
+    return roles.adapters_cast_once([roles.adapter_name(role) for role in trainable])
 
 
 def ratio_threshold_action(cfg: PPOConfig, mean_ratio: float) -> Optional[str]:

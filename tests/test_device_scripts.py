@@ -57,6 +57,7 @@ def test_gpu_step_writes_every_part(tiny_config, tmp_path):
     assert variants["fused_lora_micro_batch_double"]["micro_batch"] == 2 * variants["fused_lora"]["micro_batch"]
     fused = variants["fused_lora"]
     assert fused["fused_layers"] == 14 and "time/update" in fused
+    assert variants["fused_lora_cast_per_call"]["fused_layers"] == 14  # the same layers, casting per call
     assert fused["check/logprob_mean_diff"] <= LOGPROB_TOLERANCE["float32"]
     # Trimming on and off over the same responses cut at random lengths: the padding it skips (4
     # micro-batches a minibatch, rows ordered by length first).

@@ -96,15 +96,24 @@ def test_policy_and_value_updated_together_hold_both_copies(estimator, extra):
 def test_fused_lora_counts_no_float32_copies_in_16_bits():
     """bfloat16, 4 rows x 16 tokens = 64 tokens, checkpointing on, one role. A layer's values for the
     backward: 64 x (10 x 64 + 4 x 128 + 2 x 32) x 2 bytes = 155648; backward doubles them (311296) and
-    `model.fused_lora` keeps 0.59x of that: 127631.36 bytes less. Scoring 2 rows x 16 tokens: no
-    float32 adapter terms, 32 x 2 x 128 intermediate x 2 bytes = 16384 bytes less. In float32 nothing
-    changes."""
-    def recipe(fused):
+    `model.fused_lora` keeps 0.59x of that: 127631.36 bytes less. It holds the pass's adapter cast
+    once to bfloat16 and its gradient: r 4 on q, k, v, o, gate, up, down of 2 layers is 2 x 4 x (128 +
+    96 + 96 + 128 + 3 x 192) = 8192 parameters, 2 x 2 bytes each, 32768 bytes more (twice that with
+    both roles in one pass; none with the compiled update, whose layers cast per call). Scoring 2 rows
+    x 16 tokens: no float32 adapter terms, 32 x 2 x 128 intermediate x 2 bytes = 16384 bytes less. In
+    float32 nothing changes."""
+    def recipe(fused, **ppo):
         return _recipe(data={"max_prompt_tokens": 10}, rollout={"max_new_tokens": 6, "score_roles_together": False},
                        model={"gradient_checkpointing": True, "fused_lora": fused},
-                       ppo={"update_roles_together": False})
+                       ppo={"update_roles_together": False, **ppo})
     peft, fused = recipe(False), recipe(True)
-    assert est.update_bytes(TINY, peft, 2, 4) - est.update_bytes(TINY, fused, 2, 4) == pytest.approx(311296 * 0.41)
+    saved = 311296 * 0.41
+    assert est.update_bytes(TINY, peft, 2, 4) - est.update_bytes(TINY, fused, 2, 4) == pytest.approx(saved - 32768)
+    together = recipe(False, update_roles_together=True), recipe(True, update_roles_together=True)
+    assert est.update_bytes(TINY, together[0], 2, 4) - est.update_bytes(TINY, together[1], 2, 4) == \
+        pytest.approx(2 * saved - 65536)
+    compiled = recipe(False, compile_update=True), recipe(True, compile_update=True)
+    assert est.update_bytes(TINY, compiled[0], 2, 4) - est.update_bytes(TINY, compiled[1], 2, 4) == pytest.approx(saved)
     assert est.score_bytes(TINY, peft, 2, 2) - est.score_bytes(TINY, fused, 2, 2) == pytest.approx(16384)
     assert est.update_bytes(TINY, peft, 4, 4) == est.update_bytes(TINY, fused, 4, 4)
     assert est.score_bytes(TINY, peft, 4, 2) == est.score_bytes(TINY, fused, 4, 2)

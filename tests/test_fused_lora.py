@@ -6,14 +6,16 @@ copies of activations kept for the backward, the layers PEFT must handle left to
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora_ppo
 from lora_ppo.alarms import LOGPROB_TOLERANCE
 from lora_ppo.config import recipe_from_dict
-from lora_ppo.fused_lora import fuse_lora_layers, unfuse_lora_layers
+from lora_ppo.fused_lora import CAST_COPIES, fuse_lora_layers, unfuse_lora_layers
 from lora_ppo.quantization import AdapterNumerics
 from lora_ppo.roles import POLICY, REFERENCE, VALUE
 from lora_ppo.rollout import score_passes
@@ -118,6 +120,118 @@ def test_bfloat16_keeps_no_float32_copies_of_activations(make_roles, tiny_tokeni
         assert float32_saved_inside_lora_layers(roles, tiny_tokenizer)[0] == 0
     finally:
         unfuse_lora_layers(roles.peft)
+
+
+class AdapterWeightCasts(TorchDispatchMode):
+    """Counts the casts of the LoRA adapters' own weights, one by one or batched (`_foreach_copy_`)."""
+
+    def __init__(self, roles):
+        super().__init__()
+        self.pointers = {p.data_ptr() for n, p in roles.peft.named_parameters() if "lora_" in n}
+        self.single = self.batched = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.pointers:
+            self.single += 1
+        if func is torch.ops.aten._foreach_copy_.default and any(t.data_ptr() in self.pointers for t in args[1]):
+            self.batched += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rows", ["policy", "policy-and-value-stacked"])
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_adapters_cast_once_are_each_layers_own_casts(make_roles, tiny_tokenizer, rows, checkpointing):
+    """In bfloat16 with float32 adapters, one batched cast per pass (`adapters_cast_once`, around each
+    of the update's forward-and-backward) gives every layer the copies its own cast would: the same
+    hidden states, logprobs and float32 gradients, bit for bit, checkpointed layers recomputing from
+    them too. Inside, no layer casts an adapter's weight; after, no copy is left on a layer."""
+    roles = make_roles(seed=0, scale=0.5, perturbed=(POLICY, VALUE), compute_dtype="bfloat16")
+    fuse_lora_layers(roles.peft)
+    ids, mask, start = prompt_and_random_response(tiny_tokenizer, ["the film was", "a"], response_len=5)
+
+    def forward_and_grads_of(names):
+        """Hidden states and trainable gradients of a forward and backward as the roles `names`."""
+        if len(names) == 1:
+            return forward_and_grads(roles, tiny_tokenizer, names[0])[::2]
+        with roles.rows_as_roles(names, ids.shape[0]):  # the recomputation too
+            hidden = roles.stacked_hidden_states(ids, mask, len(names))
+            sum(h.float().sum() for h in hidden).backward()
+        params = roles.policy_parameters() + roles.value_parameters()
+        grads = [p.grad.clone() for p in params if p.grad is not None]
+        for p in params:
+            p.grad = None
+        return torch.cat(hidden).detach(), grads
+
+    names = [POLICY] if rows == "policy" else [POLICY, VALUE]
+    try:
+        with roles.gradient_checkpointing(checkpointing):
+            with AdapterWeightCasts(roles) as per_call:
+                hidden, grads = forward_and_grads_of(names)
+            with AdapterWeightCasts(roles) as once, roles.adapters_cast_once(names):
+                once_hidden, once_grads = forward_and_grads_of(names)
+    finally:
+        unfuse_lora_layers(roles.peft)
+    assert per_call.single > 0 and per_call.batched == 0  # each layer cast its weights
+    assert once.single == 0 and once.batched == 1  # one batched cast for every layer and role
+    assert torch.equal(once_hidden, hidden)
+    assert len(once_grads) == len(grads) > 0 and all(g.dtype == torch.float32 for g in once_grads)
+    for g, e in zip(once_grads, grads, strict=True):
+        assert torch.equal(g, e)
+    assert not any(CAST_COPIES in module.__dict__ for module in roles.peft.modules())
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["one-role-a-pass", "roles-together"])
+def test_the_update_casts_each_passs_adapters_once(make_roles, tiny_tokenizer, together):
+    """`ppo_update` in bfloat16 with fused layers: one batched cast per micro-batch and pass, none per
+    layer. (That its update is the one of casts per layer, bit for bit, test_compiled_update.py checks:
+    the compiled layers cast per layer.)"""
+    from lora_ppo.config import PPOConfig
+    from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
+    from tests.conftest import rollout_for_update
+
+    roles = make_roles(seed=1, scale=0.5, compute_dtype="bfloat16")
+    fuse_lora_layers(roles.peft)
+    rollout = rollout_for_update(roles, tiny_tokenizer)
+    cfg = PPOConfig(num_epochs=2, num_minibatches=2, grad_accum_steps=2)  # 8 micro-batches of 1 row
+    optimizer = torch.optim.AdamW(roles.policy_parameters() + roles.value_parameters(), lr=1e-3)
+    settings = UpdateSettings(2, 1, 1.0, gradient_checkpointing=True, roles_together=together)
+    try:
+        with AdapterWeightCasts(roles) as casts:
+            ppo_update(roles, optimizer, None, rollout, compute_advantages(rollout, cfg, cfg.kl_coef, rollout.scores),
+                       cfg, settings, cfg.kl_coef, torch.Generator().manual_seed(0))
+    finally:
+        unfuse_lora_layers(roles.peft)
+    assert roles.mixed_batches[True]  # stacked rows run here
+    assert casts.single == 0 and casts.batched == (8 if together else 16)
+
+
+def test_an_sft_step_casts_the_adapter_once_per_micro_batch(tmp_path, tiny_model_dir):
+    """`train-sft` (and `train-reward`, through the same `AdapterTrainer.micro_batch`) in bfloat16 with
+    fused layers and gradient checkpointing: one batched cast per micro-batch, none per layer."""
+    from lora_ppo.config import SFTRecipe
+    from lora_ppo.sft.trainer import SFTTrainer
+    from tests.sft_helpers import demonstration_rows, sft_recipe_dict, write_jsonl
+
+    data = write_jsonl(tmp_path / "train.jsonl", demonstration_rows(8))
+    recipe = sft_recipe_dict(tiny_model_dir, data, data, tmp_path / "run", batch_size=4, grad_accum_steps=2)
+    recipe["model"].update(compute_dtype="bfloat16", fused_lora=True, gradient_checkpointing=True)
+    trainer = SFTTrainer(recipe_from_dict(recipe, schema=SFTRecipe), progress=False)
+    with AdapterWeightCasts(trainer.model) as casts:
+        loss = trainer.train_step()["sft/loss"]
+    assert casts.single == 0 and casts.batched == 2
+    assert math.isfinite(loss) and loss > 0
+
+
+def test_adapters_cast_once_leaves_no_copies_after_an_error(make_roles):
+    roles = make_roles(seed=0, compute_dtype="bfloat16")
+    fuse_lora_layers(roles.peft)
+    try:
+        with pytest.raises(RuntimeError, match="inside"), roles.adapters_cast_once([POLICY]):
+            assert sum(CAST_COPIES in module.__dict__ for module in roles.peft.modules()) == 14
+            raise RuntimeError("inside")
+    finally:
+        unfuse_lora_layers(roles.peft)
+    assert not any(CAST_COPIES in module.__dict__ for module in roles.peft.modules())
 
 
 def test_lora_dropout_draws_pefts_masks(tiny_model_dir, caplog):

@@ -166,6 +166,12 @@ class TableRoles:
         finally:
             self._role = previous
 
+    def adapter_name(self, role):
+        return role
+
+    def adapters_cast_once(self, adapter_names):  # no LoRA layers to cast for
+        return contextlib.nullcontext()
+
     @contextlib.contextmanager
     def rows_as_roles(self, roles, batch: int):
         self._row_roles = [role for role in roles for _ in range(batch)]

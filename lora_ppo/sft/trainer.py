@@ -99,8 +99,9 @@ class SFTTrainer(AdapterTrainer):
         with self.training_pass():
             for chunk in micro_batches:
                 batch = self.batch(chunk)
-                loss = -self.model.target_logprobs(batch).sum() / targets
-                loss.backward()
+                with self.micro_batch():
+                    loss = -self.model.target_logprobs(batch).sum() / targets
+                    loss.backward()
                 loss_sum += float(loss.detach())
                 positions += batch.positions
         stepped = self.step_optimizer(self.model.parameters())
