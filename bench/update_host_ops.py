@@ -11,15 +11,15 @@ checkpointing, as `ppo_update` runs it.
 In bfloat16, alone, with `model.adapter_autocast`, with `ppo.compile_update`, with `model.fused_lora`,
 with both of the last two, and with `ppo.update_roles_together` (policy and value stacked in one pass)
 without and with `model.fused_lora`; and both fused variants with each layer casting its adapter's
-weights at every call, as before `adapters_cast_once` (`--variants` picks some): the operators dispatched, those
-that launch work (everything but views and other metadata, counted with the operators they call),
-the kernels (`kernel_ops`: those that call no other such operator, about one GPU kernel each), the
-dtype casts, the 4-bit dequantizations, and the micro-batch's seconds at this width (median of
-`--repeats`; mostly host, plus attention over the full sequence). With `ppo.compile_update` the
-fused kernels of the compiled layers are not operators and are not counted: on a GPU each is one
-more launch.
+weights at every call, as before `adapters_cast_once` (`--variants` picks some): the operators
+dispatched, those that launch work (everything but views and other metadata, counted with the
+operators they call), the kernels (`kernel_ops`: those that call no other such operator, about one
+GPU kernel each), the dtype casts, the 4-bit dequantizations, and the micro-batch's seconds at this
+width (median of `--repeats`; mostly host, plus attention over the full sequence). With
+`ppo.compile_update` the fused kernels of the compiled layers are not operators and are not counted:
+on a GPU each is one more launch.
 
-    python bench/update_host_ops.py [--rows 4] [--prompt 256 --response 256]   # about 6 minutes
+    python bench/update_host_ops.py [--rows 4] [--prompt 256 --response 256]   # about 5 minutes
     python bench/update_host_ops.py --variants bfloat16,bfloat16_fused_lora
 """
 
@@ -139,8 +139,9 @@ def kernel_ops(events) -> Counter:
     """The operators that compute and call no other such operator, by name: about one kernel each on a
     GPU. A cast (`_to_copy`) counts as its `copy_`, `zeros` as its `fill_`, an out-of-place `addmm` as
     its `copy_` of the input added to and its own matmul, a bitsandbytes op as one, whatever it runs
-    inside on CPU (on a GPU one kernel), and a `_foreach_` op as one per 64 tensors (a tensor each on CPU). Casts of 0-dim tensors are left out: they are mostly the Python
-    numbers an operator wraps (`grad * alpha`), cast on the host with no kernel."""
+    inside on CPU (on a GPU one kernel), and a `_foreach_` op as one per 64 tensors (on CPU a copy per
+    tensor). Casts of 0-dim tensors are left out: they are mostly the Python numbers an operator wraps
+    (`grad * alpha`), cast on the host with no kernel."""
     def computes(e) -> bool:
         if e.name in ("aten::_to_copy", "aten::copy_") and all(shape == [] for shape in e.input_shapes[:2]):
             return False

@@ -143,8 +143,7 @@ class AdapterWeightCasts(TorchDispatchMode):
 def test_adapters_cast_once_are_each_layers_own_casts(make_roles, tiny_tokenizer, rows, checkpointing):
     """In bfloat16 with float32 adapters, one batched cast per pass (`adapters_cast_once`, around each
     of the update's forward-and-backward) gives every layer the copies its own cast would: the same
-    hidden states, logprobs and float32 gradients, bit for bit, checkpointed layers recomputing from
-    them too. Inside, no layer casts an adapter's weight; after, no copy is left on a layer."""
+    hidden states and float32 gradients, bit for bit, checkpointed layers recomputing from them too. Inside, no layer casts an adapter's weight; after, no copy is left on a layer."""
     roles = make_roles(seed=0, scale=0.5, perturbed=(POLICY, VALUE), compute_dtype="bfloat16")
     fuse_lora_layers(roles.peft)
     ids, mask, start = prompt_and_random_response(tiny_tokenizer, ["the film was", "a"], response_len=5)
