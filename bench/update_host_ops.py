@@ -50,9 +50,9 @@ METADATA = {"aten::view", "aten::as_strided", "aten::transpose", "aten::t", "ate
             "aten::contiguous", "aten::lift_fresh", "aten::result_type", "aten::size", "aten::stride",
             "aten::is_nonzero", "aten::matmul", "aten::linear", "aten::to", "aten::flatten", "aten::unflatten",
             "aten::view_as", "aten::_reshape_alias", "aten::split_with_sizes", "aten::unbind"}
-# Operators that launch a kernel of their own besides those of the operators they call.
-OWN_KERNEL = {"aten::addmm", "aten::baddbmm", "aten::addbmm", "bitsandbytes::gemm_4bit", "bitsandbytes::dequantize_4bit",
-              "bitsandbytes::dequantize_blockwise", "bitsandbytes::gemv_4bit"}
+# Operators that launch a kernel of their own besides those of the operators they call (bitsandbytes'
+# and batched `_foreach_` ops count as their own kernels alone: `kernel_ops`).
+OWN_KERNEL = {"aten::addmm", "aten::baddbmm", "aten::addbmm"}
 # Tensors per launch of CUDA's multi-tensor kernels with two lists (ATen's depth_to_max_tensors).
 FOREACH_TENSORS = 64
 # bfloat16 as on a GPU (on CPU `auto` means float32, and `model.adapter_autocast` needs bfloat16).

@@ -599,10 +599,10 @@ def update_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int, d
                                  min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.response_tokens), device)
 
 
-def adapter_copies_bytes(model: Any, act_bytes: int, params_in_pass: int) -> float:
+def adapter_copies_bytes(model: ModelConfig, act_bytes: int, params_in_pass: int) -> float:
     """`model.fused_lora` computing in 16 bits: the adapters of a pass cast once to the compute dtype
     (`fused_lora.adapters_cast_once`), held with their gradients in it through the pass's forward and
-    backward (`model`: a PPO or an SFT recipe's)."""
+    backward."""
     if not model.fused_lora or act_bytes >= ADAPTER_WEIGHT_BYTES:
         return 0.0
     return 2 * act_bytes * params_in_pass
