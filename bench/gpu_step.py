@@ -254,8 +254,8 @@ def update_variants(trainer, results: dict, save=lambda: None, only=None) -> dic
     seconds, TFLOP/s and peak of the update, or the out-of-memory, and the allocator's retries so
     far. Each lands in `results` and is saved as it comes.
 
-    Then `ppo.trim_padding` on and off, in two adjacent steps whose responses are cut at random
-    lengths (`RaggedResponses`): the rest of this workload has no padding to trim.
+    Then `ppo.trim_padding` on, `ppo.packing` on, and both off, in three adjacent steps whose responses
+    are cut at random lengths (`RaggedResponses`): the rest of this workload has no padding to remove.
 
     Not here: `model.adapter_autocast` changes generation's compiled graph, so its step compiled and
     recorded a second decode graph (99 s on 2026-11-27) whose memory every later variant then ran
@@ -302,13 +302,16 @@ def update_variants(trainer, results: dict, save=lambda: None, only=None) -> dic
     roles, sampler = trainer.parts.roles, trainer.sampler
     keys = ("time/score_forward", "time/update", "perf/update_tflops", "memory/update_gb", "update/padding_frac",
             "check/logprob_mean_diff")
-    ragged = (("ragged_trim_padding_on", True), ("ragged_trim_padding_off", False))
-    for name, trim in ragged if only is None or "ragged" in only else ():
+    # (name, ppo.trim_padding, ppo.packing): packing computes the update over packed rows, scoring trimmed
+    ragged = (("ragged_trim_padding_on", True, False), ("ragged_packing", True, True),
+              ("ragged_trim_padding_off", False, False))
+    for name, trim, packing in ragged if only is None or "ragged" in only else ():
         trainer.sampler, roles.trim_padding = RaggedResponses(sampler, seed=0), trim
+        trainer.update_settings = dataclasses.replace(base_settings, packing=packing)
         try:
             step(name, {"micro_batch": base_settings.micro_batch_size}, keys)
         finally:
-            trainer.sampler, roles.trim_padding = sampler, True
+            trainer.sampler, roles.trim_padding, trainer.update_settings = sampler, True, base_settings
     return results
 
 
@@ -560,7 +563,7 @@ def main() -> None:
     parser.add_argument("--no-update-variants", dest="update_variants", action="store_false",
                         help="skip the extra steps that try other update settings")
     parser.add_argument("--variants", type=variant_names, default=None,
-                        help="only these update variants, comma-separated (ragged: trimming on and off); default all")
+                        help="only these update variants, comma-separated (ragged: trimming, packing, neither); default all")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 

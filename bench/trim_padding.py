@@ -1,13 +1,15 @@
-"""`ppo.trim_padding` on CPU, printed as JSON: the scoring passes' and the update's seconds over a
-rollout whose responses stop at different lengths, with the setting off and on in turn.
+"""`ppo.trim_padding` and `ppo.packing` on CPU, printed as JSON: the scoring passes' and the update's
+seconds over a rollout whose responses stop at different lengths, with neither, trimming, and (for the
+update, which alone packs) packing, in turn.
 
 The quickstart's model and prompts (SmolLM2-135M, real 4-bit NF4): one rollout of `--batch` responses
 sampled up to `--max-new-tokens`, each then cut at a random length between 1/8 of that and all of
 it (as responses that stop at their EOS are), rescored. Scoring in micro-batches of 8 rows; the
 update as `recipes/quickstart.yaml` runs it except for micro-batches of `--micro-batch` rows (its
-minibatches of 8 split in two: the rows of each are ordered by length first when trimming).
+minibatches of 8 split in two: the rows of each are ordered by length first when trimming; packed, each
+micro-batch holds `--micro-batch` sequences of at most the rollout's width, rows back to back).
 
-    python bench/trim_padding.py [--repeats 3]      # about 4 minutes on 2 cores; run alone
+    python bench/trim_padding.py [--repeats 3]      # about 6 minutes on 2 cores; run alone
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ def main() -> None:
     trainer = lora_ppo.PPOTrainer(recipe, progress=False)
     roles, tokenizer = trainer.parts.roles, trainer.parts.tokenizer
     settings = dataclasses.replace(trainer.update_settings, micro_batch_size=args.micro_batch)
-    seconds: dict[str, dict[str, list[float]]] = {"score": {"off": [], "on": []}, "update": {"off": [], "on": []}}
-    padding = {}
+    seconds: dict[str, dict[str, list[float]]] = {"score": {"off": [], "on": []},
+                                                  "update": {"off": [], "on": [], "packed": []}}
+    padding, micro_batches = {}, {}
     _, sampled = trainer.train_step()
     with dequantized_once(roles.peft, recipe.model):  # as a step runs (the quickstart dequantizes per step)
         rollout = variable_lengths(sampled, tokenizer.pad_token_id, seed=0)
@@ -76,26 +79,35 @@ def main() -> None:
         # Learning rate 0: every repeat updates the same weights, so each times the same work.
         optimizer = torch.optim.SGD(roles.policy_parameters() + roles.value_parameters(), lr=0.0)
         for _ in range(args.repeats):
-            for setting in ("off", "on"):
-                roles.trim_padding = setting == "on"
+            for setting in ("off", "on", "packed"):
+                roles.trim_padding = setting != "off"
+                if setting != "packed":  # scoring does not pack
+                    t0 = time.perf_counter()
+                    score_passes(roles, ids, mask, start, recipe.rollout.temperature, 8)
+                    seconds["score"][setting].append(time.perf_counter() - t0)
+                forwards = []
+                hook = roles.decoder.register_forward_pre_hook(lambda module, args: forwards.append(1))
                 t0 = time.perf_counter()
-                score_passes(roles, ids, mask, start, recipe.rollout.temperature, 8)
-                seconds["score"][setting].append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                stats = ppo_update(roles, optimizer, None, rollout, adv, recipe.ppo, settings, recipe.ppo.kl_coef,
+                stats = ppo_update(roles, optimizer, None, rollout, adv, recipe.ppo,
+                                   dataclasses.replace(settings, packing=setting == "packed"), recipe.ppo.kl_coef,
                                    torch.Generator().manual_seed(0))
                 seconds["update"][setting].append(time.perf_counter() - t0)
+                hook.remove()
                 padding[setting] = round(stats.padding_frac, 4)
+                micro_batches[setting] = len(forwards) // 2  # a forward per role and micro-batch
     lengths = rollout.response_mask.sum(dim=1).float()
     result = {
         "shape": {"batch": args.batch, "response_width": int(rollout.response_ids.shape[1]),
                   "response_tokens_mean": round(float(lengths.mean()), 1), "prompt_width": start,
                   "micro_batch": args.micro_batch, "forward_batch_size": 8},
         "update_padding_frac": padding,
+        "update_micro_batches": micro_batches,
         **{f"{phase}_s_median": {k: round(statistics.median(v), 2) for k, v in by.items()}
            for phase, by in seconds.items()},
         **{f"{phase}_on_over_off": round(statistics.median(by["on"]) / statistics.median(by["off"]), 3)
            for phase, by in seconds.items()},
+        "update_packed_over_on": round(statistics.median(seconds["update"]["packed"])
+                                       / statistics.median(seconds["update"]["on"]), 3),
         "seconds": seconds,
     }
     print(json.dumps(result, indent=1))

@@ -581,6 +581,15 @@ class PPOConfig(Section):
     minibatch is one micro-batch, nothing is reordered. `update/padding_frac` in `metrics.jsonl` says how much
     of the update's work was padding. Off: every micro-batch at the rollout's width, as before 2026-11-27.
     """
+    packing: bool = Field(False, json_schema_extra=MAY_CHANGE_ON_RESUME)
+    """Pack each minibatch's rows back to back into sequences of at most the rollout's width, each row
+    with its own positions from 0 and no attention across rows; a micro-batch holds `grad_accum_steps`'
+    micro-batch size of sequences. Short responses share a sequence, so the update computes less padding
+    than `trim_padding` leaves and can run fewer micro-batches, with no more tokens a micro-batch. The same
+    numbers for every real token (up to rounding). Checked on a probe when the model loads: transformers
+    masks packed rows apart from the positions alone, and a model whose attention does not is refused.
+    Scoring stays trimmed, not packed. Off by default until a GPU measures it.
+    """
     compile_update: bool = Field(False, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """Run the forward and backward of each of the update's decoder layers as one function compiled
     with `torch.compile` (gradient checkpointing, where on, around it), not op by op from Python: fewer

@@ -595,7 +595,10 @@ def update_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, rows: int, d
         passes.append(_lora_params(shape, recipe.adapters.value))
     in_pass = sum(passes) if copies == 2 else max(passes)
     cast = 0.0 if recipe.ppo.compile_update else adapter_copies_bytes(recipe.model, act_bytes, in_pass)
-    return cast + backward_bytes(shape, recipe, act_bytes, tokens,
+    # ppo.packing: packed rows hold no more tokens than `rows` at full width, but each role's hidden states
+    # that predict the response tokens are gathered into a tensor of their own, held through the backward.
+    gathered = copies * rows * recipe.rollout.response_tokens * shape.hidden * act_bytes if recipe.ppo.packing else 0
+    return cast + gathered + backward_bytes(shape, recipe, act_bytes, tokens,
                                  min(DEFAULT_CHUNK_TOKENS, rows * recipe.rollout.response_tokens), device)
 
 

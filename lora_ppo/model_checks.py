@@ -107,3 +107,34 @@ def cache_keyword(model: nn.Module) -> str:
 def returned_cache(output):
     """The KV cache a forward returned, by either of its names (see `cache_keyword`)."""
     return output["cache"] if "cache" in output else output.get("past_key_values")
+
+
+# Packed positions must reproduce a row computed alone to this share of its largest hidden value
+# (positions ignored would be off by a rotation, not by rounding).
+PACKED_POSITION_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+@torch.no_grad()
+def check_packing(decoder: nn.Module, vocab_size: int, device: torch.device, model_type: str, field: str) -> None:
+    """Refuse packing (`field`: the recipe switch that asked for it) where this model's attention lets
+    packed rows see each other, or ignores the positions: a packed probe row must not change with the
+    row packed before it, and must match itself computed alone. transformers parts packed rows by their
+    positions alone (a position that is not the one before plus one starts a row). Raises RecipeError."""
+    ids = probe_ids(vocab_size, device)[0, :6]
+    first, second = ids[:3], ids[3:]
+    other_first = (first + 1) % vocab_size  # other tokens before the same row
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]], device=device)
+
+    def packed(before: torch.Tensor) -> torch.Tensor:
+        row = torch.cat([before, second]).unsqueeze(0)
+        return decoder(input_ids=row, position_ids=positions, use_cache=False).last_hidden_state[0, 3:]
+
+    alone = decoder(input_ids=second.unsqueeze(0), use_cache=False).last_hidden_state[0]
+    with_first, with_other = packed(first), packed(other_first)
+    if not torch.equal(with_first, with_other):
+        raise RecipeError(f"{field}: {model_type}'s attention lets a packed row see the row before it "
+                          f"(its attention implementation ignores packed positions); set {field}: false")
+    tolerance = PACKED_POSITION_TOLERANCE.get(alone.dtype, 5e-2) * float(alone.abs().max().clamp(min=1.0))
+    if (with_first - alone).abs().max() > tolerance:
+        raise RecipeError(f"{field}: {model_type} does not count a packed row's positions from 0 as given; "
+                          f"set {field}: false")

@@ -78,6 +78,34 @@ class CutMicroBatch:
     attention_mask: Optional[torch.Tensor]  # None where no kept position is padding
     host_mask: torch.Tensor  # the cut attention mask, on the host: counts without a read from the device
 
+    position_ids = None  # counted from the attention mask
+
+    @property
+    def positions(self) -> int:
+        return self.host_mask.numel()
+
+    @property
+    def real_positions(self) -> int:
+        return int(self.host_mask.sum())
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """The response columns' tokens [b, response_width]."""
+        return self.input_ids[:, self.cols.response_start :]
+
+    def responses(self, per_token: torch.Tensor) -> torch.Tensor:
+        """These rows' response columns kept, of their [b, T_resp] per-token tensor."""
+        return self.cols.responses(per_token)
+
+    def predicting(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states [b, response_width, H] that predict the response columns, of a forward's."""
+        return hidden[:, self.cols.response_start - 1 : -1]
+
+    @staticmethod
+    def laid_out(per_token: torch.Tensor) -> torch.Tensor:
+        """Per-token values of `targets`, already laid out as [b, response_width]."""
+        return per_token
+
 
 def cut_micro_batches(order: torch.Tensor, host_mask: torch.Tensor, input_ids: torch.Tensor,
                       attention_mask: torch.Tensor, response_start: int, size: int,

@@ -22,7 +22,7 @@ from lora_ppo.bnb_workarounds import eval_on_training_kernel
 from lora_ppo.compiled_update import CompiledLayers, layer_step
 from lora_ppo.fused_lora import adapters_cast_once, fuse_lora_layers, fused_layers
 from lora_ppo.library_notices import without_peft_rename_notice
-from lora_ppo.model_checks import (check_logit_path, fused_expert_parameters, logit_path_error, logit_transform_of,
+from lora_ppo.model_checks import (check_logit_path, check_packing, fused_expert_parameters, logit_path_error, logit_transform_of,
                                    probe_ids)
 from lora_ppo.quantization import AdapterNumerics
 from lora_ppo.run_dir import FINAL_DIR, RECIPE_FILE, is_checkpoint
@@ -222,15 +222,25 @@ class Backbone:
             for layer in layers:
                 del layer.forward
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                      position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Last hidden states of the decoder (final norm applied), [B, T, H]; no LM head.
         `attention_mask` None: no padding. The model then counts positions itself: given positions and
-        no mask, transformers reads them back from the device to look for packed sequences."""
-        positions = None if attention_mask is None else position_ids_for(attention_mask)
+        no mask, transformers reads them back from the device to look for packed sequences.
+        `position_ids` (packed rows, no mask): each row's positions from 0, which part the rows
+        (`check_packing` makes sure this model's attention does)."""
+        positions = position_ids if attention_mask is None else position_ids_for(attention_mask)
         with self.adapter_compute():
             out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                                use_cache=False)
         return out.last_hidden_state
+
+    def check_packing(self, field: str) -> None:
+        """Refuse packed rows (`field`: the recipe switch) where this model's attention does not keep
+        them apart (`model_checks.check_packing`). Raises RecipeError."""
+        vocab = self.lm_head.out_features  # not weight.shape[0]: a 4-bit head's weight is packed
+        model_type = self.peft.get_base_model().config.model_type
+        check_packing(self.decoder, vocab, self.lm_head.weight.device, model_type, field)
 
     def sequence_scores(self, head_name: str, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The head's score of each whole sequence, read at its last real token, [B] float32
@@ -455,11 +465,12 @@ class RoleModel(Backbone):
         hooks.__exit__(None, None, None)
 
     def stacked_hidden_states(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                              copies: int) -> list[torch.Tensor]:
+                              copies: int, position_ids: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         """Hidden states of the batch repeated `copies` times in one forward, split back into one
         [B, T, H] per copy (inside `rows_as_roles`, one per role)."""
         mask = None if attention_mask is None else attention_mask.repeat(copies, 1)
-        hidden = self.hidden_states(input_ids.repeat(copies, 1), mask)
+        positions = None if position_ids is None else position_ids.repeat(copies, 1)
+        hidden = self.hidden_states(input_ids.repeat(copies, 1), mask, positions)
         return list(hidden.split(input_ids.shape[0]))
 
     def response_logprobs(
@@ -483,8 +494,12 @@ class RoleModel(Backbone):
     def logprobs_from_hidden(self, hidden: torch.Tensor, input_ids: torch.Tensor, response_start: int,
                              temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """`response_logprobs` from a role's hidden states [B, T, H] of `input_ids`."""
-        predicting = hidden[:, response_start - 1 : -1]  # [B, T_resp, H]
-        return token_logprobs(self.token_logits, predicting, input_ids[:, response_start:], temperature)
+        return self.predicted_logprobs(hidden[:, response_start - 1 : -1], input_ids[:, response_start:], temperature)
+
+    def predicted_logprobs(self, predicting: torch.Tensor, targets: torch.Tensor,
+                           temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs, entropy) of `targets` [B, N] from the hidden states that predict them, [B, N, H]."""
+        return token_logprobs(self.token_logits, predicting, targets, temperature)
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int) -> torch.Tensor:
         """Value of the state before each response token, [B, T_resp] float32 (value role)."""
@@ -493,7 +508,10 @@ class RoleModel(Backbone):
     def values_from_hidden(self, hidden: torch.Tensor, response_start: int) -> torch.Tensor:
         """`values` from the value role's hidden states [B, T, H]."""
         # The same positions that predict each response token: V_t sees prompt + response[:t].
-        predicting = hidden[:, response_start - 1 : -1]  # [B, T_resp, H]
+        return self.values_at(hidden[:, response_start - 1 : -1])
+
+    def values_at(self, predicting: torch.Tensor) -> torch.Tensor:
+        """The value head's values [B, N] float32 of hidden states [B, N, H]."""
         return self.value_head(predicting.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
     @torch.no_grad()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional, Union
 
 import torch
 
@@ -15,7 +15,8 @@ from lora_ppo import ppo_math
 from lora_ppo.compiled_update import CompiledLayers
 from lora_ppo.config import PPOConfig
 from lora_ppo.distributed import World
-from lora_ppo.padding import UsedColumns, cut_micro_batches, longest_first
+from lora_ppo.packing import PackedMicroBatch, packed_micro_batches
+from lora_ppo.padding import CutMicroBatch, cut_micro_batches, longest_first
 from lora_ppo.roles import POLICY, VALUE, Role, RoleModel
 from lora_ppo.rollout import Rollout
 
@@ -225,6 +226,7 @@ class UpdateSettings:
     gradient_checkpointing: bool
     roles_together: bool = False  # ppo.update_roles_together
     compiled_layers: Optional[CompiledLayers] = None  # ppo.compile_update: the compiled layer step
+    packing: bool = False  # ppo.packing: micro-batches of rows packed into sequences
 
 
 @dataclass(frozen=True)
@@ -334,36 +336,31 @@ def minibatch_backward(
     ratio_sum = torch.zeros((), device=device)
     finite: list[tuple[str, torch.Tensor]] = []  # (loss name, its finiteness), in the order computed
     mine = rows.tensor_split(world.size)[world.rank]
-    if roles.trim_padding and len(mine) > settings.micro_batch_size:
-        mine = mine[longest_first(host.attention[mine])]  # micro-batches of similar lengths pad little
-    for cut in cut_micro_batches(mine, host.attention, rollout.input_ids, rollout.attention_mask,
-                                 rollout.response_start, settings.micro_batch_size, roles.trim_padding):
-        idx, cols, ids, am = cut.rows, cut.cols, cut.input_ids, cut.attention_mask
-        n_tokens = float(cols.responses(host.response[cut.host_rows]).sum())
-        means.add({"padding_frac": 1.0 - float(cut.host_mask.sum()) / cut.host_mask.numel()},
-                  float(cut.host_mask.numel()))
+    for micro in _micro_batches(mine, host, rollout, settings, roles.trim_padding):
+        idx, ids, am, positions = micro.rows, micro.input_ids, micro.attention_mask, micro.position_ids
+        n_tokens = float(micro.responses(host.response[micro.host_rows]).sum())
+        means.add({"padding_frac": 1.0 - micro.real_positions / micro.positions}, float(micro.positions))
         # Loss parts are shares of the minibatch loss; logged per token they are scaled back up.
         share = n_tokens / token_count_host if cfg.loss_aggregation == "token" else len(idx) / len(rows)
         share = max(share, 1e-12)
-        part = _MicroBatch(roles, rollout, adv, idx, cols, ids, cfg, settings, kl_coef, normalizer, share, check,
-                           n_tokens)
+        part = _MicroBatch(roles, rollout, adv, micro, cfg, settings, kl_coef, normalizer, share, check, n_tokens)
 
         if with_critic and settings.roles_together and roles.mixed_batches[True]:
             # One forward and one backward for both trainable roles: each base weight read once.
-            with roles.rows_as_roles((POLICY, VALUE), len(idx)), adapters_cast_once(roles, settings, POLICY, VALUE):
-                policy_hidden, value_hidden = roles.stacked_hidden_states(ids, am, 2)
+            with roles.rows_as_roles((POLICY, VALUE), ids.shape[0]), adapters_cast_once(roles, settings, POLICY, VALUE):
+                policy_hidden, value_hidden = roles.stacked_hidden_states(ids, am, 2, positions)
                 loss, ratio = part.policy_loss(policy_hidden)
                 vf_loss = part.value_loss(value_hidden)
                 finite += part.finiteness(loss, vf_loss)
                 (loss + cfg.vf_coef * vf_loss).backward()
         else:
             with roles.as_role(POLICY), adapters_cast_once(roles, settings, POLICY):
-                loss, ratio = part.policy_loss(roles.hidden_states(ids, am))
+                loss, ratio = part.policy_loss(roles.hidden_states(ids, am, positions))
                 finite += part.finiteness(loss, None)
                 loss.backward()
             if with_critic:
                 with roles.as_role(VALUE), adapters_cast_once(roles, settings, VALUE):
-                    vf_loss = part.value_loss(roles.hidden_states(ids, am))
+                    vf_loss = part.value_loss(roles.hidden_states(ids, am, positions))
                     finite += part.finiteness(None, vf_loss)
                     (cfg.vf_coef * vf_loss).backward()
         ratio_sum = ratio_sum + ratio * n_tokens
@@ -382,15 +379,28 @@ def minibatch_backward(
     return mean_ratio, bad
 
 
-class _MicroBatch:
-    """One micro-batch's losses from its roles' hidden states (of `ids`, the columns `cols` of its rows
-    `idx`, with `n_tokens` real response tokens), and the stats they log (0-d tensors, read later)."""
+def _micro_batches(rows: torch.Tensor, host: HostMasks, rollout: Rollout, settings: UpdateSettings,
+                   trim: bool) -> Iterator[Union[CutMicroBatch, PackedMicroBatch]]:
+    """This process's rows of a minibatch as micro-batches: packed into sequences (`ppo.packing`), or
+    `micro_batch_size` rows each, cut to the columns they use (`trim`, `ppo.trim_padding`)."""
+    size = settings.micro_batch_size
+    if settings.packing:
+        return packed_micro_batches(rows, host.attention, host.response, rollout.input_ids, rollout.response_start,
+                                    size)
+    if trim and len(rows) > size:
+        rows = rows[longest_first(host.attention[rows])]  # micro-batches of similar lengths pad little
+    return cut_micro_batches(rows, host.attention, rollout.input_ids, rollout.attention_mask, rollout.response_start,
+                             size, trim)
 
-    def __init__(self, roles: RoleModel, rollout: Rollout, adv: Advantages, idx: torch.Tensor, cols: UsedColumns,
-                 ids: torch.Tensor, cfg: PPOConfig, settings: UpdateSettings, kl_coef: float, normalizer, share: float,
-                 check: Optional[LogprobCheck], n_tokens: float):
-        self.roles, self.rollout, self.adv, self.idx, self.cols, self.cfg = roles, rollout, adv, idx, cols, cfg
-        self.ids = ids
+
+class _MicroBatch:
+    """One micro-batch's losses from its roles' hidden states (of `micro`'s input, with `n_tokens` real
+    response tokens), and the stats they log (0-d tensors, read later)."""
+
+    def __init__(self, roles: RoleModel, rollout: Rollout, adv: Advantages,
+                 micro: Union[CutMicroBatch, PackedMicroBatch], cfg: PPOConfig, settings: UpdateSettings,
+                 kl_coef: float, normalizer, share: float, check: Optional[LogprobCheck], n_tokens: float):
+        self.roles, self.rollout, self.adv, self.micro, self.cfg = roles, rollout, adv, micro, cfg
         self.settings, self.kl_coef, self.normalizer, self.share = settings, kl_coef, normalizer, share
         self.check, self.n_tokens = check, n_tokens
         self.mask = self.per_token(rollout.response_mask)
@@ -398,14 +408,14 @@ class _MicroBatch:
 
     def per_token(self, tensor: torch.Tensor) -> torch.Tensor:
         """This micro-batch's rows and response columns of a rollout's [B, T_resp] tensor."""
-        return self.cols.responses(tensor[self.idx])
+        return self.micro.responses(tensor[self.micro.rows])
 
     def policy_loss(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(clipped policy loss - entropy bonus [+ KL loss], mean ratio) from the policy's hidden states."""
-        cfg, m = self.cfg, self.mask
+        cfg, m, micro = self.cfg, self.mask, self.micro
         old_logprobs = self.per_token(self.rollout.old_logprobs)
-        new_logprobs, entropy = self.roles.logprobs_from_hidden(
-            hidden, self.ids, self.cols.response_start, self.settings.temperature)
+        new_logprobs, entropy = (micro.laid_out(t) for t in self.roles.predicted_logprobs(
+            micro.predicting(hidden), micro.targets, self.settings.temperature))
         if self.check is not None:
             self.check.add(new_logprobs, old_logprobs, m, self.n_tokens)
         pg_loss, pg_stats = ppo_math.policy_loss(
@@ -431,7 +441,7 @@ class _MicroBatch:
     def value_loss(self, hidden: torch.Tensor) -> torch.Tensor:
         """The (clipped) value loss from the value role's hidden states."""
         cfg = self.cfg
-        new_values = self.roles.values_from_hidden(hidden, self.cols.response_start)
+        new_values = self.micro.laid_out(self.roles.values_at(self.micro.predicting(hidden)))
         vf_loss, vf_stats = ppo_math.value_loss(
             new_values, self.per_token(self.rollout.values), self.per_token(self.adv.returns), self.mask,
             cfg.value_clip_eps if cfg.clip_value_loss else None, self.normalizer, cfg.loss_aggregation,

@@ -28,32 +28,34 @@ def bf16_roles(make_roles) -> RoleModel:
 
 
 def updated(roles, rollout, compiled, checkpointing: bool = True,
-            together: bool = False) -> tuple[dict, list[torch.Tensor]]:
+            together: bool = False, packing: bool = False) -> tuple[dict, list[torch.Tensor]]:
     cfg = PPOConfig(num_epochs=2, num_minibatches=2, grad_accum_steps=2, learning_rate=1e-2)
     adv = compute_advantages(rollout, cfg, cfg.kl_coef, rollout.scores)
     optimizer = torch.optim.AdamW([{"params": roles.policy_parameters()}, {"params": roles.value_parameters()}],
                                   lr=cfg.learning_rate)
     settings = UpdateSettings(2, 1, 1.0, gradient_checkpointing=checkpointing, roles_together=together,
-                              compiled_layers=compiled)
+                              compiled_layers=compiled, packing=packing)
     stats = ppo_update(roles, optimizer, None, rollout, adv, cfg, settings, cfg.kl_coef,
                        torch.Generator().manual_seed(0))
     weights = [p.detach().clone() for p in roles.policy_parameters() + roles.value_parameters()]
     return vars(stats), weights
 
 
-@pytest.mark.parametrize("checkpointing, together, fused", [(True, False, False), (False, False, False),
-                                                            (True, True, False), (True, False, True)],
-                         ids=["checkpointing", "no-checkpointing", "roles-together", "fused-lora"])
-def test_a_compiled_bfloat16_update_is_eagers_bit_for_bit(make_roles, tiny_tokenizer, checkpointing, together, fused):
+@pytest.mark.parametrize("checkpointing, together, fused, packing",
+                         [(True, False, False, False), (False, False, False, False), (True, True, False, False),
+                          (True, False, True, False), (True, False, False, True)],
+                         ids=["checkpointing", "no-checkpointing", "roles-together", "fused-lora", "packing"])
+def test_a_compiled_bfloat16_update_is_eagers_bit_for_bit(make_roles, tiny_tokenizer, checkpointing, together, fused,
+                                                         packing):
     eager_roles, compiled_roles = bf16_roles(make_roles), bf16_roles(make_roles)
     if fused:  # model.fused_lora: its layers compile too
         fuse_lora_layers(eager_roles.peft)
         fuse_lora_layers(compiled_roles.peft)
     rollout = rollout_for_update(eager_roles, tiny_tokenizer)
-    eager_stats, eager_weights = updated(eager_roles, rollout, None, checkpointing, together)
+    eager_stats, eager_weights = updated(eager_roles, rollout, None, checkpointing, together, packing)
     torch._dynamo.reset()  # graphs compiled by an earlier test would be reused, and not counted here
     compiled = CompiledLayers()
-    compiled_stats, compiled_weights = updated(compiled_roles, rollout, compiled, checkpointing, together)
+    compiled_stats, compiled_weights = updated(compiled_roles, rollout, compiled, checkpointing, together, packing)
     assert compiled.disabled is None and compiled.graphs >= 2  # the compiled path ran, for both roles
     assert compiled_stats == eager_stats  # losses, ratios, entropy, grad norms, the logprob self-check
     for eager, compiled_weight in zip(eager_weights, compiled_weights):

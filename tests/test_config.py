@@ -99,6 +99,7 @@ def test_resume_allowed_fields():
         "rollout.compile",  # the same sampling either way (docs/performance.md)
         "ppo.compile_update",  # the same update up to float rounding (docs/performance.md)
         "ppo.trim_padding",  # the same numbers on real tokens up to float rounding (docs/performance.md)
+        "ppo.packing",  # the same numbers on real tokens up to float rounding (docs/performance.md)
         "train.output_dir",  # a run folder moved elsewhere resumes where it is
         "train.memory_budget_gb",  # it chooses `auto` sizes; a resumed run keeps those it recorded
         "model.dequantize_budget_gb",  # how much of the dequantized copy is held: the same numbers

@@ -59,11 +59,11 @@ def test_gpu_step_writes_every_part(tiny_config, tmp_path):
     assert fused["fused_layers"] == 14 and "time/update" in fused
     assert variants["fused_lora_cast_per_call"]["fused_layers"] == 14  # the same layers, casting per call
     assert fused["check/logprob_mean_diff"] <= LOGPROB_TOLERANCE["float32"]
-    # Trimming on and off over the same responses cut at random lengths: the padding it skips (4
-    # micro-batches a minibatch, rows ordered by length first).
-    on, off = variants["ragged_trim_padding_on"], variants["ragged_trim_padding_off"]
-    assert 0 <= on["update/padding_frac"] < off["update/padding_frac"] < 1
-    assert list(variants)[-2:] == ["ragged_trim_padding_on", "ragged_trim_padding_off"]
+    # Trimming on, packing, and neither over the same responses cut at random lengths: the padding each
+    # skips (4 micro-batches a minibatch, rows ordered by length first; packed, rows back to back).
+    on, packed, off = (variants[f"ragged_{name}"] for name in ("trim_padding_on", "packing", "trim_padding_off"))
+    assert 0 <= packed["update/padding_frac"] < on["update/padding_frac"] < off["update/padding_frac"] < 1
+    assert list(variants)[-3:] == ["ragged_trim_padding_on", "ragged_packing", "ragged_trim_padding_off"]
     kl = budget["kl_check"]
     assert {"generation_minus_scoring_first_token_abs", "generation_minus_scoring_later_tokens_abs",
             "eager_generation_minus_scoring_policy_abs"} <= set(kl)

@@ -119,6 +119,18 @@ def test_fused_lora_counts_no_float32_copies_in_16_bits():
     assert est.score_bytes(TINY, peft, 4, 2) == est.score_bytes(TINY, fused, 4, 2)
 
 
+def test_packing_counts_the_gathered_hidden_states_and_no_more_tokens():
+    """Packed micro-batches hold no more tokens than their rows at full width, so only each role's
+    gathered hidden states that predict the response tokens are new: 4 rows x 6 response tokens x 64
+    hidden x 2 bytes = 3072 bytes in bfloat16 (twice that with both roles in one pass)."""
+    def recipe(packing, together=False):
+        return _recipe(data={"max_prompt_tokens": 10}, rollout={"max_new_tokens": 6},
+                       ppo={"packing": packing, "update_roles_together": together})
+    assert est.update_bytes(TINY, recipe(True), 2, 4) - est.update_bytes(TINY, recipe(False), 2, 4) == 3072
+    assert est.update_bytes(TINY, recipe(True, True), 2, 4) - est.update_bytes(TINY, recipe(False, True), 2, 4) == 6144
+    assert est.update_bytes(TINY, recipe(True), 4, 4) - est.update_bytes(TINY, recipe(False), 4, 4) == 6144
+
+
 def test_dequantize_per_step_holds_every_linear_layer_unquantized():
     """Per pass, one dequantized weight at a time (the largest, 64 x 128); with
     model.dequantize_per_step all 73728 linear weights in fp32, in every phase:

@@ -51,12 +51,13 @@ def on_device(rollout):
                                             if isinstance(v, torch.Tensor)})
 
 
-def reads_of_an_update(roles, rollout, micro_batch: int, epochs: int, minibatches: int) -> list[str]:
+def reads_of_an_update(roles, rollout, micro_batch: int, epochs: int, minibatches: int,
+                       packing: bool = False) -> list[str]:
     cfg = PPOConfig(num_epochs=epochs, num_minibatches=minibatches)
     rollout = on_device(rollout)
     adv = compute_advantages(rollout, cfg, 0.05, rollout.scores)
     batch = rollout.response_ids.shape[0]
-    settings = UpdateSettings(batch // minibatches, micro_batch, 1.0, gradient_checkpointing=True)
+    settings = UpdateSettings(batch // minibatches, micro_batch, 1.0, gradient_checkpointing=True, packing=packing)
     optimizer = torch.optim.SGD(roles.policy_parameters() + roles.value_parameters(), lr=1e-3)
     OnDevice.reads = []
     ppo_update(roles, optimizer, None, rollout, adv, cfg, settings, 0.05, torch.Generator().manual_seed(0))
@@ -84,6 +85,18 @@ def test_an_update_reads_what_it_computed_once_per_minibatch_whatever_its_micro_
         assert len(own) == expected_own, (micro_batch, reads)
         if not padded:
             assert reads == own, (micro_batch, reads)
+
+
+def test_a_packed_update_reads_no_more_than_an_unpacked_one(make_roles, tiny_tokenizer):
+    """`ppo.packing` makes its packed sequences and the indices of their tokens on the host, from the
+    host's masks, and copies them to the device once per minibatch: the update's own reads stay the 8
+    above. (transformers reads each packed forward's positions once, to part its rows: those positions
+    are made on the host, so that read is not counted here.)"""
+    roles = make_roles(seed=1, scale=0.3)
+    rollout = rollout_for_update(roles, tiny_tokenizer)
+    for micro_batch in (1, 2):
+        reads = reads_of_an_update(roles, rollout, micro_batch, epochs=2, minibatches=2, packing=True)
+        assert reads == ["lora_ppo"] * (2 + 2 * 2 + 2), (micro_batch, reads)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["equal-lengths", "padded"])

@@ -9,16 +9,10 @@ import torch
 
 from lora_ppo.config import SFTAdapterSettings, SFTRecipe, recipe_from_dict
 from lora_ppo.errors import RecipeError
-from lora_ppo.sft.batches import pack, packed_batch, padded_batch
+from lora_ppo.sft.batches import packed_batch, padded_batch
 from lora_ppo.sft.trainer import SFTTrainer
 from tests.conftest import perturb_lora_b
 from tests.sft_helpers import demonstration_rows, sft_recipe_dict, write_jsonl
-
-
-def test_best_fit_decreasing_by_hand():
-    # Longest first, each into the fullest bin it fits: 6 | 5+3 | 4+4 -> bins hold 6+2, 5+3, 4+4.
-    assert pack([4, 6, 5, 3, 4, 2], 8) == [[1, 5], [2, 3], [0, 4]]
-    assert pack([8, 1], 8) == [[0], [1]]
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +90,10 @@ def test_packing_is_refused_where_attention_crosses_rows(trainer_for, monkeypatc
     import transformers.masking_utils as masking
 
     trainer = trainer_for(True, packing=True)
-    trainer.model.check_packing()  # the tiny Llama parts them
+    trainer.model.check_packing("sft.packing")  # the tiny Llama parts them
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
     with pytest.raises(RecipeError, match="^sft.packing: llama's attention lets a packed row see the row before it"):
-        trainer.model.check_packing()
+        trainer.model.check_packing("sft.packing")
 
 
 def test_dropout_acts_in_training_steps_only(tiny_model_dir):
@@ -129,4 +123,4 @@ def test_the_packing_probe_reads_the_vocabulary_of_a_4bit_lm_head(tiny_untied_mo
     cfg = ModelConfig(name=str(tiny_untied_model_dir), quantization="4bit", quantize_lm_head=True)
     model = SFTModel(load_base_model(cfg), SFTAdapterSettings(r=4))
     assert model.lm_head.weight.shape[0] > model.lm_head.out_features  # packed: the trap this avoids
-    model.check_packing()  # the tiny Llama parts packed rows; ids past the vocabulary would raise
+    model.check_packing("sft.packing")  # the tiny Llama parts packed rows; ids past the vocabulary would raise

@@ -107,29 +107,40 @@ def test_a_trimmed_update_is_todays_and_skips_the_padding_counted_by_hand(make_r
     assert full_stats.pop("padding_frac") == pytest.approx(19 / 48)
     assert trimmed_stats.pop("padding_frac") == pytest.approx(13 / 42)
     assert trimmed_stats["logprob_max_diff"] < 1e-5
-    assert trimmed_stats.keys() == full_stats.keys()
-    for key, value in full_stats.items():
+    assert_same_update(trimmed_stats, full_stats, trimmed_weights, full_weights)
+
+
+def assert_same_update(got: dict, expected: dict, got_weights: list, expected_weights: list) -> None:
+    """The same statistics and weights after an update, within float32 rounding."""
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
         if isinstance(value, float):
-            assert trimmed_stats[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
         else:
-            assert trimmed_stats[key] == value, key
-    for full, trimmed in zip(full_weights, trimmed_weights):
-        torch.testing.assert_close(trimmed, full, atol=1e-6, rtol=1e-5)
+            assert got[key] == value, key
+    for a, b in zip(got_weights, expected_weights):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-def test_a_run_with_trimmed_padding_trains_as_one_without(tmp_path, tiny_model_dir):
+def assert_a_run_trains_as_one_without(tmp_path, tiny_model_dir, field: str) -> None:
+    """3 steps with the `ppo` switch `field` off, then on: every logged number the same within float32
+    rounding, the update's padding share no larger."""
     metrics = {}
     for setting in (False, True):
         recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(
-            tiny_model_dir, tmp_path / f"trim-{setting}", ppo={"trim_padding": setting, "grad_accum_steps": 2},
+            tiny_model_dir, tmp_path / f"{field}-{setting}", ppo={field: setting, "grad_accum_steps": 2},
             rollout={"forward_batch_size": 2}, train={"steps": 3, "eval": False}))
         lora_ppo.PPOTrainer(recipe, progress=False).train()
-        metrics[setting] = deterministic_metrics(tmp_path / f"trim-{setting}")
-    for full, trimmed in zip(metrics[False], metrics[True]):
-        assert trimmed.pop("update/padding_frac") <= full.pop("update/padding_frac")
-        assert trimmed.keys() == full.keys()
-        for key, value in full.items():
-            assert trimmed[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+        metrics[setting] = deterministic_metrics(tmp_path / f"{field}-{setting}")
+    for off, on in zip(metrics[False], metrics[True]):
+        assert on.pop("update/padding_frac") <= off.pop("update/padding_frac")
+        assert on.keys() == off.keys()
+        for key, value in off.items():
+            assert on[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+
+
+def test_a_run_with_trimmed_padding_trains_as_one_without(tmp_path, tiny_model_dir):
+    assert_a_run_trains_as_one_without(tmp_path, tiny_model_dir, "trim_padding")
 
 
 def test_in_bfloat16_the_self_check_is_exact_at_full_width_and_within_tolerance_trimmed(make_roles, tiny_tokenizer):

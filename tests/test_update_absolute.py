@@ -192,24 +192,22 @@ class TableRoles:
         per_position = torch.cat([torch.zeros(P - 1, V, dtype=DT), table[: length - P], torch.zeros(1, V, dtype=DT)])
         return per_position.expand(rows, length, V)
 
-    def hidden_states(self, ids, attention_mask):
-        assert self._row_roles is None
+    def hidden_states(self, ids, attention_mask, position_ids=None):
+        assert self._row_roles is None and position_ids is None  # no packing here
         return self._hidden(self._role, ids.shape[0], ids.shape[1])
 
-    def stacked_hidden_states(self, ids, attention_mask, copies: int):
+    def stacked_hidden_states(self, ids, attention_mask, copies: int, position_ids=None):
         rows = ids.shape[0]
-        assert self._row_roles is not None and len(self._row_roles) == copies * rows
+        assert self._row_roles is not None and len(self._row_roles) == copies * rows and position_ids is None
         self.stacked_forwards += 1
         return [self._hidden(self._row_roles[k * rows], rows, ids.shape[1]) for k in range(copies)]
 
-    def logprobs_from_hidden(self, hidden, input_ids, response_start: int, temperature: float):
-        logits = hidden[:, response_start - 1 : -1] / temperature  # [B, T_resp, V]
-        logp = torch.log_softmax(logits, dim=-1)
-        targets = input_ids[:, response_start:]
+    def predicted_logprobs(self, predicting, targets, temperature: float):  # predicting: [B, T_resp, V]
+        logp = torch.log_softmax(predicting / temperature, dim=-1)
         return logp.gather(-1, targets[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
-    def values_from_hidden(self, hidden, response_start: int):
-        return hidden[:, response_start - 1 : -1, 0]
+    def values_at(self, predicting):
+        return predicting[..., 0]
 
 
 # ---- the hand-written update -------------------------------------------------------------------

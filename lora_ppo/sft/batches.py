@@ -5,9 +5,8 @@ several rows per sequence, each with its own positions (from 0), so no row atten
              | row 2 tokens [PAD] [PAD] [PAD] |            | row 4 tokens   | [PAD] [PAD] |
     positions 0 1 2 ... per row                 positions   0 1 2 .. 0 1 2 .. 0 1 ..
 
-A packed sequence has no attention mask: transformers finds where each row starts from the
-positions (a position that is not the one before plus one) and masks the rows apart; the padding at
-the end is a segment of its own, never a target.
+A packed sequence has no attention mask: the positions part its rows (lora_ppo/packing.py); the
+padding at the end is a segment of its own, never a target.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from lora_ppo.packing import pack
 from lora_ppo.sft.rows import SFTRow
 
 
@@ -64,23 +64,6 @@ def padded_batch(rows: Sequence[SFTRow], pad_id: int) -> Batch:
     """One row per sequence, right-padded, with an attention mask."""
     ids, positions, real, targets = _sequences([[row] for row in rows], pad_id)
     return Batch(ids, positions, real, targets)
-
-
-def pack(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Best-fit decreasing: row indices grouped into as few bins of `capacity` tokens as it finds,
-    the longest rows placed first, each into the fullest bin it fits. Every length must fit."""
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        fits = [b for b in range(len(bins)) if room[b] >= lengths[index]]
-        if not fits:
-            bins.append([])
-            room.append(capacity)
-            fits = [len(bins) - 1]
-        best = min(fits, key=lambda b: room[b])
-        bins[best].append(index)
-        room[best] -= lengths[index]
-    return bins
 
 
 def packed_batch(rows: Sequence[SFTRow], pad_id: int, capacity: int) -> Batch:

@@ -62,7 +62,7 @@ class SFTTrainer(AdapterTrainer):
         model = SFTModel(load_base_model(recipe.model), recipe.adapter, portable_name(recipe.model.name),
                          adapter_numerics(recipe.model))
         if recipe.sft.packing:
-            model.check_packing()
+            model.check_packing("sft.packing")
         self.start_training(model, model.parameters(), self.train_rows.rows)
 
     def batch(self, rows: Sequence[SFTRow]) -> Batch:

@@ -1,0 +1,142 @@
+"""ppo.packing: a minibatch's rows packed back to back into sequences give every real token the numbers
+a plain forward of that sequence alone gives, and today's update, in fewer micro-batches; the padding
+left and the sequences made are counted here by hand. A model whose attention would let packed rows
+see each other is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lora_ppo
+from lora_ppo.config import PPOConfig
+from lora_ppo.errors import RecipeError
+from lora_ppo.packing import pack, packed_micro_batches
+from lora_ppo.roles import POLICY, VALUE
+from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
+from tests.conftest import scored_rollout, tiny_recipe_dict
+from tests.test_trim_padding import (PROMPT_LENGTHS, RESPONSE_LENGTHS, WIDTH, assert_a_run_trains_as_one_without,
+                                     assert_same_update, padded_batch)
+
+
+def test_best_fit_decreasing_by_hand():
+    # Longest first, each into the fullest bin it fits: 6 | 5+3 | 4+4 -> bins hold 6+2, 5+3, 4+4.
+    assert pack([4, 6, 5, 3, 4, 2], 8) == [[1, 5], [2, 3], [0, 4]]
+    assert pack([8, 1], 8) == [[0], [1]]
+
+
+def test_the_packed_micro_batches_of_a_rollout_by_hand():
+    # Real lengths (prompt + response): 6, 6, 9, 8 in 12 columns. Best fit decreasing: 9 and 8 alone,
+    # the two 6s together; two sequences a micro-batch.
+    ids, mask, response_mask = padded_batch(100)
+    first, second = packed_micro_batches(torch.arange(4), mask, response_mask, ids, WIDTH, 2)
+    assert first.host_rows.tolist() == [2, 3] and second.host_rows.tolist() == [0, 1]
+    assert first.input_ids.shape == (2, 9) and second.input_ids.shape == (1, 12)
+    assert (first.real_positions, first.positions, second.real_positions, second.positions) == (17, 18, 12, 12)
+    assert first.input_ids[0].tolist() == ids[2, WIDTH - 3 : WIDTH + 6].tolist()
+    assert first.input_ids[1, :8].tolist() == ids[3, WIDTH - 6 : WIDTH + 2].tolist()
+    assert first.position_ids.tolist() == [list(range(9)), list(range(8)) + [0]]  # the tail: a row of its own
+    assert second.input_ids[0].tolist() == ids[0, WIDTH - 2 : WIDTH + 4].tolist() + ids[1, WIDTH - 5 : WIDTH + 1].tolist()
+    assert second.position_ids.tolist() == [list(range(6)) * 2]
+    # Each response token is predicted by the token before it, and lands in its row's response column.
+    assert first.response_width == 6 and second.response_width == 4
+    assert second.predictors.tolist() == [1, 2, 3, 4, 10]
+    assert second.targets.tolist() == [ids[0, WIDTH : WIDTH + 4].tolist() + [ids[1, WIDTH].item()]]
+    laid_out = second.laid_out(torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]]))
+    assert laid_out.tolist() == [[1.0, 2.0, 3.0, 4.0], [5.0, 0.0, 0.0, 0.0]]
+
+
+@pytest.fixture()
+def roles(make_roles):
+    return make_roles(seed=2, scale=0.5)
+
+
+def test_packed_rows_give_each_token_a_plain_forward_of_its_sequence_alone(roles):
+    ids, mask, response_mask = padded_batch(roles.lm_head.out_features)
+    for micro in packed_micro_batches(torch.arange(4), mask, response_mask, ids, WIDTH, 2):
+        for role in (POLICY, VALUE):
+            with roles.as_role(role), torch.no_grad():
+                predicting = micro.predicting(roles.hidden_states(micro.input_ids, None, micro.position_ids))
+                if role == POLICY:
+                    got = micro.laid_out(roles.predicted_logprobs(predicting, micro.targets, 1.0)[0])
+                else:
+                    got = micro.laid_out(roles.values_at(predicting))
+            for i, row in enumerate(micro.host_rows.tolist()):
+                p, r = PROMPT_LENGTHS[row], RESPONSE_LENGTHS[row]
+                alone = ids[row : row + 1, WIDTH - p : WIDTH + r]  # the sequence, no padding anywhere
+                with roles.as_role(role), torch.no_grad():
+                    out = roles.peft(input_ids=alone, output_hidden_states=True)
+                if role == POLICY:
+                    logits = out.logits[0, p - 1 : -1].float()
+                    expected = torch.log_softmax(logits, -1).gather(-1, alone[0, p:, None]).squeeze(-1)
+                else:
+                    expected = roles.value_head(out.hidden_states[-1][0, p - 1 : -1]).squeeze(-1).float()
+                torch.testing.assert_close(got[i, :r], expected, atol=1e-5, rtol=1e-5)
+                assert not got[i, r:].any()  # no response token there
+
+
+def rollout(roles):
+    ids, mask, _ = padded_batch(roles.lm_head.out_features)
+    return scored_rollout(roles, ids, mask, WIDTH, forward_batch_size=4)
+
+
+def updated(roles, batch, packing: bool, micro_batch: int, together: bool = False) -> tuple[dict, list, int]:
+    """(stats, weights after, decoder forwards) of a 2-epoch update of the 4 rows as one minibatch."""
+    cfg = PPOConfig(num_epochs=2, num_minibatches=1, learning_rate=1e-2)
+    adv = compute_advantages(batch, cfg, cfg.kl_coef, batch.scores)
+    # Plain SGD: a weight moves by its gradient, so the weights compare the gradients.
+    optimizer = torch.optim.SGD(roles.policy_parameters() + roles.value_parameters(), lr=cfg.learning_rate)
+    settings = UpdateSettings(4, micro_batch, 1.0, gradient_checkpointing=True, roles_together=together,
+                              packing=packing)
+    forwards = []
+    hook = roles.decoder.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        stats = ppo_update(roles, optimizer, None, batch, adv, cfg, settings, cfg.kl_coef,
+                           torch.Generator().manual_seed(0))
+    finally:
+        hook.remove()
+    return vars(stats), [p.detach().clone() for p in roles.policy_parameters() + roles.value_parameters()], len(forwards)
+
+
+# (micro-batch size, both roles in one pass, padding share unpacked and packed, micro-batches unpacked
+# and packed). Real lengths 6, 6, 9, 8 in 12 columns. One row a micro-batch, each trimmed to itself: no
+# padding in 4 micro-batches; packed, one sequence a micro-batch: 9, 8 and the two 6s, in 3. Two rows a
+# micro-batch, trimmed: 9 + 8 tokens in 2 x 12 columns and 6 + 6 in 2 x 9 (13 of 42 positions padding);
+# packed: 9 and 8 in 2 x 9 columns, the two 6s in one sequence of 12 (1 of 30).
+SPLITS = [(1, False, 0.0, 0.0, 4, 3), (2, False, 13 / 42, 1 / 30, 2, 2), (2, True, 13 / 42, 1 / 30, 2, 2)]
+
+
+@pytest.mark.parametrize("micro_batch, together, plain_padding, packed_padding, plain_micro, packed_micro", SPLITS,
+                         ids=["one-row", "two-rows", "two-rows-roles-together"])
+def test_a_packed_update_is_todays_with_less_padding_and_fewer_micro_batches(
+        make_roles, micro_batch, together, plain_padding, packed_padding, plain_micro, packed_micro):
+    torch.manual_seed(0)
+    plain_roles = make_roles(seed=2, scale=0.5)
+    torch.manual_seed(0)
+    packed_roles = make_roles(seed=2, scale=0.5)
+    batch = rollout(plain_roles)
+    plain, plain_weights, plain_forwards = updated(plain_roles, batch, False, micro_batch, together)
+    packed, packed_weights, packed_forwards = updated(packed_roles, batch, True, micro_batch, together)
+
+    assert plain.pop("padding_frac") == pytest.approx(plain_padding)
+    assert packed.pop("padding_frac") == pytest.approx(packed_padding)
+    passes = 2 * (1 if together else 2)  # decoder forwards per micro-batch: 2 epochs, 1 or 2 roles a pass
+    assert (plain_forwards, packed_forwards) == (passes * plain_micro, passes * packed_micro)
+    for stats in (plain, packed):  # the self-check: rounding apart from 0 in float32, not equal to each other
+        assert stats.pop("logprob_max_diff") < 1e-5 and stats.pop("logprob_mean_diff") < 1e-5
+    assert_same_update(packed, plain, packed_weights, plain_weights)
+
+
+def test_a_run_with_packing_trains_as_one_without(tmp_path, tiny_model_dir):
+    assert_a_run_trains_as_one_without(tmp_path, tiny_model_dir, "packing")
+
+
+def test_packing_is_refused_where_attention_crosses_rows(tmp_path, tiny_model_dir, monkeypatch):
+    """transformers parts packed rows by their positions; where it did not, each row would see the one
+    before it, and the probe at load time refuses the recipe."""
+    import transformers.masking_utils as masking
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
+    recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run", ppo={"packing": True}))
+    with pytest.raises(RecipeError, match="^ppo.packing: llama's attention lets a packed row see the row before it"):
+        lora_ppo.PPOTrainer(recipe, progress=False)
