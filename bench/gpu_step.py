@@ -302,16 +302,15 @@ def update_variants(trainer, results: dict, save=lambda: None, only=None) -> dic
     roles, sampler = trainer.parts.roles, trainer.sampler
     keys = ("time/score_forward", "time/update", "perf/update_tflops", "memory/update_gb", "update/padding_frac",
             "check/logprob_mean_diff")
-    # (name, ppo.trim_padding, ppo.packing): packing computes the update over packed rows, scoring trimmed
+    # (name, ppo.trim_padding, ppo.packing)
     ragged = (("ragged_trim_padding_on", True, False), ("ragged_packing", True, True),
               ("ragged_trim_padding_off", False, False))
     for name, trim, packing in ragged if only is None or "ragged" in only else ():
-        trainer.sampler, roles.trim_padding = RaggedResponses(sampler, seed=0), trim
-        trainer.update_settings = dataclasses.replace(base_settings, packing=packing)
+        trainer.sampler, roles.trim_padding, roles.packing = RaggedResponses(sampler, seed=0), trim, packing
         try:
             step(name, {"micro_batch": base_settings.micro_batch_size}, keys)
         finally:
-            trainer.sampler, roles.trim_padding, trainer.update_settings = sampler, True, base_settings
+            trainer.sampler, roles.trim_padding, roles.packing = sampler, True, False
     return results
 
 

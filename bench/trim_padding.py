@@ -1,13 +1,13 @@
 """`ppo.trim_padding` and `ppo.packing` on CPU, printed as JSON: the scoring passes' and the update's
-seconds over a rollout whose responses stop at different lengths, with neither, trimming, and (for the
-update, which alone packs) packing, in turn.
+seconds over a rollout whose responses stop at different lengths, with neither, trimming, and packing,
+in turn.
 
 The quickstart's model and prompts (SmolLM2-135M, real 4-bit NF4): one rollout of `--batch` responses
 sampled up to `--max-new-tokens`, each then cut at a random length between 1/8 of that and all of
-it (as responses that stop at their EOS are), rescored. Scoring in micro-batches of 8 rows; the
-update as `recipes/quickstart.yaml` runs it except for micro-batches of `--micro-batch` rows (its
-minibatches of 8 split in two: the rows of each are ordered by length first when trimming; packed, each
-micro-batch holds `--micro-batch` sequences of at most the rollout's width, rows back to back).
+it (as responses that stop at their EOS are), rescored. Scoring in micro-batches of 8 rows; the update
+as `recipes/quickstart.yaml` runs it except for micro-batches of `--micro-batch` rows (its minibatches
+of 8 split in two: the rows of each are ordered by length first when trimming). Packed, a micro-batch
+holds as many sequences of at most the rollout's width, rows back to back.
 
     python bench/trim_padding.py [--repeats 3]      # about 6 minutes on 2 cores; run alone
 """
@@ -66,8 +66,8 @@ def main() -> None:
     trainer = lora_ppo.PPOTrainer(recipe, progress=False)
     roles, tokenizer = trainer.parts.roles, trainer.parts.tokenizer
     settings = dataclasses.replace(trainer.update_settings, micro_batch_size=args.micro_batch)
-    seconds: dict[str, dict[str, list[float]]] = {"score": {"off": [], "on": []},
-                                                  "update": {"off": [], "on": [], "packed": []}}
+    settings_names = ("off", "on", "packed")
+    seconds = {phase: {name: [] for name in settings_names} for phase in ("score", "update")}
     padding, micro_batches = {}, {}
     _, sampled = trainer.train_step()
     with dequantized_once(roles.peft, recipe.model):  # as a step runs (the quickstart dequantizes per step)
@@ -79,17 +79,15 @@ def main() -> None:
         # Learning rate 0: every repeat updates the same weights, so each times the same work.
         optimizer = torch.optim.SGD(roles.policy_parameters() + roles.value_parameters(), lr=0.0)
         for _ in range(args.repeats):
-            for setting in ("off", "on", "packed"):
-                roles.trim_padding = setting != "off"
-                if setting != "packed":  # scoring does not pack
-                    t0 = time.perf_counter()
-                    score_passes(roles, ids, mask, start, recipe.rollout.temperature, 8)
-                    seconds["score"][setting].append(time.perf_counter() - t0)
+            for setting in settings_names:
+                roles.trim_padding, roles.packing = setting != "off", setting == "packed"
+                t0 = time.perf_counter()
+                score_passes(roles, ids, mask, start, recipe.rollout.temperature, 8)
+                seconds["score"][setting].append(time.perf_counter() - t0)
                 forwards = []
                 hook = roles.decoder.register_forward_pre_hook(lambda module, args: forwards.append(1))
                 t0 = time.perf_counter()
-                stats = ppo_update(roles, optimizer, None, rollout, adv, recipe.ppo,
-                                   dataclasses.replace(settings, packing=setting == "packed"), recipe.ppo.kl_coef,
+                stats = ppo_update(roles, optimizer, None, rollout, adv, recipe.ppo, settings, recipe.ppo.kl_coef,
                                    torch.Generator().manual_seed(0))
                 seconds["update"][setting].append(time.perf_counter() - t0)
                 hook.remove()
@@ -106,8 +104,8 @@ def main() -> None:
            for phase, by in seconds.items()},
         **{f"{phase}_on_over_off": round(statistics.median(by["on"]) / statistics.median(by["off"]), 3)
            for phase, by in seconds.items()},
-        "update_packed_over_on": round(statistics.median(seconds["update"]["packed"])
-                                       / statistics.median(seconds["update"]["on"]), 3),
+        **{f"{phase}_packed_over_on": round(statistics.median(by["packed"]) / statistics.median(by["on"]), 3)
+           for phase, by in seconds.items()},
         "seconds": seconds,
     }
     print(json.dumps(result, indent=1))

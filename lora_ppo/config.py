@@ -582,13 +582,13 @@ class PPOConfig(Section):
     of the update's work was padding. Off: every micro-batch at the rollout's width, as before 2026-11-27.
     """
     packing: bool = Field(False, json_schema_extra=MAY_CHANGE_ON_RESUME)
-    """Pack each minibatch's rows back to back into sequences of at most the rollout's width, each row
-    with its own positions from 0 and no attention across rows; a micro-batch holds `grad_accum_steps`'
-    micro-batch size of sequences. Short responses share a sequence, so the update computes less padding
-    than `trim_padding` leaves and can run fewer micro-batches, with no more tokens a micro-batch. The same
-    numbers for every real token (up to rounding). Checked on a probe when the model loads: transformers
-    masks packed rows apart from the positions alone, and a model whose attention does not is refused.
-    Scoring stays trimmed, not packed. Off by default until a GPU measures it.
+    """Pack the rows of each scoring and update micro-batch back to back into sequences of at most the
+    rollout's width, each row with its own positions from 0 and no attention across rows: a micro-batch
+    holds `rollout.forward_batch_size` (scoring) or the update's micro-batch size of sequences. Short
+    responses share a sequence, so less padding is computed than `trim_padding` leaves and fewer
+    micro-batches can run, with no more tokens in one. The same numbers for every real token (up to
+    rounding). Checked on a probe when the model loads: transformers masks packed rows apart from the
+    positions alone, and a model whose attention does not is refused. Off by default until a GPU measures it.
     """
     compile_update: bool = Field(False, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """Run the forward and backward of each of the update's decoder layers as one function compiled

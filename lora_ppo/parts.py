@@ -93,9 +93,8 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
     with quiet_loading():  # the Python API shows what the CLI shows: no loading bar or kernel notice
         roles = RoleModel(load_base_model(recipe.model), recipe.adapters, with_value=recipe.uses_critic,
                           reward_adapter=reward_adapter, base_name=portable_name(recipe.model.name),
-                          numerics=adapter_numerics(recipe.model), trim_padding=recipe.ppo.trim_padding)
-        if recipe.ppo.packing:
-            roles.check_packing("ppo.packing")
+                          numerics=adapter_numerics(recipe.model), trim_padding=recipe.ppo.trim_padding,
+                          packing=recipe.ppo.packing)
         # After the roles: a reward adapter lives on their backbone, and a classifier loads its weights.
         rewards = build_reward_sources(recipe.reward, recipe.model, reward_fn,
                                        roles.reward_scores if reward_adapter else None)

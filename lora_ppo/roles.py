@@ -297,7 +297,7 @@ class RoleModel(Backbone):
     @without_peft_rename_notice
     def __init__(self, base_model, adapters: AdaptersConfig, with_value: bool = True,
                  reward_adapter: Optional[str] = None, base_name: Optional[str] = None,
-                 numerics: AdapterNumerics = AdapterNumerics(), trim_padding: bool = True):
+                 numerics: AdapterNumerics = AdapterNumerics(), trim_padding: bool = True, packing: bool = False):
         from peft import PeftModel, get_peft_model
 
         all_linear = linear_targets(base_model)
@@ -326,6 +326,10 @@ class RoleModel(Backbone):
         super().__init__(peft, base_name, numerics)
         # ppo.trim_padding: the scoring and update micro-batches cut to the columns their rows use.
         self.trim_padding = trim_padding
+        # ppo.packing: their rows packed back to back into sequences instead (lora_ppo/packing.py).
+        self.packing = packing
+        if packing:
+            self.check_packing("ppo.packing")
         self.value_head: Optional[nn.Linear] = self.make_head(VALUE, value_head_from) if with_value else None
         if reward_adapter:
             self.make_head(REWARD, Path(reward_adapter) / REWARD_HEAD_FILE, trainable=False)
@@ -435,7 +439,8 @@ class RoleModel(Backbone):
     # ---- forwards ---------------------------------------------------------------------------
 
     def hidden_states_as_roles(
-        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], roles: Sequence[Role]
+        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], roles: Sequence[Role],
+        position_ids: Optional[torch.Tensor] = None,
     ) -> list[torch.Tensor]:
         """Hidden states of the same batch under several roles, from one forward pass: the batch
         repeated once per role, each copy computed with its role's adapter (PEFT's per-row adapter
@@ -443,7 +448,7 @@ class RoleModel(Backbone):
         instead of once per role. Rows never mix, so each copy equals that role's own forward.
         Returns one [B, T, H] per role, in order."""
         with self.rows_as_roles(roles, input_ids.shape[0]):
-            return self.stacked_hidden_states(input_ids, attention_mask, len(roles))
+            return self.stacked_hidden_states(input_ids, attention_mask, len(roles), position_ids)
 
     @contextlib.contextmanager
     def rows_as_roles(self, roles: Sequence[Role], batch: int) -> Iterator[None]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -16,7 +16,8 @@ from lora_ppo.config import RolloutConfig
 from lora_ppo.data import PromptRow
 from lora_ppo.distributed import World
 from lora_ppo.memory import PhasePeaks
-from lora_ppo.padding import UsedColumns, cut_micro_batches, longest_first, pad_responses
+from lora_ppo.packing import PackedMicroBatch, packed_micro_batches
+from lora_ppo.padding import CutMicroBatch, cut_micro_batches, longest_first, pad_responses
 from lora_ppo.rewards import RewardBatch, RewardSources
 from lora_ppo.roles import POLICY, REFERENCE, VALUE, Role, RoleModel
 
@@ -373,34 +374,43 @@ def score_passes(
     roles still needed share one forward per micro-batch (`RoleModel.hidden_states_as_roles`) where
     the model allows it (`RoleModel.mixed_batches`); otherwise each role has its own.
     With `ppo.trim_padding`, micro-batches of rows of similar length, each over the columns its rows
-    use (the same numbers on real tokens; padded positions hold no meaningful number either way).
+    use (the same numbers on real tokens; padded positions hold no meaningful number either way); with
+    `ppo.packing`, micro-batches of `forward_batch_size` sequences of rows packed back to back (padded
+    positions hold 0).
     """
     needed = [role for role, wanted in ((POLICY, old_logprobs is None), (REFERENCE, with_reference),
                                         (VALUE, with_values)) if wanted]
     out: dict[Role, list[torch.Tensor]] = {role: [] for role in needed}
     width = input_ids.shape[1] - response_start
-    trim_padding = roles.trim_padding
     host_mask = attention_mask.cpu()  # read once (docs/performance.md#the-updates-reads)
-    order = longest_first(host_mask) if trim_padding else torch.arange(input_ids.shape[0])
+    if roles.packing:  # every real response token is predicted: the response mask is the mask's columns
+        parts = packed_micro_batches(torch.arange(input_ids.shape[0]), host_mask, host_mask[:, response_start:].bool(),
+                                     input_ids, response_start, forward_batch_size)
+    else:
+        order = longest_first(host_mask) if roles.trim_padding else torch.arange(input_ids.shape[0])
+        parts = cut_micro_batches(order, host_mask, input_ids, attention_mask, response_start, forward_batch_size,
+                                  roles.trim_padding)
 
-    def read(role: Role, hidden: torch.Tensor, ids: torch.Tensor, cols: UsedColumns) -> None:
+    def read(role: Role, hidden: torch.Tensor, part: Union[CutMicroBatch, PackedMicroBatch]) -> None:
+        predicting = part.predicting(hidden)
         if role == VALUE:
-            per_token = roles.values_from_hidden(hidden, cols.response_start)
+            per_token = roles.values_at(predicting)
         else:
-            per_token = roles.logprobs_from_hidden(hidden, ids, cols.response_start, temperature)[0]
-        out[role].append(pad_responses(per_token, width))
+            per_token = roles.predicted_logprobs(predicting, part.targets, temperature)[0]
+        out[role].append(pad_responses(part.laid_out(per_token), width))
 
-    for part in cut_micro_batches(order, host_mask, input_ids, attention_mask, response_start, forward_batch_size,
-                                  trim_padding):
-        ids, mask, cols = part.input_ids, part.attention_mask, part.cols
+    scored: list[torch.Tensor] = []  # the rows in the order their numbers come
+    for part in parts:
+        ids, mask, positions = part.input_ids, part.attention_mask, part.position_ids
+        scored.append(part.host_rows)
         if together and len(needed) > 1 and roles.mixed_batches[False]:
-            for role, hidden in zip(needed, roles.hidden_states_as_roles(ids, mask, needed)):
-                read(role, hidden, ids, cols)
+            for role, hidden in zip(needed, roles.hidden_states_as_roles(ids, mask, needed, positions)):
+                read(role, hidden, part)
         else:
             for role in needed:
                 with roles.as_role(role):
-                    read(role, roles.hidden_states(ids, mask), ids, cols)
-    unsorted = torch.argsort(order).to(input_ids.device)  # back to the rollout's row order
+                    read(role, roles.hidden_states(ids, mask, positions), part)
+    unsorted = torch.argsort(torch.cat(scored)).to(input_ids.device)  # back to the rollout's row order
     old = old_logprobs if old_logprobs is not None else torch.cat(out[POLICY])[unsorted]
     ref = torch.cat(out[REFERENCE])[unsorted] if with_reference else old.clone()
     return old, ref, (torch.cat(out[VALUE])[unsorted] if with_values else None)

@@ -84,7 +84,7 @@ class PPOTrainer:
         self.update_settings = UpdateSettings(
             recipe.minibatch_size, recipe.micro_batch_size, recipe.rollout.temperature,
             recipe.model.gradient_checkpointing, recipe.ppo.update_roles_together,
-            CompiledLayers() if recipe.ppo.compile_update else None, packing=recipe.ppo.packing,
+            CompiledLayers() if recipe.ppo.compile_update else None,
         )
         self.state = TrainState(kl_coef=recipe.ppo.kl_coef)
         self.work = step_work(recipe, self.roles, self.sampler.cfg.logprobs_from_generation is True, self.world.size)

@@ -226,7 +226,6 @@ class UpdateSettings:
     gradient_checkpointing: bool
     roles_together: bool = False  # ppo.update_roles_together
     compiled_layers: Optional[CompiledLayers] = None  # ppo.compile_update: the compiled layer step
-    packing: bool = False  # ppo.packing: micro-batches of rows packed into sequences
 
 
 @dataclass(frozen=True)
@@ -336,7 +335,7 @@ def minibatch_backward(
     ratio_sum = torch.zeros((), device=device)
     finite: list[tuple[str, torch.Tensor]] = []  # (loss name, its finiteness), in the order computed
     mine = rows.tensor_split(world.size)[world.rank]
-    for micro in _micro_batches(mine, host, rollout, settings, roles.trim_padding):
+    for micro in _micro_batches(mine, host, rollout, settings.micro_batch_size, roles):
         idx, ids, am, positions = micro.rows, micro.input_ids, micro.attention_mask, micro.position_ids
         n_tokens = float(micro.responses(host.response[micro.host_rows]).sum())
         means.add({"padding_frac": 1.0 - micro.real_positions / micro.positions}, float(micro.positions))
@@ -379,18 +378,17 @@ def minibatch_backward(
     return mean_ratio, bad
 
 
-def _micro_batches(rows: torch.Tensor, host: HostMasks, rollout: Rollout, settings: UpdateSettings,
-                   trim: bool) -> Iterator[Union[CutMicroBatch, PackedMicroBatch]]:
-    """This process's rows of a minibatch as micro-batches: packed into sequences (`ppo.packing`), or
-    `micro_batch_size` rows each, cut to the columns they use (`trim`, `ppo.trim_padding`)."""
-    size = settings.micro_batch_size
-    if settings.packing:
+def _micro_batches(rows: torch.Tensor, host: HostMasks, rollout: Rollout, size: int,
+                   roles: RoleModel) -> Iterator[Union[CutMicroBatch, PackedMicroBatch]]:
+    """This process's rows of a minibatch as micro-batches: packed into `size` sequences each
+    (`ppo.packing`), or `size` rows each, cut to the columns they use (`ppo.trim_padding`)."""
+    if roles.packing:
         return packed_micro_batches(rows, host.attention, host.response, rollout.input_ids, rollout.response_start,
                                     size)
-    if trim and len(rows) > size:
+    if roles.trim_padding and len(rows) > size:
         rows = rows[longest_first(host.attention[rows])]  # micro-batches of similar lengths pad little
     return cut_micro_batches(rows, host.attention, rollout.input_ids, rollout.attention_mask, rollout.response_start,
-                             size, trim)
+                             size, roles.trim_padding)
 
 
 class _MicroBatch:

@@ -34,7 +34,8 @@ def updated(roles, rollout, compiled, checkpointing: bool = True,
     optimizer = torch.optim.AdamW([{"params": roles.policy_parameters()}, {"params": roles.value_parameters()}],
                                   lr=cfg.learning_rate)
     settings = UpdateSettings(2, 1, 1.0, gradient_checkpointing=checkpointing, roles_together=together,
-                              compiled_layers=compiled, packing=packing)
+                              compiled_layers=compiled)
+    roles.packing = packing
     stats = ppo_update(roles, optimizer, None, rollout, adv, cfg, settings, cfg.kl_coef,
                        torch.Generator().manual_seed(0))
     weights = [p.detach().clone() for p in roles.policy_parameters() + roles.value_parameters()]

@@ -1,4 +1,5 @@
-"""Scoring reads the device once, and the update twice per minibatch, not once per statistic.
+"""Scoring reads the device once, and the update twice per minibatch, not once per statistic, packed
+(`ppo.packing`) or not.
 
 On a GPU every read of a tensor's value into Python (`float(t)`, `t.item()`, `if t:`, boolean
 indexing) waits until the GPU has run everything queued before it; between a forward and its
@@ -10,6 +11,7 @@ through), so the reads of anything computed from them are counted on CPU.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import traceback
 
 import pytest
@@ -57,7 +59,8 @@ def reads_of_an_update(roles, rollout, micro_batch: int, epochs: int, minibatche
     rollout = on_device(rollout)
     adv = compute_advantages(rollout, cfg, 0.05, rollout.scores)
     batch = rollout.response_ids.shape[0]
-    settings = UpdateSettings(batch // minibatches, micro_batch, 1.0, gradient_checkpointing=True, packing=packing)
+    settings = UpdateSettings(batch // minibatches, micro_batch, 1.0, gradient_checkpointing=True)
+    roles.packing = packing
     optimizer = torch.optim.SGD(roles.policy_parameters() + roles.value_parameters(), lr=1e-3)
     OnDevice.reads = []
     ppo_update(roles, optimizer, None, rollout, adv, cfg, settings, 0.05, torch.Generator().manual_seed(0))
@@ -101,19 +104,20 @@ def test_a_packed_update_reads_no_more_than_an_unpacked_one(make_roles, tiny_tok
 
 @pytest.mark.parametrize("padded", [False, True], ids=["equal-lengths", "padded"])
 def test_scoring_reads_the_device_once_whatever_its_micro_batches(make_roles, tiny_tokenizer, padded):
-    """The mask, once (lengths and column cuts); the logprobs and values stay on the device."""
+    """The mask, once (lengths and column cuts, or packed sequences); the logprobs and values stay on the
+    device."""
     roles = make_roles(seed=1, scale=0.3)
     rollout = rollout_for_update(roles, tiny_tokenizer)
     ids, mask = rollout.input_ids, rollout.attention_mask
     if not padded:
         mask = torch.ones_like(mask)
     start = rollout.response_start
-    for rows in (1, 4):
-        for together in (True, False):
-            OnDevice.reads = []
-            score_passes(roles, ids.as_subclass(OnDevice), mask.as_subclass(OnDevice), start, 1.0, rows,
-                         together=together)
-            own = [r for r in OnDevice.reads if r == "lora_ppo"]
-            assert len(own) == 1, (rows, together, OnDevice.reads)
-            if not padded:
-                assert OnDevice.reads == own, (rows, together, OnDevice.reads)
+    for rows, together, packing in itertools.product((1, 4), (True, False), (False, True)):
+        roles.packing = packing
+        OnDevice.reads = []
+        score_passes(roles, ids.as_subclass(OnDevice), mask.as_subclass(OnDevice), start, 1.0, rows,
+                     together=together)
+        own = [r for r in OnDevice.reads if r == "lora_ppo"]
+        assert len(own) == 1, (rows, together, packing, OnDevice.reads)
+        if not padded:
+            assert OnDevice.reads == own, (rows, together, packing, OnDevice.reads)

@@ -12,7 +12,8 @@ import lora_ppo
 from lora_ppo.config import PPOConfig
 from lora_ppo.errors import RecipeError
 from lora_ppo.packing import pack, packed_micro_batches
-from lora_ppo.roles import POLICY, VALUE
+from lora_ppo.roles import POLICY, REFERENCE, VALUE
+from lora_ppo.rollout import score_passes
 from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
 from tests.conftest import scored_rollout, tiny_recipe_dict
 from tests.test_trim_padding import (PROMPT_LENGTHS, RESPONSE_LENGTHS, WIDTH, assert_a_run_trains_as_one_without,
@@ -51,28 +52,26 @@ def roles(make_roles):
     return make_roles(seed=2, scale=0.5)
 
 
-def test_packed_rows_give_each_token_a_plain_forward_of_its_sequence_alone(roles):
-    ids, mask, response_mask = padded_batch(roles.lm_head.out_features)
-    for micro in packed_micro_batches(torch.arange(4), mask, response_mask, ids, WIDTH, 2):
-        for role in (POLICY, VALUE):
+@pytest.mark.parametrize("together", [True, False], ids=["roles-in-one-forward", "a-forward-per-role"])
+def test_packed_scoring_gives_each_token_a_plain_forward_of_its_sequence_alone(roles, together):
+    """Scoring in packed micro-batches of 2 sequences (the 9 and the 8 tokens, then the two 6s in one):
+    each real response token's logprob under the policy and the reference and its value are those of
+    a plain forward of its sequence alone; after the response, 0."""
+    ids, mask, _ = padded_batch(roles.lm_head.out_features)
+    roles.packing = True
+    old, ref, values = score_passes(roles, ids, mask, WIDTH, 1.0, forward_batch_size=2, together=together)
+    for row, (p, r) in enumerate(zip(PROMPT_LENGTHS, RESPONSE_LENGTHS)):
+        alone = ids[row : row + 1, WIDTH - p : WIDTH + r]  # the sequence, no padding anywhere
+        for role, got in ((POLICY, old), (REFERENCE, ref), (VALUE, values)):
             with roles.as_role(role), torch.no_grad():
-                predicting = micro.predicting(roles.hidden_states(micro.input_ids, None, micro.position_ids))
-                if role == POLICY:
-                    got = micro.laid_out(roles.predicted_logprobs(predicting, micro.targets, 1.0)[0])
-                else:
-                    got = micro.laid_out(roles.values_at(predicting))
-            for i, row in enumerate(micro.host_rows.tolist()):
-                p, r = PROMPT_LENGTHS[row], RESPONSE_LENGTHS[row]
-                alone = ids[row : row + 1, WIDTH - p : WIDTH + r]  # the sequence, no padding anywhere
-                with roles.as_role(role), torch.no_grad():
-                    out = roles.peft(input_ids=alone, output_hidden_states=True)
-                if role == POLICY:
-                    logits = out.logits[0, p - 1 : -1].float()
-                    expected = torch.log_softmax(logits, -1).gather(-1, alone[0, p:, None]).squeeze(-1)
-                else:
-                    expected = roles.value_head(out.hidden_states[-1][0, p - 1 : -1]).squeeze(-1).float()
-                torch.testing.assert_close(got[i, :r], expected, atol=1e-5, rtol=1e-5)
-                assert not got[i, r:].any()  # no response token there
+                out = roles.peft(input_ids=alone, output_hidden_states=True)
+            if role == VALUE:
+                expected = roles.value_head(out.hidden_states[-1][0, p - 1 : -1]).squeeze(-1).float()
+            else:
+                logits = out.logits[0, p - 1 : -1].float()
+                expected = torch.log_softmax(logits, -1).gather(-1, alone[0, p:, None]).squeeze(-1)
+            torch.testing.assert_close(got[row, :r], expected, atol=1e-5, rtol=1e-5)
+            assert not got[row, r:].any(), role
 
 
 def rollout(roles):
@@ -86,8 +85,8 @@ def updated(roles, batch, packing: bool, micro_batch: int, together: bool = Fals
     adv = compute_advantages(batch, cfg, cfg.kl_coef, batch.scores)
     # Plain SGD: a weight moves by its gradient, so the weights compare the gradients.
     optimizer = torch.optim.SGD(roles.policy_parameters() + roles.value_parameters(), lr=cfg.learning_rate)
-    settings = UpdateSettings(4, micro_batch, 1.0, gradient_checkpointing=True, roles_together=together,
-                              packing=packing)
+    roles.packing = packing
+    settings = UpdateSettings(4, micro_batch, 1.0, gradient_checkpointing=True, roles_together=together)
     forwards = []
     hook = roles.decoder.register_forward_pre_hook(lambda module, args: forwards.append(1))
     try:

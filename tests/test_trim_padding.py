@@ -122,9 +122,15 @@ def assert_same_update(got: dict, expected: dict, got_weights: list, expected_we
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+# Logged numbers that amplify float32 rounding: 1 - Var(returns - values) / Var(returns) divides by the
+# variance of a tiny run's returns over a few tokens (it reads -8.3 at the second step), so values a few
+# 1e-7 apart move it by up to 1e-4, where every other number moves by under 2e-5 of itself.
+ILL_CONDITIONED = {"value/explained_var": 5e-4}
+
+
 def assert_a_run_trains_as_one_without(tmp_path, tiny_model_dir, field: str) -> None:
     """3 steps with the `ppo` switch `field` off, then on: every logged number the same within float32
-    rounding, the update's padding share no larger."""
+    rounding (`ILL_CONDITIONED` within what its formula makes of it), the update's padding share no larger."""
     metrics = {}
     for setting in (False, True):
         recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(
@@ -136,7 +142,7 @@ def assert_a_run_trains_as_one_without(tmp_path, tiny_model_dir, field: str) -> 
         assert on.pop("update/padding_frac") <= off.pop("update/padding_frac")
         assert on.keys() == off.keys()
         for key, value in off.items():
-            assert on[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+            assert on[key] == pytest.approx(value, rel=1e-4, abs=ILL_CONDITIONED.get(key, 1e-5)), key
 
 
 def test_a_run_with_trimmed_padding_trains_as_one_without(tmp_path, tiny_model_dir):

@@ -142,6 +142,7 @@ class TableRoles:
         self.with_value = with_value
         self.mixed_batches = {False: True, True: True}
         self.trim_padding = True  # as RoleModel by default: micro-batches without their unused columns
+        self.packing = False  # as RoleModel by default
         self.checkpointing: list[bool] = []
         self.stacked_forwards = 0
         self._role: Optional[str] = None
