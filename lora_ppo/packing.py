@@ -102,23 +102,20 @@ def _layout(rows: list[list[int]], attention: torch.Tensor, response: torch.Tens
     response_width = max((int(response[row].nonzero().max()) + 1 for row in flat_rows if response[row].any()), default=1)
     positions = torch.zeros((len(rows), width), dtype=torch.long)
     sources, destinations, predictors, slots = [], [], [], []
-    at_row = 0
     for s, group in enumerate(rows):
-        at = s * width
+        used = 0  # tokens of this sequence placed so far
         for row in group:
-            cols, n = real_cols[row], lengths[row]
+            cols, n, at = real_cols[row], lengths[row], s * width + used  # `at`: the row's first flat index
             sources.append(row * attention.shape[1] + cols)
             destinations.append(torch.arange(at, at + n))
-            positions[s, at - s * width : at - s * width + n] = torch.arange(n)
+            positions[s, used : used + n] = torch.arange(n)
             tokens = response[row].nonzero().squeeze(1)  # response columns holding a token to predict
             offsets = torch.searchsorted(cols, tokens + response_start)  # where each sits among the row's tokens
             if len(tokens) and (offsets.min() == 0 or not torch.equal(cols[offsets], tokens + response_start)):
                 raise ValueError(f"row {row}: a response token outside the attention mask, or with no token before it")
             predictors.append(at + offsets - 1)
-            slots.append(at_row * response_width + tokens)
-            at += n
-            at_row += 1
-        used = at - s * width
+            slots.append(len(slots) * response_width + tokens)  # the row's place among the micro-batch's rows
+            used += n
         positions[s, used:] = torch.arange(width - used)  # the tail's padding: a row of its own
     return _Layout(flat_rows, (len(rows), width), torch.cat(sources), torch.cat(destinations), positions,
                    torch.cat(predictors), torch.cat(slots), response_width)

@@ -22,8 +22,8 @@ from lora_ppo.bnb_workarounds import eval_on_training_kernel
 from lora_ppo.compiled_update import CompiledLayers, layer_step
 from lora_ppo.fused_lora import adapters_cast_once, fuse_lora_layers, fused_layers
 from lora_ppo.library_notices import without_peft_rename_notice
-from lora_ppo.model_checks import (check_logit_path, check_packing, fused_expert_parameters, logit_path_error, logit_transform_of,
-                                   probe_ids)
+from lora_ppo.model_checks import (check_logit_path, check_packing, fused_expert_parameters, logit_path_error,
+                                   logit_transform_of, probe_ids)
 from lora_ppo.quantization import AdapterNumerics
 from lora_ppo.run_dir import FINAL_DIR, RECIPE_FILE, is_checkpoint
 
