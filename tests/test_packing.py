@@ -126,6 +126,33 @@ def test_a_packed_update_is_todays_with_less_padding_and_fewer_micro_batches(
     assert_same_update(packed, plain, packed_weights, plain_weights)
 
 
+def test_an_episodes_observations_are_packed_as_context_and_never_predicted(make_roles):
+    """Multi-turn episodes: tokens between turns (observations) are attended to but never actions. Row 2's
+    response tokens 2 and 3 are an observation here: packed, they stay in the sequence (the action after
+    them is predicted from them), their logprobs are never computed, and the update is the unpacked one."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    plain_roles = make_roles(seed=2, scale=0.5)
+    torch.manual_seed(0)
+    packed_roles = make_roles(seed=2, scale=0.5)
+    batch = rollout(plain_roles)
+    observation = torch.zeros_like(batch.response_mask)
+    observation[2, 2:4] = True
+    batch = dataclasses.replace(batch, response_mask=batch.response_mask & ~observation, observation_mask=observation)
+    assert batch.attention_mask[2].sum() == PROMPT_LENGTHS[2] + RESPONSE_LENGTHS[2]  # still in the context
+    plain, plain_weights, _ = updated(plain_roles, batch, False, 2)
+    packed, packed_weights, _ = updated(packed_roles, batch, True, 2)
+    for stats in (plain, packed):
+        stats.pop("padding_frac")
+        assert stats.pop("logprob_max_diff") < 1e-5 and stats.pop("logprob_mean_diff") < 1e-5
+    assert_same_update(packed, plain, packed_weights, plain_weights)
+    ids, mask = batch.input_ids, batch.attention_mask
+    micro = next(m for m in packed_micro_batches(torch.arange(4), mask, batch.response_mask, ids, WIDTH, 2)
+                 if 2 in m.host_rows.tolist())
+    assert len(micro.predictors) == int(batch.response_mask[micro.host_rows].sum())  # actions only
+
+
 def test_a_run_with_packing_trains_as_one_without(tmp_path, tiny_model_dir):
     assert_a_run_trains_as_one_without(tmp_path, tiny_model_dir, "packing")
 
