@@ -133,6 +133,7 @@ def test_8bit_moments_train_within_their_rounding_of_fp32_moments(tmp_path, tiny
 @pytest.mark.parametrize("levers", [
     {"model": {"offload_embeddings": True, "quantize_lm_head": True}, "ppo": {"optimizer_state": "8bit"}},
     {"ppo": {"optimizer_state": "cpu"}},
+    {"ppo": {"packing": True, "grad_accum_steps": 2}},  # a speed lever (docs/performance.md), resumed as exactly
 ])
 def test_resume_is_exact_with_the_levers_on(tmp_path, tiny_untied_model_dir, levers, monkeypatch):
     monkeypatch.setattr(optimizers, "MIN_8BIT_SIZE", 1)  # the tiny adapters' moments really in 8 bits
