@@ -166,3 +166,19 @@ def test_packing_is_refused_where_attention_crosses_rows(tmp_path, tiny_model_di
     recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run", ppo={"packing": True}))
     with pytest.raises(RecipeError, match="^ppo.packing: llama's attention lets a packed row see the row before it"):
         lora_ppo.PPOTrainer(recipe, progress=False)
+
+
+def test_in_bfloat16_the_packed_self_check_is_within_tolerance(make_roles, tiny_tokenizer):
+    """The update's first logprobs against the scoring pass's, same weights, both packed: scoring packs
+    the 4 rows 2 sequences at a time, the update each minibatch's 2 rows one sequence at a time, so the
+    shapes differ and bfloat16 rounds apart, within the self-check's bfloat16 limit (as trimming does)."""
+    from lora_ppo.alarms import LOGPROB_TOLERANCE
+    from tests.conftest import rollout_for_update
+    from tests.test_compiled_update import bf16_roles
+    from tests.test_compiled_update import updated as updated_in_micro_batches_of_one
+
+    roles = bf16_roles(make_roles)
+    roles.packing = True
+    batch = rollout_for_update(roles, tiny_tokenizer)  # scored 2 sequences at a time
+    stats, _ = updated_in_micro_batches_of_one(roles, batch, None, packing=True)
+    assert 0 < stats["logprob_mean_diff"] < LOGPROB_TOLERANCE["bfloat16"] / 2  # the limit the alarm reads
