@@ -105,7 +105,8 @@ def test_a_packed_update_reads_no_more_than_an_unpacked_one(make_roles, tiny_tok
 @pytest.mark.parametrize("padded", [False, True], ids=["equal-lengths", "padded"])
 def test_scoring_reads_the_device_once_whatever_its_micro_batches(make_roles, tiny_tokenizer, padded):
     """The mask, once (lengths and column cuts, or packed sequences); the logprobs and values stay on the
-    device."""
+    device. (Packed, transformers reads each forward's positions to part its rows: made on the host, they
+    are not counted here.)"""
     roles = make_roles(seed=1, scale=0.3)
     rollout = rollout_for_update(roles, tiny_tokenizer)
     ids, mask = rollout.input_ids, rollout.attention_mask
@@ -119,5 +120,5 @@ def test_scoring_reads_the_device_once_whatever_its_micro_batches(make_roles, ti
                      together=together)
         own = [r for r in OnDevice.reads if r == "lora_ppo"]
         assert len(own) == 1, (rows, together, packing, OnDevice.reads)
-        if not padded:
-            assert OnDevice.reads == own, (rows, together, packing, OnDevice.reads)
+        if not padded and not packing:
+            assert OnDevice.reads == own, (rows, together, OnDevice.reads)
