@@ -1,7 +1,7 @@
-"""ppo.packing: a minibatch's rows packed back to back into sequences give every real token the numbers
-a plain forward of that sequence alone gives, and today's update, in fewer micro-batches; the padding
-left and the sequences made are counted here by hand. A model whose attention would let packed rows
-see each other is refused."""
+"""ppo.packing: scoring's and the update's rows packed back to back into sequences give every real token
+the numbers a plain forward of that sequence alone gives, and today's update, in fewer micro-batches;
+the padding left and the sequences made are counted here by hand. A model whose attention would let
+packed rows see each other is refused."""
 
 from __future__ import annotations
 
