@@ -10,6 +10,7 @@ of 8 split in two: the rows of each are ordered by length first when trimming). 
 holds as many sequences of at most the rollout's width, rows back to back.
 
     python bench/trim_padding.py [--repeats 3]      # about 6 minutes on 2 cores; run alone
+    python bench/trim_padding.py --max-new-tokens 20 --micro-batch 8 --as-sampled   # the quickstart's own shapes
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--as-sampled", action="store_true",
+                        help="keep the responses as sampled (the quickstart's own lengths), not cut at random")
     args = parser.parse_args()
 
     recipe = lora_ppo.load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml", [
@@ -71,7 +74,7 @@ def main() -> None:
     padding, micro_batches = {}, {}
     _, sampled = trainer.train_step()
     with dequantized_once(roles.peft, recipe.model):  # as a step runs (the quickstart dequantizes per step)
-        rollout = variable_lengths(sampled, tokenizer.pad_token_id, seed=0)
+        rollout = sampled if args.as_sampled else variable_lengths(sampled, tokenizer.pad_token_id, seed=0)
         ids, mask, start = rollout.input_ids, rollout.attention_mask, rollout.response_start
         old, ref, values = score_passes(roles, ids, mask, start, recipe.rollout.temperature, 8)
         rollout = dataclasses.replace(rollout, old_logprobs=old, ref_logprobs=ref, values=values)
@@ -97,7 +100,7 @@ def main() -> None:
     result = {
         "shape": {"batch": args.batch, "response_width": int(rollout.response_ids.shape[1]),
                   "response_tokens_mean": round(float(lengths.mean()), 1), "prompt_width": start,
-                  "micro_batch": args.micro_batch, "forward_batch_size": 8},
+                  "micro_batch": args.micro_batch, "forward_batch_size": 8, "as_sampled": args.as_sampled},
         "update_padding_frac": padding,
         "update_micro_batches": micro_batches,
         **{f"{phase}_s_median": {k: round(statistics.median(v), 2) for k, v in by.items()}

@@ -157,9 +157,11 @@ class Backbone:
     def token_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's own next-token logits from hidden states [..., H]: LM head, then the model's
         final transform (soft-cap, scale), in float32. [..., V]"""
-        # A strided slice (a chunk of response positions) would make the LM head a batched matmul,
-        # its weight broadcast to every row: twice one matmul's time on CPU (bench/update_pieces.py).
-        return self.logit_transform(self.lm_head(hidden.contiguous()).float())
+        # As rows of one 2-D matmul: a strided slice (a chunk of response positions) would make the LM head a
+        # batched matmul, its weight broadcast to every row, twice one matmul's time on CPU
+        # (bench/update_pieces.py); so would a chunk of [1, N, H] whose batch stride is N, not the chunk's.
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        return self.logit_transform(self.lm_head(rows).float()).view(*hidden.shape[:-1], -1)
 
     def adapter_compute(self) -> contextlib.AbstractContextManager:
         """Where the decoder runs (generation, scoring, the update's forward and its recomputation):
