@@ -93,16 +93,16 @@ class _Layout:
     response_width: int
 
 
-def _layout(rows: list[list[int]], attention: torch.Tensor, response: torch.Tensor, response_start: int) -> _Layout:
+def _layout(groups: list[list[int]], attention: torch.Tensor, response: torch.Tensor, response_start: int) -> _Layout:
     """The layout of sequences that each hold the rollout rows of one group back to back."""
-    real_cols = {row: attention[row].nonzero().squeeze(1) for group in rows for row in group}
-    flat_rows = [row for group in rows for row in group]
+    real_cols = {row: attention[row].nonzero().squeeze(1) for group in groups for row in group}
+    flat_rows = [row for group in groups for row in group]
     lengths = {row: len(cols) for row, cols in real_cols.items()}
-    width = max(sum(lengths[row] for row in group) for group in rows)
+    width = max(sum(lengths[row] for row in group) for group in groups)
     response_width = max((int(response[row].nonzero().max()) + 1 for row in flat_rows if response[row].any()), default=1)
-    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    positions = torch.zeros((len(groups), width), dtype=torch.long)
     sources, destinations, predictors, slots = [], [], [], []
-    for s, group in enumerate(rows):
+    for s, group in enumerate(groups):
         used = 0  # tokens of this sequence placed so far
         for row in group:
             cols, n, at = real_cols[row], lengths[row], s * width + used  # `at`: the row's first flat index
@@ -117,7 +117,7 @@ def _layout(rows: list[list[int]], attention: torch.Tensor, response: torch.Tens
             slots.append(len(slots) * response_width + tokens)  # the row's place among the micro-batch's rows
             used += n
         positions[s, used:] = torch.arange(width - used)  # the tail's padding: a row of its own
-    return _Layout(flat_rows, (len(rows), width), torch.cat(sources), torch.cat(destinations), positions,
+    return _Layout(flat_rows, (len(groups), width), torch.cat(sources), torch.cat(destinations), positions,
                    torch.cat(predictors), torch.cat(slots), response_width)
 
 
