@@ -19,8 +19,8 @@ from lora_ppo.fused_lora import fuse_lora_layers
 from lora_ppo.roles import RoleModel
 from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
 from lora_ppo.memory import peak_live_cpu_bytes
-from tests.conftest import (TIMING_PREFIXES, prompt_and_random_response, prompt_rows, rollout_for_update,
-                            scored_rollout, tiny_recipe_dict)
+from tests.conftest import (TIMING_PREFIXES, clip_counts_within_a_token, prompt_and_random_response, prompt_rows,
+                            rollout_for_update, scored_rollout, tiny_recipe_dict)
 
 def bf16_roles(make_roles) -> RoleModel:
     torch.manual_seed(0)  # LoRA A's random init: the same for every copy
@@ -96,6 +96,7 @@ def test_a_run_with_the_update_compiled_trains_as_one_without_and_compiles_once(
         # (the self-check's differences are rounding themselves: held to their bound below)
         same = {k: v for k, v in plain.items() if not k.startswith((*TIMING_PREFIXES, "check/logprob"))}
         assert set(same) <= set(compiled)
+        same = clip_counts_within_a_token(compiled, same)
         # In float32 Inductor sums a norm's squares in another order than eager: ~1e-7 of a value per
         # operation, 3e-6 of the gradient norm after one update, and no more than 1e-4 after three.
         assert {k: compiled[k] for k in same} == pytest.approx(same, rel=1e-4, abs=1e-6)
