@@ -1,4 +1,5 @@
-"""Forward passes over the columns their rows use (`ppo.trim_padding`).
+"""Forward passes over the columns their rows use (`ppo.trim_padding`), and the choice of a
+micro-batch's layout: cut to those columns, or packed (`ppo.packing`, lora_ppo/packing.py).
 
 A rollout is one [B, P + T_resp] block: prompts left-padded to the longest prompt, responses
 right-padded to the longest response. A micro-batch of a few of its rows needs only the columns
@@ -11,9 +12,11 @@ after every real token (causal attention).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import torch
+
+from lora_ppo.packing import PackedMicroBatch, packed_micro_batches
 
 
 @dataclass(frozen=True)
@@ -121,3 +124,20 @@ def cut_micro_batches(order: torch.Tensor, host_mask: torch.Tensor, input_ids: t
         cut_host = cols.cut(host_mask[host_rows])
         mask = None if bool(cut_host.all()) else cols.cut(attention_mask[rows])
         yield CutMicroBatch(rows, host_rows, cols, cols.cut(input_ids[rows]), mask, cut_host)
+
+
+MicroBatch = Union[CutMicroBatch, PackedMicroBatch]
+
+
+def micro_batches(rows: torch.Tensor, host_mask: torch.Tensor, host_predicted: torch.Tensor,
+                  input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int, size: int,
+                  packing: bool, trim: bool) -> Iterator[MicroBatch]:
+    """The rows of a rollout (`rows`, on the host) as forwards: packed into `size` sequences each
+    (`packing`: the positions of the host's [B, T_resp] `host_predicted` are predicted), or `size`
+    rows each, cut to the columns they use (`trim`). Cut micro-batches take rows of similar length
+    together where there is more than one of them; one micro-batch keeps the rows' order."""
+    if packing:
+        return packed_micro_batches(rows, host_mask, host_predicted, input_ids, response_start, size)
+    if trim and len(rows) > size:
+        rows = rows[longest_first(host_mask[rows])]
+    return cut_micro_batches(rows, host_mask, input_ids, attention_mask, response_start, size, trim)

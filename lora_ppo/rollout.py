@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -16,8 +16,7 @@ from lora_ppo.config import RolloutConfig
 from lora_ppo.data import PromptRow
 from lora_ppo.distributed import World
 from lora_ppo.memory import PhasePeaks
-from lora_ppo.packing import PackedMicroBatch, packed_micro_batches
-from lora_ppo.padding import CutMicroBatch, cut_micro_batches, longest_first, pad_responses
+from lora_ppo.padding import MicroBatch, micro_batches, pad_responses
 from lora_ppo.rewards import RewardBatch, RewardSources
 from lora_ppo.roles import POLICY, REFERENCE, VALUE, Role, RoleModel
 
@@ -383,15 +382,11 @@ def score_passes(
     out: dict[Role, list[torch.Tensor]] = {role: [] for role in needed}
     width = input_ids.shape[1] - response_start
     host_mask = attention_mask.cpu()  # read once (docs/performance.md#the-updates-reads)
-    if roles.packing:  # every real response token is predicted: the response mask is the mask's columns
-        parts = packed_micro_batches(torch.arange(input_ids.shape[0]), host_mask, host_mask[:, response_start:].bool(),
-                                     input_ids, response_start, forward_batch_size)
-    else:
-        order = longest_first(host_mask) if roles.trim_padding else torch.arange(input_ids.shape[0])
-        parts = cut_micro_batches(order, host_mask, input_ids, attention_mask, response_start, forward_batch_size,
-                                  roles.trim_padding)
+    # every real response token is predicted: with packing, the response mask is the mask's columns
+    parts = micro_batches(torch.arange(input_ids.shape[0]), host_mask, host_mask[:, response_start:].bool(), input_ids,
+                          attention_mask, response_start, forward_batch_size, roles.packing, roles.trim_padding)
 
-    def read(role: Role, hidden: torch.Tensor, part: Union[CutMicroBatch, PackedMicroBatch]) -> None:
+    def read(role: Role, hidden: torch.Tensor, part: MicroBatch) -> None:
         predicting = part.predicting(hidden)
         if role == VALUE:
             per_token = roles.values_at(predicting)

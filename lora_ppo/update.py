@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Union
+from typing import Optional
 
 import torch
 
@@ -15,8 +15,7 @@ from lora_ppo import ppo_math
 from lora_ppo.compiled_update import CompiledLayers
 from lora_ppo.config import PPOConfig
 from lora_ppo.distributed import World
-from lora_ppo.packing import PackedMicroBatch, packed_micro_batches
-from lora_ppo.padding import CutMicroBatch, cut_micro_batches, longest_first
+from lora_ppo.padding import MicroBatch, micro_batches
 from lora_ppo.roles import POLICY, VALUE, Role, RoleModel
 from lora_ppo.rollout import Rollout
 
@@ -335,7 +334,8 @@ def minibatch_backward(
     ratio_sum = torch.zeros((), device=device)
     finite: list[tuple[str, torch.Tensor]] = []  # (loss name, its finiteness), in the order computed
     mine = rows.tensor_split(world.size)[world.rank]
-    for micro in _micro_batches(mine, host, rollout, settings.micro_batch_size, roles):
+    for micro in micro_batches(mine, host.attention, host.response, rollout.input_ids, rollout.attention_mask,
+                               rollout.response_start, settings.micro_batch_size, roles.packing, roles.trim_padding):
         idx, ids, am, positions = micro.rows, micro.input_ids, micro.attention_mask, micro.position_ids
         n_tokens = float(micro.responses(host.response[micro.host_rows]).sum())
         means.add({"padding_frac": 1.0 - micro.real_positions / micro.positions}, float(micro.positions))
@@ -378,25 +378,12 @@ def minibatch_backward(
     return mean_ratio, bad
 
 
-def _micro_batches(rows: torch.Tensor, host: HostMasks, rollout: Rollout, size: int,
-                   roles: RoleModel) -> Iterator[Union[CutMicroBatch, PackedMicroBatch]]:
-    """This process's rows of a minibatch as micro-batches: packed into `size` sequences each
-    (`ppo.packing`), or `size` rows each, cut to the columns they use (`ppo.trim_padding`)."""
-    if roles.packing:
-        return packed_micro_batches(rows, host.attention, host.response, rollout.input_ids, rollout.response_start,
-                                    size)
-    if roles.trim_padding and len(rows) > size:
-        rows = rows[longest_first(host.attention[rows])]  # micro-batches of similar lengths pad little
-    return cut_micro_batches(rows, host.attention, rollout.input_ids, rollout.attention_mask, rollout.response_start,
-                             size, roles.trim_padding)
-
-
 class _MicroBatch:
     """One micro-batch's losses from its roles' hidden states (of `micro`'s input, with `n_tokens` real
     response tokens), and the stats they log (0-d tensors, read later)."""
 
     def __init__(self, roles: RoleModel, rollout: Rollout, adv: Advantages,
-                 micro: Union[CutMicroBatch, PackedMicroBatch], cfg: PPOConfig, settings: UpdateSettings,
+                 micro: MicroBatch, cfg: PPOConfig, settings: UpdateSettings,
                  kl_coef: float, normalizer, share: float, check: Optional[LogprobCheck], n_tokens: float):
         self.roles, self.rollout, self.adv, self.micro, self.cfg = roles, rollout, adv, micro, cfg
         self.settings, self.kl_coef, self.normalizer, self.share = settings, kl_coef, normalizer, share
