@@ -110,10 +110,10 @@ def _layout(groups: list[list[int]], attention: torch.Tensor, response: torch.Te
             destinations.append(torch.arange(at, at + n))
             positions[s, used : used + n] = torch.arange(n)
             tokens = response[row].nonzero().squeeze(1)  # response columns holding a token to predict
-            offsets = torch.searchsorted(cols, tokens + response_start)  # where each sits among the row's tokens
-            if len(tokens) and (offsets.min() == 0 or not torch.equal(cols[offsets], tokens + response_start)):
+            columns = tokens + response_start
+            if len(tokens) and not (attention[row, columns].all() and attention[row, : columns[0]].any()):
                 raise ValueError(f"row {row}: a response token outside the attention mask, or with no token before it")
-            predictors.append(at + offsets - 1)
+            predictors.append(at + torch.searchsorted(cols, columns) - 1)  # the row's token before each
             slots.append(len(slots) * response_width + tokens)  # the row's place among the micro-batch's rows
             used += n
         positions[s, used:] = torch.arange(width - used)  # the tail's padding: a row of its own

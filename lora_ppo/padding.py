@@ -38,10 +38,10 @@ class UsedColumns:
         last prompt column and one response column stay, so every response position has a predecessor."""
         used = attention_mask.bool().any(dim=0)
         prompt_used = used[:response_start].nonzero()
-        first = min(int(prompt_used[0]), response_start - 1) if len(prompt_used) else response_start - 1
+        first = int(prompt_used[0]) if len(prompt_used) else response_start - 1
         response_used = used[response_start:].nonzero()
         width = int(response_used[-1]) + 1 if len(response_used) else 1
-        return cls(first, response_start - first, min(width, attention_mask.shape[1] - response_start))
+        return cls(first, response_start - first, width)
 
     def cut(self, block: torch.Tensor) -> torch.Tensor:
         """These columns of a [b, P + T_resp] block."""

@@ -24,6 +24,22 @@ def test_best_fit_decreasing_by_hand():
     # Longest first, each into the fullest bin it fits: 6 | 5+3 | 4+4 -> bins hold 6+2, 5+3, 4+4.
     assert pack([4, 6, 5, 3, 4, 2], 8) == [[1, 5], [2, 3], [0, 4]]
     assert pack([8, 1], 8) == [[0], [1]]
+    # 4 fits both 6 (room 4) and 5 (room 5): the fuller bin takes it, leaving 3 for the other
+    # (the emptier bin first would give 6+3, 5+4).
+    assert pack([6, 5, 4, 3], 10) == [[0, 2], [1, 3]]
+
+
+@pytest.mark.parametrize("case", ["outside-the-mask", "no-token-before-it"])
+def test_a_response_token_that_cannot_be_predicted_is_refused(case):
+    ids, mask, response_mask = padded_batch(100)
+    response_mask = response_mask.clone()
+    if case == "outside-the-mask":  # row 3's response is 2 tokens; a third is marked on padding
+        response_mask[3, 2] = True
+    else:  # row 0 without its prompt: its first response token has nothing before it
+        mask = mask.clone()
+        mask[0, :WIDTH] = 0
+    with pytest.raises(ValueError, match="row 3: a response token outside|row 0: .* no token before it"):
+        list(packed_micro_batches(torch.arange(4), mask, response_mask, ids, WIDTH, 2))
 
 
 def test_the_packed_micro_batches_of_a_rollout_by_hand():

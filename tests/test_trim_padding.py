@@ -9,7 +9,7 @@ import torch
 
 import lora_ppo
 from lora_ppo.config import PPOConfig
-from lora_ppo.padding import UsedColumns, longest_first
+from lora_ppo.padding import UsedColumns, longest_first, micro_batches
 from lora_ppo.roles import POLICY, REFERENCE, VALUE
 from lora_ppo.rollout import Rollout, score_passes
 from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
@@ -29,7 +29,29 @@ def test_the_used_columns_of_a_mask_by_hand():
     # No response token at all: the last prompt column and one response column stay.
     empty = UsedColumns.of(torch.tensor([[0, 1, 1, 0, 0]]), response_start=3)
     assert (empty.first, empty.response_start, empty.response_width) == (1, 2, 1)
+    # No prompt token at all: the last prompt column still stays, the first response token's predecessor.
+    no_prompt = UsedColumns.of(torch.tensor([[0, 0, 1, 1, 0]]), response_start=2)
+    assert (no_prompt.first, no_prompt.response_start, no_prompt.response_width) == (1, 1, 2)
     assert longest_first(torch.tensor([[1, 0], [1, 1], [0, 0], [0, 1]])).tolist() == [1, 0, 3, 2]
+
+
+def test_rows_are_ordered_by_length_only_where_trimmed_micro_batches_split_them():
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 0]])  # 2, 4 and 3 real tokens
+
+    def rows(size: int, trim: bool) -> list[list[int]]:
+        return [m.host_rows.tolist() for m in micro_batches(
+            torch.arange(3), mask, mask[:, 2:].bool(), mask, mask, 2, size, packing=False, trim=trim)]
+
+    assert rows(2, trim=True) == [[1, 2], [0]]  # longest first
+    assert rows(3, trim=True) == [[0, 1, 2]]  # one micro-batch: as given
+    assert rows(2, trim=False) == [[0, 1], [2]]  # untrimmed: as given
+
+
+def test_rows_of_equal_length_keep_their_order_in_a_large_batch():
+    # torch's unstable sort reorders ties from about 100 elements; a plain stable sort by hand does not.
+    lengths = [(7 * i) % 3 for i in range(256)]
+    mask = torch.tensor([[1] * n + [0] * (2 - n) for n in lengths])
+    assert longest_first(mask).tolist() == sorted(range(256), key=lambda i: -lengths[i])
 
 
 def padded_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
