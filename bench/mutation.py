@@ -5,7 +5,7 @@ repository, and report the mutants no test notices. The working tree is never ed
     python bench/mutation.py --target lora_ppo/atomic.py       # one file, about 10 min on 2 cores
     python bench/mutation.py --target lora_ppo/roles.py:position_ids_for,last_real_index --list
     python bench/mutation.py --target lora_ppo/update.py --max-mutants 70 --json /tmp/update.json
-    python bench/mutation.py --update-results                  # every default target (about 75 min)
+    python bench/mutation.py --update-results                  # every default target (about 100 min)
 
 A target is `path` or `path:name,name`, where a name is a function, method or class, and
 `name@text` keeps only the lines of `name` that contain `text`. Known-equivalent mutants are
@@ -79,12 +79,15 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
                            "tests/test_reward_training.py::test_pairs_are_scored_at_their_last_real_token_whatever_the_padding",
                            "tests/test_reward_training.py::test_reward_adapter_scores_equal_a_direct_forward"], []),
     "lora_ppo/verifiable.py": (["tests/test_verifiable.py"], []),
+    "lora_ppo/padding.py": (["tests/test_trim_padding.py", "tests/test_packing.py"], []),
+    "lora_ppo/packing.py": (["tests/test_packing.py", "tests/test_sft_model.py"], []),
     # The SIGKILL test kills a whole training run at a marker: minutes, and it tests resuming.
     "lora_ppo/atomic.py": (["tests/test_atomic.py", "tests/test_edge_cases.py", "tests/test_checkpoint.py"],
                            ["-k", "not sigkill"]),
 }
 
-# The numerical code issue #32 asks about; trainer, rollout and roles only in part.
+# The numerical code issue #32 asks about (trainer, rollout and roles only in part), and the layouts
+# of trimmed and packed micro-batches (issue 41).
 DEFAULT_TARGETS = [
     "lora_ppo/atomic.py",
     "lora_ppo/verifiable.py",
@@ -95,6 +98,8 @@ DEFAULT_TARGETS = [
     "lora_ppo/trainer.py:_shape_scores,_combined_scores",
     "lora_ppo/rollout.py:truncate_at_stop,join_prompt_response,left_pad,SampledTokenLogprobs,"
     "collect_rollout@missing_eos_penalty",
+    "lora_ppo/padding.py",
+    "lora_ppo/packing.py",
 ]
 
 # Calls that only report: mutating them changes what is said, never what is computed.

@@ -574,12 +574,12 @@ class PPOConfig(Section):
     on CPU it was no faster and held more memory (bench/README.md); off: one pass per role.
     """
     trim_padding: bool = Field(True, json_schema_extra=MAY_CHANGE_ON_RESUME)
-    """Run each scoring and update micro-batch over the columns its rows use, with a minibatch's
-    rows ordered by length before it is split into micro-batches, instead of over the whole rollout's width
-    (the longest prompt's left padding plus the longest response): padding is computed by every layer and
-    thrown away. The same numbers for every real token (up to rounding where a matmul's shape changes); where a
-    minibatch is one micro-batch, nothing is reordered. `update/padding_frac` in `metrics.jsonl` says how much
-    of the update's work was padding. Off: every micro-batch at the rollout's width, as before 2026-11-27.
+    """Run each scoring and update micro-batch over the columns its rows use, with a minibatch's (or,
+    scoring, the rollout's) rows ordered by length before they are split into micro-batches, instead of
+    over the whole rollout's width (the longest prompt's left padding plus the longest response): padding
+    is computed by every layer and thrown away. The same numbers for every real token (up to rounding where
+    a matmul's shape changes); rows that fit one micro-batch are not reordered. `update/padding_frac` in
+    `metrics.jsonl` says how much of the update's work was padding. Off: every micro-batch at the rollout's width, as before 2026-11-27.
     """
     packing: bool = Field(False, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """Pack the rows of each scoring and update micro-batch back to back into sequences of at most the
