@@ -579,7 +579,8 @@ class PPOConfig(Section):
     over the whole rollout's width (the longest prompt's left padding plus the longest response): padding
     is computed by every layer and thrown away. The same numbers for every real token (up to rounding where
     a matmul's shape changes); rows that fit one micro-batch are not reordered. `update/padding_frac` in
-    `metrics.jsonl` says how much of the update's work was padding. Off: every micro-batch at the rollout's width, as before 2026-11-27.
+    `metrics.jsonl` says how much of the update's work was padding. Off: every micro-batch at the
+    rollout's width, as before 2026-11-27.
     """
     packing: bool = Field(False, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """Pack the rows of each scoring and update micro-batch back to back into sequences of at most the
