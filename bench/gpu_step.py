@@ -505,6 +505,7 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
         result["auto"] = {"ppo.grad_accum_steps": r.ppo.grad_accum_steps, "micro_batch": r.micro_batch_size,
                           "rollout.forward_batch_size": r.rollout.forward_batch_size,
                           "model.gradient_checkpointing": r.model.gradient_checkpointing,
+                          "model.offload_embeddings": r.model.offload_embeddings,
                           "rollout.compile": trainer.parts.decoder is not None}
         steps, rollout = [], None
         for _ in range(args.steps):

@@ -33,17 +33,15 @@ from lora_ppo.model_checks import base_forward, cache_keyword
 log = logging.getLogger(__name__)
 
 
-def compiled_generation_on(cfg: RolloutConfig, device: torch.device, decode_steps: int,
-                           embeddings_on_cpu: bool = False) -> bool:
+def compiled_generation_on(cfg: RolloutConfig, device: torch.device, decode_steps: int) -> bool:
     """`rollout.compile` decided for `device` and a job of `decode_steps`, and the path logged:
     `auto` is on for a CUDA GPU when the job is long enough to pay the compile back, where
-    decoding is overhead-bound and CUDA graphs remove most of it, and the embeddings are on the
-    GPU; on a CPU matrix multiplies dominate and the compile outweighs what it saves
+    decoding is overhead-bound and CUDA graphs remove most of it; on a CPU matrix multiplies dominate and the compile outweighs what it saves
     (docs/performance.md)."""
-    on = cfg.compiles_on(device.type, decode_steps, embeddings_on_cpu)
+    on = cfg.compiles_on(device.type, decode_steps)
     how = f"rollout.compile {cfg.compile}"
     if cfg.compile == "auto":
-        how += f" on {device.type}, {decode_steps} decode steps" + (", embeddings on the CPU" if embeddings_on_cpu else "")
+        how += f" on {device.type}, {decode_steps} decode steps"
     log.info("generation: %s (%s)", "static KV cache + compiled decode step" if on else "generate()", how)
     return on
 

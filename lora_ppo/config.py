@@ -26,7 +26,8 @@ Quantization = Literal["4bit", "8bit", "none"]
 # them for the budget (train.memory_budget_gb, --gpu-gb, or the device's free memory) and the run
 # records its choice in its recipe.yaml; a resumed run keeps the choice it recorded.
 AUTO = "auto"
-AUTO_SIZES = ("ppo.grad_accum_steps", "rollout.forward_batch_size", "model.gradient_checkpointing")
+AUTO_SIZES = ("ppo.grad_accum_steps", "rollout.forward_batch_size", "model.gradient_checkpointing",
+              "model.offload_embeddings")
 
 # The mark of a field a resumed run may change: it alters how long the run goes, what it logs
 # or evaluates, or how fast a step runs, never what a step computes. RESUME_ALLOWED is derived
@@ -100,13 +101,15 @@ class ModelConfig(Section):
     beyond the step's needs gets part of the speed of the full copy. null: every layer. Same numbers either
     way.
     """
-    offload_embeddings: bool = False
+    offload_embeddings: Union[bool, Literal["auto"]] = False
     """Keep the input embedding table in CPU memory and look each forward's tokens up there (a few thousand
     rows), instead of holding it on the GPU: saves vocabulary x hidden x 2 bytes of GPU memory (1.56 GB for
-    Qwen2.5-32B, 1.05 GB for Llama-3.1-8B) for the same hidden states. Not for models whose LM head shares
-    the table (tied embeddings: refused at load). `rollout.compile: auto` stays off with it (its static KV
-    cache would be held through every phase of a run short of memory); `true` compiles the decode step
-    with each token's lookup done on the CPU before it.
+    Qwen2.5-32B, 1.05 GB for Llama-3.1-8B) for the same hidden states. A compiled decode step looks each
+    token up on the CPU before it. Not for models whose LM head shares the table (tied embeddings: refused
+    at load). `auto` (PPO on a GPU): on where the memory plan needs it to fit the budget or, with it, runs
+    the update in fewer micro-batches or without recomputing (`ppo.grad_accum_steps` or
+    `model.gradient_checkpointing` auto), else off; the run's log says which and why. Off for tied
+    embeddings, on CPU and in `train-reward` and `train-sft`.
     """
     quantize_lm_head: bool = False
     """Quantize the LM head as the linear layers are (`model.quantization`) instead of keeping it at the
@@ -148,6 +151,11 @@ class ModelConfig(Section):
         if self.quantize_lm_head and self.quantization == "none":
             raise ValueError("quantize_lm_head: needs model.quantization 4bit or 8bit (got 'none')")
         return self
+
+    @property
+    def embeddings_on_cpu(self) -> bool:
+        """Whether the embedding table is kept in CPU memory: `auto` left undecided (no memory plan) is off."""
+        return self.offload_embeddings is True
 
     @property
     def checkpointing_on(self) -> bool:
@@ -491,7 +499,8 @@ class RolloutConfig(Section):
     after a one-time compile of about a minute. `auto`: on for training on a CUDA GPU when the run decodes
     at least 2,000 token steps (`train.steps` x the response budget), off elsewhere, and for `eval` and
     `generate` (docs/performance.md has the measurements behind the rule). Where compiling fails,
-    `generate()` takes over with one log line.
+    `generate()` takes over with one log line. The static KV cache stays held through every phase of a
+    step (1.07 GB for the 8B recipe), as `lora-ppo estimate` counts: `false` where memory is what a run lacks.
     """
     environment: Optional[str] = None
     """Multi-turn episodes: `module:Factory` (or `path/file.py:Factory`), created per episode with the
@@ -518,14 +527,12 @@ class RolloutConfig(Section):
     background); null: no limit.
     """
 
-    def compiles_on(self, device_type: str, decode_steps: int, embeddings_on_cpu: bool = False) -> bool:
+    def compiles_on(self, device_type: str, decode_steps: int) -> bool:
         """`compile` decided for a device type ("cuda", "cpu", ...) and the decode steps the job
-        will take: `auto` is on for CUDA when there are enough of them to pay the compile back, and
-        the embeddings are on the device. With `model.offload_embeddings` a run is short of memory,
-        and the static KV cache would stay held through every phase: only `true` compiles then."""
+        will take: `auto` is on for CUDA when there are enough of them to pay the compile back."""
         if self.compile != "auto":
             return bool(self.compile)
-        return device_type == "cuda" and decode_steps >= AUTO_COMPILE_MIN_DECODE_STEPS and not embeddings_on_cpu
+        return device_type == "cuda" and decode_steps >= AUTO_COMPILE_MIN_DECODE_STEPS
 
     @property
     def response_tokens(self) -> int:
@@ -734,10 +741,11 @@ class TrainConfig(Section):
     """
     memory_budget_gb: Optional[float] = Field(None, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """The memory (GB, the whole process: CUDA context included) that the recipe's `auto` sizes
-    (`ppo.grad_accum_steps`, `rollout.forward_batch_size`, `model.gradient_checkpointing`) are chosen to fit,
-    as `lora-ppo estimate --gpu-gb` chooses them. null: what the device has free when the run starts (on a
-    GPU what this process may still allocate: a cap set with `set_per_process_memory_fraction` counts).
-    The choice is written to the run's recipe.yaml; a resumed run keeps it.
+    (`ppo.grad_accum_steps`, `rollout.forward_batch_size`, `model.gradient_checkpointing`,
+    `model.offload_embeddings`) are chosen to fit, as `lora-ppo estimate --gpu-gb` chooses them. null: what
+    the device has free when the run starts (on a GPU what this process may still allocate: a cap set with
+    `set_per_process_memory_fraction` counts). The choice is written to the run's recipe.yaml; a resumed run
+    keeps it.
     """
     max_consecutive_skips: int = Field(3, gt=0, json_schema_extra=MAY_CHANGE_ON_RESUME)
     """Stop the run (with a checkpoint) after this many steps in a row whose update was skipped for a NaN/inf:

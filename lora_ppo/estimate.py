@@ -414,7 +414,7 @@ def _weight_parts(shape: ModelShape, model: ModelConfig, act_bytes: int, device:
              **{part: n * act_bytes for part, n in shape.unquantized_parts().items()}}
     if model.quantize_lm_head and "lm_head" in parts:
         parts["lm_head"] = shape.vocab * shape.hidden * per_weight
-    if model.offload_embeddings and device != "cpu":
+    if model.embeddings_on_cpu and device != "cpu":
         parts.pop("embeddings", None)
     return parts
 
@@ -436,7 +436,7 @@ def _host_parts(shape: ModelShape, recipe: Recipe, act_bytes: int, device: str) 
     if device == "cpu":
         return {}
     host = {}
-    if recipe.model.offload_embeddings:
+    if recipe.model.embeddings_on_cpu:
         host["embeddings"] = shape.vocab * (shape.embed_width or shape.hidden) * act_bytes
     if recipe.ppo.optimizer_state == "cpu":
         host["optimizer"] = _adapter_params(shape, recipe)[0] * (ADAM_BYTES + ADAPTER_WEIGHT_BYTES + ADAPTER_GRAD_BYTES)
@@ -544,7 +544,7 @@ def kv_cache_bytes(shape: ModelShape, act_bytes: int, rows: int, tokens: int) ->
 def static_kv_cache_bytes(shape: ModelShape, recipe: Recipe, act_bytes: int, batch: int, device: str) -> float:
     """With `rollout.compile` on for `device`: the static KV cache, its rows rounded up to the
     compiled batch bucket, which stays allocated through scoring and the update; else 0."""
-    if not recipe.rollout.compiles_on(device, recipe.decode_steps, recipe.model.offload_embeddings):
+    if not recipe.rollout.compiles_on(device, recipe.decode_steps):
         return 0.0
     return kv_cache_bytes(shape, act_bytes, bucket(batch), recipe.sequence_tokens)
 
@@ -706,7 +706,51 @@ def choose_auto_sizes(
     classifier_shapes: Optional[list[ModelShape]] = None,
 ) -> tuple[Recipe, list[AutoChoice]]:
     """The recipe with its `auto` sizes chosen for `budget_gb` (GB for the whole process), and
-    each choice with its reason. ppo.grad_accum_steps: the fewest (the largest micro-batch) whose
+    each choice with its reason (`_choose_sizes`); model.offload_embeddings: in CPU memory where
+    the plan fits only so, or runs the update in fewer micro-batches or without recomputing (a
+    GPU's update is bound by the host below ~8 rows a micro-batch: bench/README.md), else on the
+    device (a lookup on the CPU makes each decoded token wait to reach the host)."""
+    if recipe.model.offload_embeddings != AUTO:
+        return _choose_sizes(shape, recipe, device, budget_gb, processes, classifier_shapes)
+    kept = recipe.with_values({"model.offload_embeddings": False})
+    if not _lever_applies(shape, kept, device, "model.offload_embeddings", True):
+        reason = "everything is in CPU memory" if device == "cpu" else "the model ties them to the LM head"
+        planned, choices = _choose_sizes(shape, kept, device, budget_gb, processes, classifier_shapes)
+        return planned, [AutoChoice("model.offload_embeddings", False, reason), *choices]
+    plans = {place: _choose_sizes(shape, recipe.with_values({"model.offload_embeddings": place}), device, budget_gb,
+                                  processes, classifier_shapes) for place in (False, True)}
+    on_device, on_cpu = plans[False][0], plans[True][0]
+
+    def speed(planned: Recipe) -> tuple:  # the smaller the faster: fitting, fewer micro-batches, no recomputing
+        fits = estimate(shape, planned, device, budget_gb, classifier_shapes, processes, propose_levers=False).fits
+        return fits is False, planned.ppo.grad_accum_steps, planned.model.gradient_checkpointing
+
+    def update_text(planned: Recipe) -> str:
+        rows = planned.micro_batch_size
+        return f"micro-batches of {rows} row{'s' if rows != 1 else ''}" + \
+            ("" if planned.model.gradient_checkpointing else " without recomputing")
+
+    kept_speed = speed(on_device)
+    offload = speed(on_cpu) < kept_speed
+    table = f"the table's {_host_parts(shape, on_cpu, _dtype_bytes(recipe, device), device)['embeddings'] / GB:.2f} GB"
+    if not offload and kept_speed[0]:
+        reason = f"the plan does not fit with {table} in CPU memory either"
+    elif not offload:
+        reason = f"{table} in CPU memory would not speed the update: {update_text(on_device)} either way"
+    elif kept_speed[0]:
+        reason = f"the plan fits only with {table} in CPU memory"
+    else:
+        reason = f"with {table} in CPU memory the update runs {update_text(on_cpu)}, against {update_text(on_device)}"
+    planned, choices = plans[offload]
+    return planned, [AutoChoice("model.offload_embeddings", offload, reason), *choices]
+
+
+def _choose_sizes(
+    shape: ModelShape, recipe: Recipe, device: str, budget_gb: Optional[float], processes: int = 1,
+    classifier_shapes: Optional[list[ModelShape]] = None,
+) -> tuple[Recipe, list[AutoChoice]]:
+    """The recipe with its `auto` sizes but the embeddings' place chosen for `budget_gb` (GB for the
+    whole process), and each choice with its reason. ppo.grad_accum_steps: the fewest (the largest micro-batch) whose
     update fits; model.gradient_checkpointing: off when the update fits without it at that same
     micro-batch (recomputing costs a forward, a smaller micro-batch more passes over the weights);
     rollout.forward_batch_size: the most rows, up to a process's share of the batch, whose scoring
@@ -786,8 +830,7 @@ def choose_auto_sizes(
 
 
 # The memory levers `estimate` may propose, each a recipe override, cheapest first: the same numbers
-# a little slower (embeddings looked up on the CPU, which also keeps rollout.compile off; AdamW
-# stepped on the CPU), then other numbers (8-bit AdamW moments), slower generation (no static KV
+# a little slower (embeddings looked up on the CPU; AdamW stepped on the CPU), then other numbers (8-bit AdamW moments), slower generation (no static KV
 # cache), a quantized LM head, and last smaller adapters. Options of one field exclude each other.
 LEVERS: tuple[tuple[str, Any], ...] = (
     ("model.offload_embeddings", True), ("ppo.optimizer_state", "cpu"), ("ppo.optimizer_state", "8bit"),
@@ -828,8 +871,7 @@ def _lever_applies(shape: ModelShape, recipe: Recipe, device: str, path: str, va
         return False  # refused for tied embeddings
     if path == "model.quantize_lm_head" and recipe.model.quantization == "none":
         return False
-    if path == "rollout.compile" and not recipe.rollout.compiles_on(device, recipe.decode_steps,
-                                                                      recipe.model.offload_embeddings):
+    if path == "rollout.compile" and not recipe.rollout.compiles_on(device, recipe.decode_steps):
         return False
     if path == "adapters.value.r" and (not recipe.uses_critic or recipe.adapters.value.r <= value):
         return False

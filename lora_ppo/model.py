@@ -120,7 +120,7 @@ def load_base_model(cfg: ModelConfig):
     keep_4bit_weights_differentiable(model)
     if dev.type == "cpu":
         _copy_out_of_checkpoint_mapping(model)
-    if cfg.offload_embeddings:
+    if cfg.embeddings_on_cpu:
         model.set_input_embeddings(CpuEmbedding(model.get_input_embeddings(), dev))
     return model
 
@@ -128,11 +128,11 @@ def load_base_model(cfg: ModelConfig):
 def _check_tied_levers(cfg: ModelConfig) -> None:
     """Refuse the memory levers that need the embeddings and the LM head apart, on a model that
     ties them (one table read by both), before the weights load."""
-    if not (cfg.offload_embeddings or cfg.quantize_lm_head):
+    if not (cfg.embeddings_on_cpu or cfg.quantize_lm_head):
         return
     config = model_config(cfg)
     if getattr(config, "tie_word_embeddings", False) or getattr(config.get_text_config(), "tie_word_embeddings", False):
-        lever = "offload_embeddings" if cfg.offload_embeddings else "quantize_lm_head"
+        lever = "offload_embeddings" if cfg.embeddings_on_cpu else "quantize_lm_head"
         raise RecipeError(f"model.{lever}: {cfg.name} ties its embeddings to the LM head (one table for both), "
                           "so they cannot be kept apart; leave it off for this model")
 

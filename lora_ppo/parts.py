@@ -54,8 +54,7 @@ class Parts:
         settings = {"logprobs_from_generation": recipe.logprobs_from_generation_on(float32)}
         if not self.compile_decided:
             self.compile_decided = True
-            if compiled_generation_on(recipe.rollout, self.roles.lm_head.weight.device, decode_steps,
-                                      recipe.model.offload_embeddings):
+            if compiled_generation_on(recipe.rollout, self.roles.lm_head.weight.device, decode_steps):
                 self.decoder = StaticDecoder(self.roles.peft, recipe.sequence_tokens)
         return Sampler(self.roles, self.tokenizer, recipe.rollout.model_copy(update=settings), self.decoder)
 

@@ -1,6 +1,6 @@
-"""Sizes left `auto` (ppo.grad_accum_steps, rollout.forward_batch_size, model.gradient_checkpointing):
-chosen by the memory plan to fit the budget it is given and no larger, recorded in the run's
-recipe.yaml, kept on resume, and shown by `lora-ppo estimate`."""
+"""Sizes left `auto` (ppo.grad_accum_steps, rollout.forward_batch_size, model.gradient_checkpointing,
+model.offload_embeddings): chosen by the memory plan to fit the budget it is given and no larger,
+recorded in the run's recipe.yaml, kept on resume, and shown by `lora-ppo estimate`."""
 
 from __future__ import annotations
 
@@ -83,6 +83,48 @@ def test_without_a_budget_or_room_the_sizes_are_the_leanest():
         assert all("leanest" in choice.reason for choice in choices)
 
 
+OFFLOAD_AUTO = {"model": {"gradient_checkpointing": "auto", "offload_embeddings": "auto"}}
+LLAMA_8B_TABLE = 128256 * 4096 * 2  # vocabulary x hidden, bfloat16
+
+
+def test_the_embeddings_go_to_cpu_memory_where_the_update_gets_larger_micro_batches():
+    planned, choices = est.choose_auto_sizes(LLAMA_8B, _recipe(**OFFLOAD_AUTO), "cuda", 12)
+    kept, _ = est.choose_auto_sizes(LLAMA_8B, _recipe(), "cuda", 12)  # the table on the device
+    assert (planned.model.offload_embeddings, planned.micro_batch_size, kept.micro_batch_size) == (True, 8, 4)
+    assert str(choices[0]) == ("model.offload_embeddings=true (with the table's 1.05 GB in CPU memory the update runs "
+                               "micro-batches of 8 rows, against micro-batches of 4 rows)")
+    e = est.estimate(LLAMA_8B, planned, device="cuda", budget_gb=12)
+    assert e.host == {"embeddings": LLAMA_8B_TABLE} and e.peak <= est.AUTO_PLAN_SHARE * 12 * GB
+    # With room for micro-batches of 8 on the device the table stays there: a lookup on the CPU
+    # costs each decoded token a wait, and nothing in the update gets faster.
+    roomy, choices = est.choose_auto_sizes(LLAMA_8B, _recipe(**OFFLOAD_AUTO), "cuda", 24)
+    assert (roomy.model.offload_embeddings, roomy.micro_batch_size) == (False, 8)
+    assert "would not speed the update: micro-batches of 8 rows either way" in choices[0].reason
+
+
+def test_the_embeddings_go_to_cpu_memory_where_the_plan_fits_only_so():
+    fixed = _recipe(ppo={"grad_accum_steps": 8}, rollout={"forward_batch_size": 1},
+                    model={"gradient_checkpointing": True, "offload_embeddings": "auto"})
+    on_device = est.estimate(LLAMA_8B, fixed.with_values({"model.offload_embeddings": False}), device="cuda").peak
+    assert on_device - est.estimate(LLAMA_8B, fixed.with_values({"model.offload_embeddings": True}),
+                                    device="cuda").peak == LLAMA_8B_TABLE
+    between = (on_device - LLAMA_8B_TABLE / 2) / GB
+    planned, choices = est.choose_auto_sizes(LLAMA_8B, fixed, "cuda", between)
+    assert planned.model.offload_embeddings is True and "fits only with the table's 1.05 GB" in choices[0].reason
+    planned, choices = est.choose_auto_sizes(LLAMA_8B, fixed, "cuda", (on_device - 2 * LLAMA_8B_TABLE) / GB)
+    assert planned.model.offload_embeddings is False and "does not fit with the table" in choices[0].reason
+
+
+def test_the_embeddings_stay_where_they_are_for_tied_models_and_on_cpu():
+    tied = est.ModelShape(4096, 14336, 32, 32, 8, 128, 128256, True)
+    planned, choices = est.choose_auto_sizes(tied, _recipe(**OFFLOAD_AUTO), "cuda", 12)
+    assert planned.model.offload_embeddings is False and "ties them to the LM head" in choices[0].reason
+    planned, choices = est.choose_auto_sizes(LLAMA_8B, _recipe(**OFFLOAD_AUTO), "cpu", 12)
+    assert planned.model.offload_embeddings is False and "everything is in CPU memory" in choices[0].reason
+    # Undecided (no memory plan: train-reward, train-sft) is off.
+    assert not recipe_from_dict(OFFLOAD_AUTO).model.embeddings_on_cpu
+
+
 def test_auto_accumulation_still_checks_the_minibatches():
     with pytest.raises(RecipeError, match=r"rollout.batch_size \(16\) must be divisible by ppo.num_minibatches \(3\)"):
         _recipe(ppo={"num_minibatches": 3})
@@ -110,22 +152,24 @@ def test_a_run_records_its_choice_and_a_resume_keeps_it(tmp_path, tiny_model_dir
     out = tmp_path / "run"
     data = tiny_recipe_dict(tiny_model_dir, out, train={"steps": 1, "eval": False, "memory_budget_gb": 4.0},
                             ppo={"grad_accum_steps": "auto", "num_epochs": 1, "num_minibatches": 2},
-                            rollout={"forward_batch_size": "auto"}, model={"gradient_checkpointing": "auto"})
+                            rollout={"forward_batch_size": "auto"},
+                            model={"gradient_checkpointing": "auto", "offload_embeddings": "auto"})
     recipe = recipe_from_dict(data)
     expected, _ = est.auto_sized_recipe(recipe, "cpu", 4.0)
     with caplog.at_level(logging.INFO, logger="lora_ppo"):
         lora_ppo.PPOTrainer(recipe, progress=False).train()
     saved = yaml.safe_load((out / "recipe.yaml").read_text())
     recorded = (saved["ppo"]["grad_accum_steps"], saved["rollout"]["forward_batch_size"],
-                saved["model"]["gradient_checkpointing"])
+                saved["model"]["gradient_checkpointing"], saved["model"]["offload_embeddings"])
     assert recorded == (expected.ppo.grad_accum_steps, expected.rollout.forward_batch_size,
-                        expected.model.gradient_checkpointing) == (1, 4, False)
-    assert "auto sizes for 4.0 GB, train.memory_budget_gb: model.gradient_checkpointing=false" in caplog.text
+                        expected.model.gradient_checkpointing, expected.model.offload_embeddings) == (1, 4, False, False)
+    assert "auto sizes for 4.0 GB, train.memory_budget_gb: model.offload_embeddings=false (everything is in CPU " \
+        "memory); model.gradient_checkpointing=false" in caplog.text
     # Resumed with the same `auto` recipe and a budget that would choose the leanest sizes: the
     # run goes on with what it recorded.
     more = recipe_from_dict(data, ["train.steps=2", "train.memory_budget_gb=0.001"])
     trainer = lora_ppo.PPOTrainer(more, progress=False, resume="auto")
     assert (trainer.recipe.ppo.grad_accum_steps, trainer.recipe.rollout.forward_batch_size,
-            trainer.recipe.model.gradient_checkpointing) == recorded
+            trainer.recipe.model.gradient_checkpointing, trainer.recipe.model.offload_embeddings) == recorded
     trainer.train()
     assert yaml.safe_load((out / "recipe.yaml").read_text())["ppo"]["grad_accum_steps"] == 1
