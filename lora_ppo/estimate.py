@@ -750,13 +750,13 @@ def _choose_sizes(
     classifier_shapes: Optional[list[ModelShape]] = None,
 ) -> tuple[Recipe, list[AutoChoice]]:
     """The recipe with its `auto` sizes but the embeddings' place chosen for `budget_gb` (GB for the
-    whole process), and each choice with its reason. ppo.grad_accum_steps: the fewest (the largest micro-batch) whose
-    update fits; model.gradient_checkpointing: off when the update fits without it at that same
-    micro-batch (recomputing costs a forward, a smaller micro-batch more passes over the weights);
-    rollout.forward_batch_size: the most rows, up to a process's share of the batch, whose scoring
-    fits. Without a budget, or when even the leanest does not fit: the leanest (micro-batches of
-    one row, checkpointing on, one row per scoring forward). The plan fills AUTO_PLAN_SHARE of the
-    budget."""
+    whole process), and each choice with its reason. ppo.grad_accum_steps: the fewest (the
+    largest micro-batch) whose update fits; model.gradient_checkpointing: off when the update
+    fits without it at that same micro-batch (recomputing costs a forward, a smaller micro-batch
+    more passes over the weights); rollout.forward_batch_size: the most rows, up to a process's
+    share of the batch, whose scoring fits. Without a budget, or when even the leanest does not
+    fit: the leanest (micro-batches of one row, checkpointing on, one row per scoring forward).
+    The plan fills AUTO_PLAN_SHARE of the budget."""
     autos = recipe.auto_sizes
     if not autos:
         return recipe, []
@@ -830,8 +830,9 @@ def _choose_sizes(
 
 
 # The memory levers `estimate` may propose, each a recipe override, cheapest first: the same numbers
-# a little slower (embeddings looked up on the CPU; AdamW stepped on the CPU), then other numbers (8-bit AdamW moments), slower generation (no static KV
-# cache), a quantized LM head, and last smaller adapters. Options of one field exclude each other.
+# a little slower (embeddings looked up on the CPU; AdamW stepped on the CPU), then other numbers
+# (8-bit AdamW moments), slower generation (no static KV cache), a quantized LM head, and last
+# smaller adapters. Options of one field exclude each other.
 LEVERS: tuple[tuple[str, Any], ...] = (
     ("model.offload_embeddings", True), ("ppo.optimizer_state", "cpu"), ("ppo.optimizer_state", "8bit"),
     ("rollout.compile", False), ("model.quantize_lm_head", True), ("adapters.value.r", 8),
