@@ -82,7 +82,8 @@ def test_gpu_memory_check_writes_the_measurement_beside_the_estimate(tiny_config
     result = json.loads(out.read_text())
     assert result["fits"] and result["error"] is None and len(result["steps"]) == 1
     assert result["estimated"]["peak_gb"] > 0 and set(result["auto"]) == {
-        "ppo.grad_accum_steps", "rollout.forward_batch_size", "model.gradient_checkpointing", "model.offload_embeddings"}
+        "ppo.grad_accum_steps", "rollout.forward_batch_size", "model.gradient_checkpointing",
+        "model.offload_embeddings"}
 
 
 def test_gpu_step_runs_only_the_variants_named(tiny_config, tmp_path):
