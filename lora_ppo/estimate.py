@@ -800,7 +800,8 @@ def _choose_sizes(
                       f"without it micro-batches of {rows_text(without)} ({without * recipe.sequence_tokens} tokens a "
                       "forward) fit: no recomputing")
         else:
-            reason = f"without it the largest micro-batch that fits {budget} is {rows_text(without)}, with it {with_it}"
+            reason = (f"without it the largest micro-batch that fits {budget} is {rows_text(without)}, with it {with_it}"
+                      if without else f"without it no micro-batch fits {budget}; with it {rows_text(with_it)}")
         values["model.gradient_checkpointing"] = checkpointing
         choices.append(AutoChoice("model.gradient_checkpointing", checkpointing, reason))
     if accum == AUTO:
