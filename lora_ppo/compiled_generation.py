@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 def compiled_generation_on(cfg: RolloutConfig, device: torch.device, decode_steps: int) -> bool:
     """`rollout.compile` decided for `device` and a job of `decode_steps`, and the path logged:
     `auto` is on for a CUDA GPU when the job is long enough to pay the compile back, where
-    decoding is overhead-bound and CUDA graphs remove most of it; on a CPU matrix multiplies dominate and the compile outweighs what it saves
-    (docs/performance.md)."""
+    decoding is overhead-bound and CUDA graphs remove most of it; on a CPU matrix multiplies
+    dominate and the compile outweighs what it saves (docs/performance.md)."""
     on = cfg.compiles_on(device.type, decode_steps)
     how = f"rollout.compile {cfg.compile}"
     if cfg.compile == "auto":
