@@ -688,6 +688,10 @@ def _resident(shape: ModelShape, recipe: Recipe, act: int, device: str,
     }
 
 
+def rows_text(n: int) -> str:
+    return f"{n} row{'s' if n != 1 else ''}"
+
+
 @dataclass(frozen=True)
 class AutoChoice:
     """A size the recipe left `auto`: the value the memory plan chose and why, in a clause."""
@@ -717,8 +721,8 @@ def choose_auto_sizes(
         reason = "everything is in CPU memory" if device == "cpu" else "the model ties them to the LM head"
         planned, choices = _choose_sizes(shape, kept, device, budget_gb, processes, classifier_shapes)
         return planned, [AutoChoice("model.offload_embeddings", False, reason), *choices]
-    plans = {place: _choose_sizes(shape, recipe.with_values({"model.offload_embeddings": place}), device, budget_gb,
-                                  processes, classifier_shapes) for place in (False, True)}
+    plans = {place: _choose_sizes(shape, planned, device, budget_gb, processes, classifier_shapes)
+             for place, planned in ((False, kept), (True, recipe.with_values({"model.offload_embeddings": True})))}
     on_device, on_cpu = plans[False][0], plans[True][0]
 
     def speed(planned: Recipe) -> tuple:  # the smaller the faster: fitting, fewer micro-batches, no recomputing
@@ -726,8 +730,7 @@ def choose_auto_sizes(
         return fits is False, planned.ppo.grad_accum_steps, planned.model.gradient_checkpointing
 
     def update_text(planned: Recipe) -> str:
-        rows = planned.micro_batch_size
-        return f"micro-batches of {rows} row{'s' if rows != 1 else ''}" + \
+        return f"micro-batches of {rows_text(planned.micro_batch_size)}" + \
             ("" if planned.model.gradient_checkpointing else " without recomputing")
 
     kept_speed = speed(on_device)
@@ -782,9 +785,6 @@ def _choose_sizes(
 
     budget = "no budget given" if budget_gb is None else f"{budget_gb:.3g} GB"
     planned_text = budget if budget_gb is None else f"the {AUTO_PLAN_SHARE * budget_gb:.3g} GB planned of {budget}"
-
-    def rows_text(n: int) -> str:
-        return f"{n} row{'s' if n != 1 else ''}"
 
     values: dict[str, Any] = {}
     choices: list[AutoChoice] = []
