@@ -506,6 +506,8 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
                           "rollout.forward_batch_size": r.rollout.forward_batch_size,
                           "model.gradient_checkpointing": r.model.gradient_checkpointing,
                           "model.offload_embeddings": r.model.offload_embeddings,
+                          "embeddings_staged_for_generation": getattr(
+                              trainer.roles.peft.get_input_embeddings(), "staged_for_generation", False),
                           "rollout.compile": trainer.parts.decoder is not None}
         steps, rollout = [], None
         for _ in range(args.steps):

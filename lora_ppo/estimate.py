@@ -390,6 +390,9 @@ class Estimate:
     auto_choices: tuple["AutoChoice", ...] = ()  # the sizes the recipe left `auto`, as chosen for the budget
     host: dict[str, float] = field(default_factory=dict)  # what the memory levers keep in CPU memory instead
     levers: dict[str, Any] = field(default_factory=dict)  # when nothing fits the budget: the levers that make it fit
+    # model.offload_embeddings: generation looks tokens up in a copy of the table on the device (in
+    # `phases["generate"]`), where that keeps generation's peak at or under the other phases'.
+    embeddings_staged: bool = False
 
     @property
     def peak(self) -> float:
@@ -665,6 +668,11 @@ def estimate(
         "update": static + held + grads + update_bytes(
             shape, recipe, act, update_rows(recipe.minibatch_size, recipe.micro_batch_size, processes), device),
     }
+    host = _host_parts(shape, recipe, act, device)
+    staged = "embeddings" in host and \
+        phases["generate"] + host["embeddings"] <= max(phases["score"], phases["update"])
+    if staged:
+        phases["generate"] += host["embeddings"]
     fitting: dict[str, int] = {}
     if budget_gb is not None:
         fitting = largest_fitting_sizes(shape, recipe, act, device, budget_gb * GB - static, grads, processes)
@@ -672,7 +680,7 @@ def estimate(
     if budget_gb is not None and not fitting and propose_levers:
         levers = levers_that_fit(shape, recipe, device, budget_gb, classifier_shapes, processes)
     return Estimate(shape, components, phases, budget_gb, fitting, bool(recipe.model.dequantize_per_step), processes,
-                    weight_parts, held, tuple(choices), _host_parts(shape, recipe, act, device), levers)
+                    weight_parts, held, tuple(choices), host, levers, staged)
 
 
 def _resident(shape: ModelShape, recipe: Recipe, act: int, device: str,
@@ -1130,6 +1138,9 @@ def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
     if est.host:
         lines.append("in CPU memory instead (the memory levers): "
                      + ", ".join(f"{name} {value / GB:.2f} GB" for name, value in est.host.items()))
+    if est.embeddings_staged:
+        lines.append(f"  (generation looks tokens up in a copy of the embeddings on the GPU, "
+                     f"{est.host['embeddings'] / GB:.2f} GB, counted in its phase: it stays under the others)")
     lines.append(f"peak: {est.peak / GB:.2f} GB")
     if est.budget_gb is not None:
         verdict = "fits" if est.fits else "does NOT fit"
@@ -1170,6 +1181,7 @@ def as_json(est: Estimate) -> dict:
         "dequantize_per_step": est.dequantize_per_step,
         "auto": {c.field: c.value for c in est.auto_choices},
         "host_gb": {k: round(v / GB, 3) for k, v in est.host.items()},
+        "embeddings_staged": est.embeddings_staged,
         "levers": est.levers,
         "processes": est.processes,
     }

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import weakref
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from safetensors import SafetensorError
@@ -147,6 +147,10 @@ class CpuEmbedding(nn.Module):
         super().__init__()
         object.__setattr__(self, "table", embedding.to("cpu"))  # not a submodule: its weight stays off the GPU
         self.out_device = dev
+        # Whether generation copies the table to the device for its lookups (`on_device`): the
+        # memory plan says so where generation's peak with it stays under the update's or scoring's.
+        self.staged_for_generation = False
+        self._staged: Optional[dict[str, torch.Tensor]] = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -160,9 +164,32 @@ class CpuEmbedding(nn.Module):
     def embedding_dim(self) -> int:
         return self.table.weight.shape[1]
 
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[None]:
+        """Within it (when `staged_for_generation`), lookups use a copy of the table on the device:
+        a decoded token's lookup on the CPU would wait for the token to reach the host, each step."""
+        if not self.staged_for_generation or self._staged is not None:
+            yield
+            return
+        tensors = dict(self.table.named_parameters()) | dict(self.table.named_buffers())
+        self._staged = {name: tensor.to(self.out_device, copy=True) for name, tensor in tensors.items()}
+        try:
+            yield
+        finally:
+            self._staged = None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # The original module's forward (Gemma scales its rows), on the CPU.
+        # The original module's forward (Gemma scales its rows), on the CPU or with the staged copy.
+        if self._staged is not None:
+            return torch.func.functional_call(self.table, self._staged, (input_ids.to(self.out_device),))
         return self.table(input_ids.to("cpu")).to(self.out_device, non_blocking=True)
+
+
+def embeddings_on_device(model: nn.Module) -> contextlib.AbstractContextManager:
+    """Generation's lookups on the device, where the model keeps its embeddings in CPU memory
+    and the memory plan staged them (`CpuEmbedding.on_device`)."""
+    embedding = model.get_input_embeddings()
+    return embedding.on_device() if isinstance(embedding, CpuEmbedding) else contextlib.nullcontext()
 
 
 def _log_what_stays_unquantized(model: nn.Module, cfg: ModelConfig) -> None:

@@ -16,6 +16,7 @@ from lora_ppo.config import RolloutConfig
 from lora_ppo.data import PromptRow
 from lora_ppo.distributed import World
 from lora_ppo.memory import PhasePeaks
+from lora_ppo.model import embeddings_on_device
 from lora_ppo.padding import MicroBatch, micro_batches, pad_responses
 from lora_ppo.rewards import RewardBatch, RewardSources
 from lora_ppo.roles import POLICY, REFERENCE, VALUE, Role, RoleModel
@@ -266,7 +267,7 @@ def generate(
     from transformers import LogitsProcessorList
 
     processors = LogitsProcessorList([p for p in (recorder, row_sampling) if p is not None])
-    with roles.as_role(role), roles.adapter_compute():
+    with roles.as_role(role), roles.adapter_compute(), embeddings_on_device(roles.peft):
         if decoder is not None and decoder.fits(query_ids.shape[1], gen_config.max_new_tokens):
             # generate() runs the caller's processors, then (when it samples) the warpers
             warpers = sampling_warpers(gen_config.temperature, gen_config.top_k, gen_config.top_p)

@@ -1,6 +1,7 @@
 """The sizes a recipe leaves `auto` (micro-batch, scoring batch, gradient checkpointing), chosen
 for a run's memory budget by the estimate's memory plan, or taken from the run's recipe.yaml when
-it resumes: what a run records is what it ran with."""
+it resumes: what a run records is what it ran with. And where generation looks tokens up when the
+embeddings are kept in CPU memory, as the same plan says."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import logging
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from lora_ppo.config import AUTO, Recipe, field_value
 from lora_ppo.devices import device, device_type
 from lora_ppo.distributed import World
-from lora_ppo.estimate import GB, RUNTIME_BYTES, auto_sized_recipe
-from lora_ppo.model import free_memory_bytes
+from lora_ppo.errors import RecipeError
+from lora_ppo.estimate import GB, RUNTIME_BYTES, ModelShape, auto_sized_recipe, estimate
+from lora_ppo.model import CpuEmbedding, free_memory_bytes
 from lora_ppo.run_dir import RunDir, find_run_root
 
 log = logging.getLogger(__name__)
@@ -40,6 +44,30 @@ def with_auto_sizes(recipe: Recipe, resume: Optional[str | Path], world: World) 
     if world.is_main:
         log.info("auto sizes for %s: %s", where, "; ".join(str(choice) for choice in choices))
     return planned
+
+
+def stage_embeddings_as_planned(model: torch.nn.Module, recipe: Recipe) -> None:
+    """With the embeddings in CPU memory on a GPU: generation copies the table to the device for
+    its lookups where the memory plan finds room (generation's peak with it at or under scoring's
+    and the update's, so the run's peak stays the plan's); else each decoded token waits to reach
+    the host for its lookup (a third of the tokens/s: bench/README.md)."""
+    embedding = model.get_input_embeddings()
+    if not isinstance(embedding, CpuEmbedding) or embedding.out_device.type == "cpu":
+        return
+    try:
+        plan = estimate(ModelShape.from_config(model.config), recipe, "cuda", propose_levers=False)
+    except RecipeError as error:  # a model type the plan cannot count: the lookups stay on the host
+        log.info("model.offload_embeddings: generation looks tokens up in CPU memory (%s)", error)
+        return
+    embedding.staged_for_generation = plan.embeddings_staged
+    table = plan.host["embeddings"] / GB
+    if plan.embeddings_staged:
+        log.info("model.offload_embeddings: generation looks tokens up in a copy of the table on the GPU "
+                 "(%.2f GB; generation's peak with it, %.2f GB, stays within the plan's %.2f GB)",
+                 table, plan.phases["generate"] / GB, plan.peak / GB)
+    else:
+        log.info("model.offload_embeddings: generation looks tokens up in CPU memory (a %.2f GB copy on the GPU "
+                 "would take generation's peak above the update's)", table)
 
 
 def saved_run_recipe(recipe: Recipe, resume: Optional[str | Path]) -> Optional[dict]:

@@ -33,7 +33,7 @@ from lora_ppo.roles import POLICY, REWARD, VALUE, RoleModel
 from lora_ppo.rollout import Rollout, Samples, collect_rollout, gather_rollout, row_seeds
 from lora_ppo.run_dir import write_jsonl
 from lora_ppo.signals import StopRequest, stop_on_signals
-from lora_ppo.sizing import with_auto_sizes
+from lora_ppo.sizing import stage_embeddings_as_planned, with_auto_sizes
 from lora_ppo.state import TrainState
 from lora_ppo.step_log import StepLog
 from lora_ppo.summary import build_summary
@@ -76,6 +76,7 @@ class PPOTrainer:
         self.run, self.resume_from = checkpoint.open_run(recipe, resume, check_taken=self.world.is_main)
         check_installed(recipe.train.report_to)  # before minutes of loading
         self.parts = build(recipe, reward_fn)
+        stage_embeddings_as_planned(self.roles.peft, recipe)
         if self.world.rank > 0:  # the same adapters everywhere (built above), a sampling stream per process
             torch.manual_seed(row_seeds(recipe.train.seed, ("process",), range(self.world.rank, self.world.rank + 1))[0])
         self.stream = PromptStream(self.parts.train_prompts.rows, recipe.train.seed)

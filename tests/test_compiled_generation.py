@@ -81,24 +81,31 @@ def test_the_same_tokens_and_logprobs_as_generate(roles, tiny_tokenizer, decoder
     assert (bucket(3), "policy", False) in decoder._warm
 
 
-def test_embeddings_in_cpu_memory_are_looked_up_before_each_compiled_step(make_roles, tiny_tokenizer):
+@pytest.mark.parametrize("staged", [False, True])
+def test_embeddings_in_cpu_memory_are_looked_up_before_each_compiled_step(make_roles, tiny_tokenizer, staged):
     """model.offload_embeddings with rollout.compile: true. The step's graph takes each token's
-    embedding, looked up on the host, and samples what generate() samples with the same table."""
+    embedding, looked up before it (in the table, or in generation's copy of it where the memory
+    plan staged one), and samples what generate() samples with the same table."""
     from lora_ppo.model import CpuEmbedding
 
     torch.manual_seed(0)
     roles = make_roles(seed=3)
     base = roles.peft.get_base_model()
-    base.set_input_embeddings(CpuEmbedding(base.get_input_embeddings(), torch.device("cpu")))
+    embedding = CpuEmbedding(base.get_input_embeddings(), torch.device("cpu"))
+    embedding.staged_for_generation = staged
+    base.set_input_embeddings(embedding)
     decoder = StaticDecoder(roles.peft, cache_tokens=64)
     step, given = decoder._step, []
-    decoder._step = lambda cache, tokens, *rest: given.append(tuple(tokens.shape)) or step(cache, tokens, *rest)
+    decoder._step = lambda cache, tokens, *rest: \
+        given.append((tuple(tokens.shape), embedding._staged is not None)) or step(cache, tokens, *rest)
     cfg = RolloutConfig(**SAMPLING, stop_token=None)
     today, compiled = both_paths(roles, tiny_tokenizer, decoder, cfg, PROMPTS, seed=5)
     assert_same_samples(today, compiled)
     hidden = base.config.hidden_size
-    assert given == [(bucket(3), 1, hidden)] * (SAMPLING["max_new_tokens"] - 1)  # embeddings, not ids
-    assert decoder.disabled is None and decoder.graphs == 1 and decoder.recompiles == 0
+    assert given == [((bucket(3), 1, hidden), staged)] * (SAMPLING["max_new_tokens"] - 1)  # embeddings, not ids
+    assert embedding._staged is None
+    # One graph; the second case reuses the first's (dynamo guards on shapes, not on the module).
+    assert decoder.disabled is None and decoder.graphs <= 1 and decoder.recompiles == 0
 
 
 def test_fused_lora_layers_compile_and_sample_what_generate_samples(make_roles, tiny_tokenizer):

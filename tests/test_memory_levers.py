@@ -12,7 +12,7 @@ from lora_ppo import estimate as est
 from lora_ppo import optimizers
 from lora_ppo.config import ModelConfig, recipe_from_dict
 from lora_ppo.errors import RecipeError
-from lora_ppo.model import CpuEmbedding, load_base_model
+from lora_ppo.model import CpuEmbedding, embeddings_on_device, load_base_model
 from tests.conftest import deterministic_metrics, tiny_recipe_dict
 
 
@@ -38,6 +38,27 @@ def test_embeddings_looked_up_on_the_cpu_give_the_same_hidden_states(tiny_untied
         same = offloaded.model(input_ids=IDS).last_hidden_state
         expected = plain.model(input_ids=IDS).last_hidden_state
     assert torch.equal(same, expected)
+
+
+def test_generation_looks_tokens_up_in_a_copy_taken_on_entry_and_let_go_after(tiny_untied_model_dir):
+    """Where the plan stages the table (`staged_for_generation`), generation's lookups read a copy
+    taken as it starts (on a GPU: no wait for each token to reach the host); outside, the table."""
+    plain, offloaded = _model(tiny_untied_model_dir), _model(tiny_untied_model_dir, offload_embeddings=True)
+    embedding = offloaded.get_input_embeddings()
+    embedding.staged_for_generation = True
+    with torch.no_grad():
+        expected = plain.model(input_ids=IDS).last_hidden_state
+        with embeddings_on_device(offloaded):
+            embedding.weight.add_(1.0)  # the table changes after the copy was taken: the copy is read
+            staged = offloaded.model(input_ids=IDS).last_hidden_state
+            with embeddings_on_device(offloaded):  # nested (an episode's turn): the same copy
+                nested = offloaded.model(input_ids=IDS).last_hidden_state
+        after = offloaded.model(input_ids=IDS).last_hidden_state
+    assert torch.equal(staged, expected) and torch.equal(nested, expected)
+    assert embedding._staged is None and not torch.equal(after, expected)
+    embedding.staged_for_generation = False  # where the plan has no room: the table, always
+    with torch.no_grad(), embeddings_on_device(offloaded):
+        assert torch.equal(offloaded.model(input_ids=IDS).last_hidden_state, after)
 
 
 def test_levers_that_need_their_own_lm_head_are_refused_for_tied_embeddings(tiny_model_dir):
@@ -191,6 +212,22 @@ def test_the_estimate_counts_each_lever_by_hand():
     on_cpu = _estimate(ppo={"optimizer_state": "cpu"})
     assert on_cpu.components["optimizer"] == 0 and on_cpu.host == {"optimizer": trainable * 16}
     assert _estimate(ppo={"optimizer_state": "8bit"}).components["optimizer"] == trainable * 8
+
+
+def test_generation_stages_the_table_only_where_its_peak_stays_under_the_others():
+    """With the table in CPU memory, generation looks tokens up in a copy on the GPU where that
+    keeps generation's peak at or under scoring's and the update's: then generation holds what it
+    holds with the table on the device, and the plan's peak is unchanged by the copy."""
+    short = {"rollout": {"batch_size": 16, "forward_batch_size": 8}}
+    on_device, staged = _estimate(**short), _estimate(**short, model={"offload_embeddings": True})
+    assert staged.embeddings_staged and staged.phases["generate"] == on_device.phases["generate"]
+    assert on_device.phases["update"] - staged.phases["update"] == 320 * 64 * 2
+    assert staged.peak == max(staged.phases["score"], staged.phases["update"])
+    # 64 rows generated, one scored at a time, micro-batches of 8: generation is the peak already.
+    long = {"rollout": {"batch_size": 64, "forward_batch_size": 1}, "ppo": {"grad_accum_steps": 8}}
+    on_device, host = _estimate(**long), _estimate(**long, model={"offload_embeddings": True})
+    assert not host.embeddings_staged
+    assert on_device.phases["generate"] - host.phases["generate"] == 320 * 64 * 2 and host.peak == host.phases["generate"]
 
 
 def test_8bit_moments_by_hand_for_a_large_adapter():
