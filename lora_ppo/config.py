@@ -104,9 +104,10 @@ class ModelConfig(Section):
     offload_embeddings: Union[bool, Literal["auto"]] = False
     """Keep the input embedding table in CPU memory and look each forward's tokens up there (a few thousand
     rows), instead of holding it on the GPU: saves vocabulary x hidden x 2 bytes of GPU memory (1.56 GB for
-    Qwen2.5-32B, 1.05 GB for Llama-3.1-8B) for the same hidden states. A compiled decode step looks each
-    token up on the CPU before it. Not for models whose LM head shares the table (tied embeddings: refused
-    at load). `auto` (PPO on a GPU): on where the memory plan needs it to fit the budget or, with it, runs
+    Qwen2.5-32B, 1.05 GB for Llama-3.1-8B) for the same hidden states. Generation looks its tokens up in a
+    copy of the table on the GPU where the memory plan has room for one (its peak then stays at or under
+    scoring's and the update's), else on the CPU, where each decoded token waits to reach the host. Not for
+    models whose LM head shares the table (tied embeddings: refused at load). `auto` (PPO on a GPU): on where the memory plan needs it to fit the budget or, with it, runs
     the update in fewer micro-batches or without recomputing (`ppo.grad_accum_steps` or
     `model.gradient_checkpointing` auto), else off; the run's log says which and why. Off for tied
     embeddings, on CPU and in `train-reward` and `train-sft`.
