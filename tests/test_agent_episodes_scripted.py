@@ -28,10 +28,12 @@ class ScriptedPolicy:
     """A sampler whose every row writes turn k's text (cut at max_new_tokens; the stop token added
     when `stops[k]`), with the tokenizer's real ids: run_episodes cannot tell it from the policy."""
 
-    def __init__(self, tokenizer, turns: list[str], stops: list[bool], max_new_tokens: int = 400):
+    def __init__(self, tokenizer, turns: list[str], stops: list[bool], max_new_tokens: int = 400, embedding=None):
         self.tokenizer, self.turns, self.stops, self.turn = tokenizer, turns, stops, 0
         self.cfg = RolloutConfig(max_new_tokens=max_new_tokens, batch_size=4)
-        self.roles = SimpleNamespace(lm_head=SimpleNamespace(weight=torch.zeros(1)))
+        self.roles = SimpleNamespace(lm_head=SimpleNamespace(weight=torch.zeros(1)),
+                                     peft=SimpleNamespace(get_input_embeddings=lambda: embedding))
+        self.staged_per_turn = []  # the embedding table's copy on the device each turn sampled with
 
     def with_settings(self, **settings):
         self.cfg = self.cfg.model_copy(update=settings)
@@ -42,6 +44,7 @@ class ScriptedPolicy:
         stopped = self.stops[self.turn] and len(ids) < self.cfg.max_new_tokens
         ids = ids + [self.tokenizer.eos_token_id] * stopped
         self.turn += 1
+        self.staged_per_turn.append(getattr(self.roles.peft.get_input_embeddings(), "_staged", None))
         query_ids, query_mask = left_pad(rows, self.tokenizer.pad_token_id, "cpu")
         B = len(rows)
         return Samples(query_ids, query_mask, torch.tensor([ids] * B), torch.ones(B, len(ids), dtype=torch.bool),
@@ -75,6 +78,20 @@ def test_a_template_that_ignores_tools_gets_them_in_the_system_message_the_parse
         {"role": "assistant", "content": ADD_CALL}, {"role": "tool", "name": "add", "content": "5"},
         {"role": "assistant", "content": "It is 5."}]
     assert batch.metrics["episode/tool_calls"] == 1 and batch.metrics["episode/tool_errors"] == 0
+
+
+def test_every_turn_of_an_episode_batch_reads_one_copy_of_an_offloaded_table(tiny_tokenizer):
+    """model.offload_embeddings where the plan stages the table: an episode batch copies it to the
+    device once for all its turns (a copy per turn would cost each turn the transfer)."""
+    from lora_ppo.model import CpuEmbedding
+
+    embedding = CpuEmbedding(torch.nn.Embedding(8, 4), torch.device("cpu"))
+    embedding.staged_for_generation = True
+    policy = ScriptedPolicy(tiny_tokenizer, [ADD_CALL, "It is 5."], [True, True], embedding=embedding)
+    run_episodes(policy, prompt_rows(tiny_tokenizer, ["What is 2 plus 3?"], chat_template=True),
+                 tool_settings(tiny_tokenizer))
+    first, second = policy.staged_per_turn
+    assert first is not None and first is second and embedding._staged is None
 
 
 def test_a_template_that_renders_tools_gets_them_once_and_no_system_message_of_ours(tiny_tokenizer):

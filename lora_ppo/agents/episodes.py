@@ -23,6 +23,7 @@ from lora_ppo.agents.environment import EnvironmentSession, EpisodeError, Messag
 from lora_ppo.agents.tools import cut_short, parse_tool_calls, run_tool, tool_message, with_system_text
 from lora_ppo.data import PromptRow
 from lora_ppo.memory import PhasePeaks
+from lora_ppo.model import embeddings_on_device
 from lora_ppo.rewards import RewardSources
 from lora_ppo.roles import POLICY, Role
 from lora_ppo.rollout import (Rollout, Sampler, join_prompt_response, left_pad, masked_rows, row_seeds,
@@ -177,6 +178,13 @@ def run_episodes(
     derived from its seed and k. `first_index`: the rows' place in the step's batch (errors name it).
     `role`: who plays (the policy; the reference, to compare).
     """
+    # One copy of an embedding table kept in CPU memory on the GPU for every turn, not one per turn.
+    with embeddings_on_device(sampler.roles.peft):
+        return _play(sampler, rows, settings, record_logprobs, seeds, first_index, role)
+
+
+def _play(sampler: Sampler, rows: Sequence[PromptRow], settings: EpisodeSettings, record_logprobs: bool,
+          seeds: Optional[Sequence[int]], first_index: int, role: Role) -> EpisodeBatch:
     tokenizer = sampler.tokenizer
     renderer = ChatRenderer(tokenizer, settings.tool_schemas, settings.tools_in_system)
     episodes = [_start(row, settings, renderer, first_index + i) for i, row in enumerate(rows)]
