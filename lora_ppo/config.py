@@ -107,10 +107,10 @@ class ModelConfig(Section):
     Qwen2.5-32B, 1.05 GB for Llama-3.1-8B) for the same hidden states. Generation looks its tokens up in a
     copy of the table on the GPU where the memory plan has room for one (its peak then stays at or under
     scoring's and the update's), else on the CPU, where each decoded token waits to reach the host. Not for
-    models whose LM head shares the table (tied embeddings: refused at load). `auto` (PPO on a GPU): on where the memory plan needs it to fit the budget or, with it, runs
-    the update in fewer micro-batches or without recomputing (`ppo.grad_accum_steps` or
-    `model.gradient_checkpointing` auto), else off; the run's log says which and why. Off for tied
-    embeddings, on CPU and in `train-reward` and `train-sft`.
+    models whose LM head shares the table (tied embeddings: refused at load). `auto` (PPO on a GPU): on
+    where the memory plan needs it to fit the budget or, with it, runs the update in fewer micro-batches or
+    without recomputing (`ppo.grad_accum_steps` or `model.gradient_checkpointing` auto), else off; the
+    run's log says which and why. Off for tied embeddings, on CPU and in `train-reward` and `train-sft`.
     """
     quantize_lm_head: bool = False
     """Quantize the LM head as the linear layers are (`model.quantization`) instead of keeping it at the

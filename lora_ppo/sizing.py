@@ -67,7 +67,7 @@ def stage_embeddings_as_planned(model: torch.nn.Module, recipe: Recipe) -> None:
                  table, plan.phases["generate"] / GB, plan.peak / GB)
     else:
         log.info("model.offload_embeddings: generation looks tokens up in CPU memory (a %.2f GB copy on the GPU "
-                 "would take generation's peak above the update's)", table)
+                 "would take generation's peak above scoring's and the update's)", table)
 
 
 def saved_run_recipe(recipe: Recipe, resume: Optional[str | Path]) -> Optional[dict]:

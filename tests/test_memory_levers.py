@@ -61,6 +61,29 @@ def test_generation_looks_tokens_up_in_a_copy_taken_on_entry_and_let_go_after(ti
         assert torch.equal(offloaded.model(input_ids=IDS).last_hidden_state, after)
 
 
+def test_a_run_stages_the_table_for_generation_as_the_plan_says_and_logs_it(tiny_untied_model_dir, caplog):
+    """The run asks the memory plan once, after loading: 16 rows scored 8 at a time leave generation
+    room for the copy; 64 rows generated, scored one at a time, make generation the peak already.
+    (The device is faked: staging is decided for a GPU, and nothing here touches one.)"""
+    from lora_ppo.sizing import stage_embeddings_as_planned
+
+    model = _model(tiny_untied_model_dir, offload_embeddings=True)
+    embedding = model.get_input_embeddings()
+    embedding.out_device = torch.device("cuda")
+    short = {"rollout": {"batch_size": 16, "forward_batch_size": 8}}
+    long = {"rollout": {"batch_size": 64, "forward_batch_size": 1}, "ppo": {"grad_accum_steps": 8}}
+    for sections, staged, said in ((short, True, "in a copy of the table on the GPU"),
+                                   (long, False, "in CPU memory (a 0.00 GB copy on the GPU would take")):
+        recipe = recipe_from_dict({"model": {"name": str(tiny_untied_model_dir), "offload_embeddings": True},
+                                   "adapters": {"policy": {"r": 4}, "value": {"r": 4}, "reference": "disable"},
+                                   **sections})
+        caplog.clear()
+        with caplog.at_level("INFO", logger="lora_ppo.sizing"):
+            stage_embeddings_as_planned(model, recipe)
+        assert embedding.staged_for_generation is staged
+        assert [r.getMessage() for r in caplog.records if said in r.getMessage()]
+
+
 def test_levers_that_need_their_own_lm_head_are_refused_for_tied_embeddings(tiny_model_dir):
     for lever in ("offload_embeddings", "quantize_lm_head"):
         with pytest.raises(RecipeError, match=rf"model.{lever}: .* ties its embeddings to the LM head"):
