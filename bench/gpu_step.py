@@ -488,6 +488,9 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
 
     import lora_ppo
     from lora_ppo.alarms import LOGPROB_TOLERANCE
+    from lora_ppo.devices import device
+    from lora_ppo.estimate import RUNTIME_BYTES
+    from lora_ppo.model import free_memory_bytes
     from lora_ppo.data import PromptStream
     from lora_ppo.quantization import compute_dtype
 
@@ -496,6 +499,9 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
     recipe = lora_ppo.load_recipe(args.recipe, run_overrides(model_dir, Path(args.work) / f"run-{gpu_gb:g}",
                                                               args.overrides))
     result.update({"gpu_gb": gpu_gb, "cuda_context_gb": round(context / GB, 3), "allocator_cap_gb": round(cap / GB, 3)})
+    # The budget the run's `auto` sizes are planned for (lora_ppo.sizing): near a plan's edge (the
+    # 8B recipe's micro-batches of 8 from 11.9 GB) tens of MB decide the sizes.
+    result["plan_budget_gb"] = round((free_memory_bytes(device()) + RUNTIME_BYTES["cuda" if cuda else "cpu"]) / GB, 3)
     t0 = time.perf_counter()
     try:
         trainer = lora_ppo.PPOTrainer(recipe, progress=False)

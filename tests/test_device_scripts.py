@@ -44,6 +44,7 @@ def test_gpu_step_writes_every_part(tiny_config, tmp_path):
     (budget,) = json.loads(out.read_text())["budgets"]
     assert len(budget["steps"]) == 2 and all(s["time/step"] > 0 and "perf/update_tflops" in s for s in budget["steps"])
     assert set(budget["auto"]) >= {"micro_batch", "rollout.forward_batch_size", "model.gradient_checkpointing"}
+    assert budget["plan_budget_gb"] > 0  # what the `auto` sizes were planned for (on CPU: memory available)
     for part in ("kl_check", "update_variants", "profile", "static_cache"):
         assert "error" not in budget[part], (part, budget[part])
     variants = budget["update_variants"]
