@@ -16,6 +16,8 @@ as `data.max_prompt_tokens` allows and every response at full length. For each b
   reductions, optimizer, other elementwise), with the device time under the LM head + logprob
   and LoRA ranges (forward) and the top kernels by name; then the same micro-batch's wall time and
   its waits for the GPU (CUDA's sync debug mode);
+- the same table for one more generation of the batch (warm: compiled by the steps), against
+  that call's wall time and per decoded token: where a 4-bit decode step's time goes;
 - one extra step per update variant (compiled layers, double the micro-batch, both roles in one
   pass, checkpointing off, half the micro-batch, `model.fused_lora` in the update at the same micro-
   batch (also with its adapters cast per layer call) and double it, then the `auto` choice again as a
@@ -212,33 +214,64 @@ def profile_update(trainer, rollout) -> dict:
         syncs = sum("synchroniz" in str(w.message) for w in caught)
         parts.optimizer.zero_grad(set_to_none=True)
     # The adapters moved by one extra optimizer step: this trainer is not used for steps again.
+    cpu_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    ranges = {}
+    for label in RANGES:
+        tops = [e for e in cpu_events if e.name == label]
+        ranges[label] = sum(_device_time_under(e, cuda) for e in tops) / 1e3
+    return {"micro_batch_rows": r.micro_batch_size, "wall_ms": round(wall_ms, 2), "host_syncs": syncs,
+            **kernel_summary(prof, cuda), "forward_ranges_ms": {k: round(v, 2) for k, v in ranges.items()}}
+
+
+def profile_generation(trainer, prompts) -> dict:
+    """One more generation of the step's batch (warm: its graph compiled by the steps) under
+    torch.profiler: device time by kernel family and the top kernels, against the same call's wall
+    time unprofiled (the rest is the GPU waiting on the host). Where a 4-bit decode step's time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    rows = prompts[: trainer.recipe.rollout.batch_size]
+
+    def generate() -> int:
+        samples = trainer.sampler.sample(rows)
+        if cuda:
+            torch.cuda.synchronize()
+        return int(samples.response_mask.shape[1])
+
+    t0 = time.perf_counter()
+    new_tokens = generate()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        generate()
+    return {"rows": len(rows), "new_tokens": new_tokens, "wall_ms": round(wall_ms, 2),
+            "decode_step_ms": round(wall_ms / max(new_tokens, 1), 3), **kernel_summary(prof, cuda)}
+
+
+def kernel_summary(prof, cuda: bool) -> dict:
+    """A profile's device time: in all, by kernel family, and its 15 longest kernels. The device
+    side of a record_function range (kineto's GPU user annotation) comes back as a CUDA event of the
+    range's name, spanning the kernels under it: not a kernel. On CPU (a smoke test) every op's own
+    time stands in for kernels."""
+    import torch
+
     events = prof.events()
     cpu_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    # The device side of a record_function range (kineto's GPU user annotation) comes back as a CUDA
-    # event of the range's name, spanning the kernels under it: not a kernel. On CPU (a smoke test)
-    # every op's own time stands in for kernels.
     ranges_named = {e.name for e in cpu_events}
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
                and e.name not in ranges_named] if cuda else cpu_events
     time_of = (lambda e: e.device_time) if cuda else (lambda e: e.self_cpu_time_total)
     total = sum(time_of(e) for e in kernels)
     families: dict[str, float] = {}
-    for e in kernels:
-        families[family(e.name)] = families.get(family(e.name), 0.0) + time_of(e)
-    ranges = {}
-    for label in RANGES:
-        tops = [e for e in cpu_events if e.name == label]
-        ranges[label] = sum(_device_time_under(e, cuda) for e in tops) / 1e3
     by_name: dict[str, float] = {}
     for e in kernels:
+        families[family(e.name)] = families.get(family(e.name), 0.0) + time_of(e)
         by_name[e.name] = by_name.get(e.name, 0.0) + time_of(e)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
     return {
-        "micro_batch_rows": r.micro_batch_size, "device_ms": round(total / 1e3, 2), "wall_ms": round(wall_ms, 2),
-        "host_syncs": syncs,
+        "device_ms": round(total / 1e3, 2),
         "by_family_ms": {k: round(v / 1e3, 2) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
         "by_family_share": {k: round(v / max(total, 1e-9), 3) for k, v in families.items()},
-        "forward_ranges_ms": {k: round(v, 2) for k, v in ranges.items()},
         "top_kernels_ms": [[name[:120], round(t / 1e3, 2)] for name, t in top],
     }
 
@@ -538,6 +571,8 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
             result["kl_check"] = recorded(kl_check, trainer, prompts)
             save()
         result["profile"] = recorded(profile_update, trainer, rollout)
+        save()
+        result["generation_profile"] = recorded(profile_generation, trainer, prompts)
         save()
         if args.update_variants and gpu_gb == args.gpu_gb[0]:  # the first budget only: each costs a step
             result["update_variants"] = {}

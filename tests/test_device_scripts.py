@@ -45,7 +45,7 @@ def test_gpu_step_writes_every_part(tiny_config, tmp_path):
     assert len(budget["steps"]) == 2 and all(s["time/step"] > 0 and "perf/update_tflops" in s for s in budget["steps"])
     assert set(budget["auto"]) >= {"micro_batch", "rollout.forward_batch_size", "model.gradient_checkpointing"}
     assert budget["plan_budget_gb"] > 0  # what the `auto` sizes were planned for (on CPU: memory available)
-    for part in ("kl_check", "update_variants", "profile", "static_cache"):
+    for part in ("kl_check", "update_variants", "profile", "generation_profile", "static_cache"):
         assert "error" not in budget[part], (part, budget[part])
     variants = budget["update_variants"]
     assert 0 <= budget["steps"][-1]["update/padding_frac"] < 1
@@ -73,6 +73,10 @@ def test_gpu_step_writes_every_part(tiny_config, tmp_path):
     assert profile["device_ms"] > 0 and sum(profile["by_family_ms"].values()) == pytest.approx(profile["device_ms"],
                                                                                              abs=0.1)
     assert profile["wall_ms"] > 0 and profile["host_syncs"] is None  # counted on CUDA only
+    generation = budget["generation_profile"]  # one more batch, profiled by kernel family
+    # the recipe's batch of 16, each response at full length (no stop token)
+    assert (generation["rows"], generation["new_tokens"]) == (16, 8) and generation["wall_ms"] > 0
+    assert sum(generation["by_family_ms"].values()) == pytest.approx(generation["device_ms"], abs=0.1)
     assert budget["static_cache"]["devices"] == ["cpu"]  # the compiled decoder's cache, held between steps
 
 
