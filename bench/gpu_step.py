@@ -521,10 +521,10 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
 
     import lora_ppo
     from lora_ppo.alarms import LOGPROB_TOLERANCE
+    from lora_ppo.data import PromptStream
     from lora_ppo.devices import device
     from lora_ppo.estimate import RUNTIME_BYTES
     from lora_ppo.model import free_memory_bytes
-    from lora_ppo.data import PromptStream
     from lora_ppo.quantization import compute_dtype
 
     cuda = torch.cuda.is_available()
