@@ -393,6 +393,8 @@ class Estimate:
     # model.offload_embeddings: generation looks tokens up in a copy of the table on the device (in
     # `phases["generate"]`), where that keeps generation's peak at or under the other phases'.
     embeddings_staged: bool = False
+    # The least budget (GB) whose `auto` plan runs the update faster, and how (`faster_update_budget`).
+    faster_update: Optional[tuple[float, str]] = None
 
     @property
     def peak(self) -> float:
@@ -737,23 +739,60 @@ def choose_auto_sizes(
         fits = estimate(shape, planned, device, budget_gb, classifier_shapes, processes, propose_levers=False).fits
         return fits is False, planned.ppo.grad_accum_steps, planned.model.gradient_checkpointing
 
-    def update_text(planned: Recipe) -> str:
-        return f"micro-batches of {rows_text(planned.micro_batch_size)}" + \
-            ("" if planned.model.gradient_checkpointing else " without recomputing")
-
     kept_speed = speed(on_device)
     offload = speed(on_cpu) < kept_speed
     table = f"the table's {_host_parts(shape, on_cpu, _dtype_bytes(recipe, device), device)['embeddings'] / GB:.2f} GB"
     if not offload and kept_speed[0]:
         reason = f"the plan does not fit with {table} in CPU memory either"
     elif not offload:
-        reason = f"{table} in CPU memory would not speed the update: {update_text(on_device)} either way"
+        reason = f"{table} in CPU memory would not speed the update: {_update_text(on_device)} either way"
     elif kept_speed[0]:
         reason = f"the plan fits only with {table} in CPU memory"
     else:
-        reason = f"with {table} in CPU memory the update runs {update_text(on_cpu)}, against {update_text(on_device)}"
+        reason = f"with {table} in CPU memory the update runs {_update_text(on_cpu)}, against {_update_text(on_device)}"
     planned, choices = plans[offload]
     return planned, [AutoChoice("model.offload_embeddings", offload, reason), *choices]
+
+
+def _update_text(planned: Recipe) -> str:
+    return f"micro-batches of {rows_text(planned.micro_batch_size)}" + \
+        ("" if planned.model.gradient_checkpointing else " without recomputing")
+
+
+# How far above its budget a plan looks for a faster update, and how finely (GB).
+FASTER_REACH, FASTER_STEP_GB = 1.25, 0.05
+
+
+def faster_update_budget(
+    shape: ModelShape, recipe: Recipe, device: str, budget_gb: float, processes: int = 1,
+    classifier_shapes: Optional[list[ModelShape]] = None,
+) -> Optional[tuple[float, str]]:
+    """The least budget (GB, within FASTER_STEP_GB, up to FASTER_REACH times `budget_gb`) whose
+    `auto` plan runs the update in larger micro-batches, or without recomputing at no smaller ones,
+    and that update in a clause. None where the recipe leaves neither `auto`, or the plan's next
+    change within reach is not plainly faster (fewer rows without recomputing). Near a plan's edge
+    tens of MB double a micro-batch: a user who can free them should know."""
+    if not {"ppo.grad_accum_steps", "model.gradient_checkpointing"} & set(recipe.auto_sizes):
+        return None
+
+    def update_plan(gb: float) -> tuple[int, bool]:
+        planned = choose_auto_sizes(shape, recipe, device, gb, processes, classifier_shapes)[0]
+        return planned.micro_batch_size, planned.model.gradient_checkpointing
+
+    # As the budget grows the micro-batch grows, and checkpointing, once off, stays off: the first
+    # budget whose plan differs is found by halving.
+    now, low, high = update_plan(budget_gb), budget_gb, budget_gb * FASTER_REACH
+    if update_plan(high) == now:
+        return None
+    while high - low > FASTER_STEP_GB:
+        middle = (low + high) / 2
+        low, high = (middle, high) if update_plan(middle) == now else (low, middle)
+    (micro, checkpointing), (micro_now, checkpointing_now) = update_plan(high), now
+    faster = micro > micro_now if checkpointing == checkpointing_now else checkpointing_now and micro >= micro_now
+    if not faster:
+        return None
+    text = f"micro-batches of {rows_text(micro)}" + ("" if checkpointing else " without recomputing")
+    return math.ceil(high * 100) / 100, text  # rounded up: still the faster plan
 
 
 def _choose_sizes(
@@ -986,8 +1025,12 @@ def largest_fitting_sizes(
     ones) and whose update fits with some valid ppo.grad_accum_steps, the fewest such steps, and
     the largest rollout.forward_batch_size (at most the batch) whose scoring fits. Every value
     respects the recipe's divisibility rules, so the three together validate; {} if none fit."""
-    def largest(fits) -> int:  # each phase's cost grows with its row count
-        return max((n for n in range(1, MAX_BATCH + 1) if fits(n)), default=0)
+    def largest(fits) -> int:  # each phase's cost grows with its row count: halving finds the last that fits
+        low, high = 0, MAX_BATCH
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle - 1)
+        return low
 
     by_held: dict[float, tuple[int, int]] = {}  # the largest micro-batch and scoring rows, by the KV cache held
 
@@ -1042,7 +1085,17 @@ def load_shape(name: str, trust_remote_code: bool = False) -> ModelShape:
 def estimate_recipe(recipe: Recipe, device: str = "cuda", budget_gb: Optional[float] = None,
                     processes: int = 1) -> Estimate:
     shape, classifiers = recipe_shapes(recipe)
-    return estimate(shape, recipe, device, budget_gb, classifiers, processes)
+    est = estimate(shape, recipe, device, budget_gb, classifiers, processes)
+    if budget_gb is None:
+        return est
+    return replace(est, faster_update=faster_update_budget(shape, recipe, device, budget_gb, processes, classifiers))
+
+
+def faster_update_for_recipe(recipe: Recipe, device: str, budget_gb: float,
+                             processes: int = 1) -> Optional[tuple[float, str]]:
+    """`faster_update_budget` for a recipe, reading its model's (and classifiers') configs."""
+    shape, classifiers = recipe_shapes(recipe)
+    return faster_update_budget(shape, recipe, device, budget_gb, processes, classifiers)
 
 
 def auto_sized_recipe(recipe: Recipe, device: str, budget_gb: Optional[float],
@@ -1123,6 +1176,8 @@ def format_estimate(est: Estimate, recipe: Recipe, device: str) -> str:
         *([f"auto sizes for {est.budget_gb:g} GB:" if est.budget_gb is not None else
            "auto sizes (no --gpu-gb: shown at their leanest; a run chooses them for the device's free memory):"]
           + [f"  {choice}" for choice in est.auto_choices] if est.auto_choices else []),
+        *([f"  (from {est.faster_update[0]:g} GB the update would run {est.faster_update[1]})"]
+          if est.faster_update else []),
         "",
         "always resident:",
     ]
@@ -1182,6 +1237,7 @@ def as_json(est: Estimate) -> dict:
         "auto": {c.field: c.value for c in est.auto_choices},
         "host_gb": {k: round(v / GB, 3) for k, v in est.host.items()},
         "embeddings_staged": est.embeddings_staged,
+        "faster_update_from_gb": est.faster_update[0] if est.faster_update else None,
         "levers": est.levers,
         "processes": est.processes,
     }

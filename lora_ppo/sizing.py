@@ -15,7 +15,7 @@ from lora_ppo.config import AUTO, Recipe, field_value
 from lora_ppo.devices import device, device_type
 from lora_ppo.distributed import World
 from lora_ppo.errors import RecipeError
-from lora_ppo.estimate import GB, RUNTIME_BYTES, ModelShape, auto_sized_recipe, estimate
+from lora_ppo.estimate import GB, RUNTIME_BYTES, ModelShape, auto_sized_recipe, estimate, faster_update_for_recipe
 from lora_ppo.model import CpuEmbedding, free_memory_bytes
 from lora_ppo.run_dir import RunDir, find_run_root
 
@@ -42,7 +42,9 @@ def with_auto_sizes(recipe: Recipe, resume: Optional[str | Path], world: World) 
     planned, choices = auto_sized_recipe(recipe, kind, budget_gb, world.size)
     where = "no budget known" if budget_gb is None else f"{budget_gb:.1f} GB, {source}"
     if world.is_main:
-        log.info("auto sizes for %s: %s", where, "; ".join(str(choice) for choice in choices))
+        faster = None if budget_gb is None else faster_update_for_recipe(recipe, kind, budget_gb, world.size)
+        log.info("auto sizes for %s: %s%s", where, "; ".join(str(choice) for choice in choices),
+                 f" (from {faster[0]:g} GB the update would run {faster[1]})" if faster else "")
     return planned
 
 

@@ -4,6 +4,7 @@ recorded in the run's recipe.yaml, kept on resume, and shown by `lora-ppo estima
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -173,3 +174,36 @@ def test_a_run_records_its_choice_and_a_resume_keeps_it(tmp_path, tiny_model_dir
             trainer.recipe.model.gradient_checkpointing, trainer.recipe.model.offload_embeddings) == recorded
     trainer.train()
     assert yaml.safe_load((out / "recipe.yaml").read_text())["ppo"]["grad_accum_steps"] == 1
+
+
+def test_the_plan_names_the_budget_from_which_the_update_runs_in_larger_micro_batches(monkeypatch, caplog):
+    """Near a plan's edge tens of MB double a micro-batch (2026-11-27: one H200 call's 8B run read
+    11.9 GB and ran micro-batches of 8, the next read a little less and ran 4). The estimate and
+    the run's log say from which budget the update would run faster, to 0.05 GB."""
+    recipe = _recipe(**OFFLOAD_AUTO)
+
+    def micro(budget_gb: float) -> int:
+        return est.choose_auto_sizes(LLAMA_8B, recipe, "cuda", budget_gb)[0].micro_batch_size
+
+    edge, text = est.faster_update_budget(LLAMA_8B, recipe, "cuda", 11.8)
+    assert (micro(11.8), micro(edge), micro(edge - est.FASTER_STEP_GB), text) == (4, 8, 4, "micro-batches of 8 rows")
+    # Micro-batches of 8 are the whole minibatch: nothing larger; without recomputing needs more than 25% more.
+    assert est.faster_update_budget(LLAMA_8B, recipe, "cuda", 12.0) is None
+    # The run says it where it plans for its budget.
+    import lora_ppo
+    from lora_ppo import sizing
+    from lora_ppo.distributed import join_world
+
+    monkeypatch.setattr(sizing, "device_type", lambda: "cuda")
+    user = lora_ppo.load_recipe("recipes/single_gpu_8b.yaml", ["model.name=bench/model_configs/llama-3.1-8b",
+                                                               "train.memory_budget_gb=11.8"])
+    with caplog.at_level(logging.INFO, logger="lora_ppo.sizing"):
+        planned = sizing.with_auto_sizes(user, None, join_world())
+    assert planned.micro_batch_size == 4
+    assert f"(from {edge:g} GB the update would run micro-batches of 8 rows)" in caplog.text
+    result = runner.invoke(app, ["estimate", "recipes/single_gpu_8b.yaml", "model.name=bench/model_configs/llama-3.1-8b",
+                                 "--gpu-gb", "11.8"])
+    assert f"\n  (from {edge:g} GB the update would run micro-batches of 8 rows)\n" in result.stdout
+    result = runner.invoke(app, ["estimate", "recipes/single_gpu_8b.yaml", "model.name=bench/model_configs/llama-3.1-8b",
+                                 "--gpu-gb", "11.8", "--json"])
+    assert json.loads(result.stdout)["faster_update_from_gb"] == edge
