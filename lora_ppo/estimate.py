@@ -838,7 +838,7 @@ def _choose_sizes(
     checkpointing = recipe.model.gradient_checkpointing
     if checkpointing == AUTO:
         with_it, without = largest_micro(True), largest_micro(False)
-        enough = without * recipe.sequence_tokens >= AUTO_MIN_FORWARD_TOKENS
+        enough = without * recipe.sequence_tokens >= AUTO_MIN_FORWARD_TOKENS[device]
         checkpointing = not (without and (without >= with_it or enough))
         if not (with_it or without):
             reason = f"{budget}: the leanest" if room is None else f"no micro-batch fits {planned_text}: the leanest"
@@ -1013,9 +1013,11 @@ MAX_BATCH = 4096  # the search for sizes that fit stops here
 AUTO_PLAN_SHARE = 0.9
 # Gradient checkpointing `auto` is off when, without it, the update still fits with forwards of at
 # least this many tokens (or the micro-batch it has with checkpointing): recomputing costs a third
-# of the update's work, and a forward of ~1,000 tokens keeps a GPU's large matmuls efficient, so
-# fewer, smaller micro-batches are expected to win. To be checked on the device (bench/gpu_step.py).
-AUTO_MIN_FORWARD_TOKENS = 1024
+# of the update's work. A GPU's update waits on the host below ~4,000 tokens a forward: on an H100
+# and an H200 (2026-11-26/27, bench/README.md) micro-batches of 4 x 512 tokens took 1.7-2.4x the
+# time of 8 x 512 for the same work, and 2 x 512 twice that of 4, far more than recomputing costs.
+# On CPU the per-micro-batch overhead is small against the compute (not measured on the device).
+AUTO_MIN_FORWARD_TOKENS = {"cuda": 4096, "cpu": 1024}
 
 
 def largest_fitting_sizes(

@@ -76,6 +76,19 @@ def test_checkpointing_goes_off_when_the_update_fits_without_it():
                                                                               "rollout.forward_batch_size"]
 
 
+def test_a_gpu_keeps_recomputing_rather_than_run_micro_batches_too_small_to_fill_it():
+    """Without recomputing the 8B update fits 32 GB only in micro-batches of 2 rows (1,024 tokens a
+    forward), with it in 8. A GPU's update waits on the host below ~4,000 tokens a forward
+    (micro-batches of 2 took twice the time of 4, and 4 over twice that of 8, on an H200), so it
+    keeps recomputing; on CPU, where a micro-batch's overhead is small, 1,024 tokens are enough."""
+    gpu, choices = est.choose_auto_sizes(LLAMA_8B, _recipe(), "cuda", 32)
+    assert (gpu.model.gradient_checkpointing, gpu.micro_batch_size) == (True, 8)
+    assert choices[0].reason == "without it the largest micro-batch that fits 32 GB is 2 rows, with it 8"
+    cpu, choices = est.choose_auto_sizes(LLAMA_8B, _recipe(), "cpu", 60)
+    assert (cpu.model.gradient_checkpointing, cpu.micro_batch_size) == (False, 2)
+    assert choices[0].reason == "without it micro-batches of 2 rows (1024 tokens a forward) fit: no recomputing"
+
+
 def test_without_a_budget_or_room_the_sizes_are_the_leanest():
     for budget in (None, 1.0):  # 1 GB: the 8B weights alone do not fit
         planned, choices = est.choose_auto_sizes(LLAMA_8B, _recipe(), "cuda", budget)
