@@ -523,9 +523,9 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
     from lora_ppo.alarms import LOGPROB_TOLERANCE
     from lora_ppo.data import PromptStream
     from lora_ppo.devices import device
-    from lora_ppo.estimate import RUNTIME_BYTES
     from lora_ppo.model import free_memory_bytes
     from lora_ppo.quantization import compute_dtype
+    from lora_ppo.sizing import budget_from_free
 
     cuda = torch.cuda.is_available()
     context, cap = cap_allocator(gpu_gb)
@@ -534,7 +534,7 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
     result.update({"gpu_gb": gpu_gb, "cuda_context_gb": round(context / GB, 3), "allocator_cap_gb": round(cap / GB, 3)})
     # The budget the run's `auto` sizes are planned for (lora_ppo.sizing): near a plan's edge (the
     # 8B recipe's micro-batches of 8 from 11.9 GB) tens of MB decide the sizes.
-    result["plan_budget_gb"] = round((free_memory_bytes(device()) + RUNTIME_BYTES["cuda" if cuda else "cpu"]) / GB, 3)
+    result["plan_budget_gb"] = round(budget_from_free(free_memory_bytes(device()), "cuda" if cuda else "cpu"), 3)
     t0 = time.perf_counter()
     try:
         trainer = lora_ppo.PPOTrainer(recipe, progress=False)

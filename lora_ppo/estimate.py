@@ -775,24 +775,25 @@ def faster_update_budget(
     if not {"ppo.grad_accum_steps", "model.gradient_checkpointing"} & set(recipe.auto_sizes):
         return None
 
-    def update_plan(gb: float) -> tuple[int, bool]:
-        planned = choose_auto_sizes(shape, recipe, device, gb, processes, classifier_shapes)[0]
+    def plan(gb: float) -> Recipe:
+        return choose_auto_sizes(shape, recipe, device, gb, processes, classifier_shapes)[0]
+
+    def update(planned: Recipe) -> tuple[int, bool]:
         return planned.micro_batch_size, planned.model.gradient_checkpointing
 
     # As the budget grows the micro-batch grows, and checkpointing, once off, stays off: the first
     # budget whose plan differs is found by halving.
-    now, low, high = update_plan(budget_gb), budget_gb, budget_gb * FASTER_REACH
-    if update_plan(high) == now:
+    now, low, high = update(plan(budget_gb)), budget_gb, budget_gb * FASTER_REACH
+    if update(plan(high)) == now:
         return None
     while high - low > FASTER_STEP_GB:
         middle = (low + high) / 2
-        low, high = (middle, high) if update_plan(middle) == now else (low, middle)
-    (micro, checkpointing), (micro_now, checkpointing_now) = update_plan(high), now
+        low, high = (middle, high) if update(plan(middle)) == now else (low, middle)
+    faster_plan = plan(high)
+    (micro, checkpointing), (micro_now, checkpointing_now) = update(faster_plan), now
     faster = micro > micro_now if checkpointing == checkpointing_now else checkpointing_now and micro >= micro_now
-    if not faster:
-        return None
-    text = f"micro-batches of {rows_text(micro)}" + ("" if checkpointing else " without recomputing")
-    return math.ceil(high * 100) / 100, text  # rounded up: still the faster plan
+    # Rounded up: still the faster plan.
+    return (math.ceil(high * 100) / 100, _update_text(faster_plan)) if faster else None
 
 
 def _choose_sizes(
@@ -1091,20 +1092,6 @@ def estimate_recipe(recipe: Recipe, device: str = "cuda", budget_gb: Optional[fl
     if budget_gb is None:
         return est
     return replace(est, faster_update=faster_update_budget(shape, recipe, device, budget_gb, processes, classifiers))
-
-
-def faster_update_for_recipe(recipe: Recipe, device: str, budget_gb: float,
-                             processes: int = 1) -> Optional[tuple[float, str]]:
-    """`faster_update_budget` for a recipe, reading its model's (and classifiers') configs."""
-    shape, classifiers = recipe_shapes(recipe)
-    return faster_update_budget(shape, recipe, device, budget_gb, processes, classifiers)
-
-
-def auto_sized_recipe(recipe: Recipe, device: str, budget_gb: Optional[float],
-                      processes: int = 1) -> tuple[Recipe, list[AutoChoice]]:
-    """`choose_auto_sizes` for a recipe, reading its model's (and classifiers') configs."""
-    shape, classifiers = recipe_shapes(recipe)
-    return choose_auto_sizes(shape, recipe, device, budget_gb, processes, classifiers)
 
 
 def recipe_shapes(recipe: Recipe) -> tuple[ModelShape, list[ModelShape]]:

@@ -15,7 +15,8 @@ from lora_ppo.config import AUTO, Recipe, field_value
 from lora_ppo.devices import device, device_type
 from lora_ppo.distributed import World
 from lora_ppo.errors import RecipeError
-from lora_ppo.estimate import GB, RUNTIME_BYTES, ModelShape, auto_sized_recipe, estimate, faster_update_for_recipe
+from lora_ppo.estimate import (GB, RUNTIME_BYTES, ModelShape, choose_auto_sizes, estimate, faster_update_budget,
+                               recipe_shapes)
 from lora_ppo.model import CpuEmbedding, free_memory_bytes
 from lora_ppo.run_dir import RunDir, find_run_root
 
@@ -37,18 +38,26 @@ def with_auto_sizes(recipe: Recipe, resume: Optional[str | Path], world: World) 
     budget_gb, source = recipe.train.memory_budget_gb, "train.memory_budget_gb"
     if budget_gb is None:
         free = world.gather(free_memory_bytes(device()))
-        if None not in free:  # what tensors may take, and the process's fixed cost the estimate counts
-            budget_gb, source = (min(free) + RUNTIME_BYTES[kind]) / GB, "free on the device now"
-    planned, choices = auto_sized_recipe(recipe, kind, budget_gb, world.size)
+        if None not in free:
+            budget_gb, source = budget_from_free(min(free), kind), "free on the device now"
+    shape, classifiers = recipe_shapes(recipe)
+    planned, choices = choose_auto_sizes(shape, recipe, kind, budget_gb, world.size, classifiers)
     where = "no budget known" if budget_gb is None else f"{budget_gb:.1f} GB, {source}"
     if world.is_main:
-        faster = None if budget_gb is None else faster_update_for_recipe(recipe, kind, budget_gb, world.size)
+        faster = None if budget_gb is None else \
+            faster_update_budget(shape, recipe, kind, budget_gb, world.size, classifiers)
         log.info("auto sizes for %s: %s%s", where, "; ".join(str(choice) for choice in choices),
                  f" (from {faster[0]:g} GB the update would run {faster[1]})" if faster else "")
     return planned
 
 
-def stage_embeddings_as_planned(model: torch.nn.Module, recipe: Recipe) -> None:
+def budget_from_free(free_bytes: int, kind: str) -> float:
+    """The budget (GB) a plan gets from what the device has free: what tensors may take, and the
+    process's fixed cost the estimate counts (RUNTIME_BYTES)."""
+    return (free_bytes + RUNTIME_BYTES[kind]) / GB
+
+
+def stage_embeddings_as_planned(model: torch.nn.Module, recipe: Recipe, processes: int = 1) -> None:
     """With the embeddings in CPU memory on a GPU: generation copies the table to the device for
     its lookups where the memory plan finds room (generation's peak with it at or under scoring's
     and the update's, so the run's peak stays the plan's); else each decoded token waits to reach
@@ -57,7 +66,8 @@ def stage_embeddings_as_planned(model: torch.nn.Module, recipe: Recipe) -> None:
     if not isinstance(embedding, CpuEmbedding) or embedding.out_device.type == "cpu":
         return
     try:
-        plan = estimate(ModelShape.from_config(model.config), recipe, "cuda", propose_levers=False)
+        plan = estimate(ModelShape.from_config(model.config), recipe, "cuda", processes=processes,
+                        propose_levers=False)
     except RecipeError as error:  # a model type the plan cannot count: the lookups stay on the host
         log.info("model.offload_embeddings: generation looks tokens up in CPU memory (%s)", error)
         return

@@ -76,7 +76,7 @@ class PPOTrainer:
         self.run, self.resume_from = checkpoint.open_run(recipe, resume, check_taken=self.world.is_main)
         check_installed(recipe.train.report_to)  # before minutes of loading
         self.parts = build(recipe, reward_fn)
-        stage_embeddings_as_planned(self.roles.peft, recipe)
+        stage_embeddings_as_planned(self.roles.peft, recipe, self.world.size)
         if self.world.rank > 0:  # the same adapters everywhere (built above), a sampling stream per process
             torch.manual_seed(row_seeds(recipe.train.seed, ("process",), range(self.world.rank, self.world.rank + 1))[0])
         self.stream = PromptStream(self.parts.train_prompts.rows, recipe.train.seed)

@@ -150,10 +150,10 @@ def test_estimate_shows_the_choices(tmp_path):
     result = runner.invoke(app, ["estimate", "recipes/single_gpu_8b.yaml", "model.name=bench/model_configs/llama-3.1-8b",
                                  "ppo.grad_accum_steps=auto", "rollout.forward_batch_size=auto", "--gpu-gb", "12"])
     assert result.exit_code == 0, result.output
-    planned, _ = est.auto_sized_recipe(
-        recipe_from_dict(yaml.safe_load(open("recipes/single_gpu_8b.yaml")),
-                         ["model.name=bench/model_configs/llama-3.1-8b", "ppo.grad_accum_steps=auto",
-                          "rollout.forward_batch_size=auto"]), "cuda", 12.0)
+    recipe = recipe_from_dict(yaml.safe_load(open("recipes/single_gpu_8b.yaml")),
+                              ["model.name=bench/model_configs/llama-3.1-8b", "ppo.grad_accum_steps=auto",
+                               "rollout.forward_batch_size=auto"])
+    planned, _ = est.choose_auto_sizes(est.load_shape(recipe.model.name), recipe, "cuda", 12.0)
     assert "auto sizes for 12 GB:" in result.stdout
     assert f"  ppo.grad_accum_steps={planned.ppo.grad_accum_steps} (micro-batches of {planned.micro_batch_size} rows" \
         in result.stdout
@@ -169,7 +169,7 @@ def test_a_run_records_its_choice_and_a_resume_keeps_it(tmp_path, tiny_model_dir
                             rollout={"forward_batch_size": "auto"},
                             model={"gradient_checkpointing": "auto", "offload_embeddings": "auto"})
     recipe = recipe_from_dict(data)
-    expected, _ = est.auto_sized_recipe(recipe, "cpu", 4.0)
+    expected, _ = est.choose_auto_sizes(est.load_shape(recipe.model.name), recipe, "cpu", 4.0)
     with caplog.at_level(logging.INFO, logger="lora_ppo"):
         lora_ppo.PPOTrainer(recipe, progress=False).train()
     saved = yaml.safe_load((out / "recipe.yaml").read_text())
