@@ -18,6 +18,11 @@ if "HF_DATASETS_CACHE" not in os.environ:
     os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="lora_ppo-tests-datasets-")
     atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Run in parallel (pytest-xdist, `-n` in pyproject.toml), each worker gets its share of the cores:
+# two processes of two threads on two cores make each other several times slower (OpenMP spins).
+# Set before torch is imported, and inherited by the processes the tests start.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
