@@ -47,7 +47,9 @@ SAMPLE_SEED = 0
 # hang (killed, "timeout"); the margin absorbs the other jobs sharing this machine's two cores.
 TIMEOUT_FACTOR = 3.0
 TIMEOUT_MARGIN_S = 30.0
-PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")
+# In one process (`-n 0`, not the suite's two workers): the tests run in their order, fastest first,
+# and `-x` stops at the first that fails.
+PYTEST_ARGS = ("-x", "-q", "-n", "0", "-p", "no:cacheprovider")
 ID_LENGTH = 12
 ID_PATTERN = rf"[0-9a-f]{{{ID_LENGTH}}}"
 NOT_KILLED = "not killed yet"
