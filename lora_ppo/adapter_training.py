@@ -18,6 +18,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from lora_ppo import checkpoint
+from lora_ppo.bnb_workarounds import release_dequantized_copies
 from lora_ppo.config import recipe_to_yaml, with_absolute_paths
 from lora_ppo.data import PromptStream
 from lora_ppo.memory import run_peak_gb
@@ -150,6 +151,7 @@ class AdapterTrainer:
         self.save_checkpoint(self.run.final)
         after = self.final_eval if self.final_eval is not None else self.evaluate()
         self.write_samples(self.run.eval_after)
+        release_dequantized_copies(self.model.peft)  # the run's last use of them
         summary = {
             "steps": self.state.step,
             **self.summary_counts(),

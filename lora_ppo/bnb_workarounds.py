@@ -1,5 +1,5 @@
 """bitsandbytes workarounds: keep 4-bit layers on their differentiable kernel, and (optionally)
-compute every 4-bit layer from one dequantized copy of its weight for the length of a step."""
+compute every 4-bit layer from one dequantized copy of its weight, made once for a run."""
 
 from __future__ import annotations
 
@@ -42,8 +42,13 @@ def _copy_bytes(module: nn.Module, dtype: torch.dtype) -> int:
     return module.weight.quant_state.shape.numel() * (module.compute_dtype or dtype).itemsize
 
 
+# A 4-bit layer's attribute: its dequantized copy, (weight, bias), kept between contexts (`keep`).
+KEPT_COPY = "_lora_ppo_kept_dequantized"
+
+
 @contextlib.contextmanager
-def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype, max_bytes: Optional[float] = None) -> Iterator[float]:
+def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype, max_bytes: Optional[float] = None,
+                            keep: bool = False) -> Iterator[float]:
     """Compute every 4-bit layer from one dequantized copy of its weight, for the duration; with
     `max_bytes`, only the layers whose copies fit that many bytes (in the model's order, a layer
     too large for what is left skipped), the rest from their 4 bits as before.
@@ -54,8 +59,12 @@ def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype, max_bytes: Opt
     Linear4bit computes `linear(x, W)` with W dequantized once on entry, which is what
     bitsandbytes' CPU path computes anyway (dequantize to the input's dtype, then linear), so
     outputs and gradients are unchanged. The weights are held unquantized in `dtype` meanwhile;
-    on exit the copies are dropped and the layers compute from 4 bits again, also after an
-    error or Ctrl-C. Yields the bytes the copies take.
+    on exit the layers compute from 4 bits again, also after an error or Ctrl-C, and the copies
+    are dropped, or with `keep` held on the layers for the next context (until
+    `release_dequantized_copies`): the same tensors at the same addresses every step, where a
+    compiled decode step's CUDA graphs read them (a new copy each step recorded the graphs again).
+    Layers already dequantized by an enclosing context are left to it. Yields the bytes the copies
+    take.
     """
     layers = linear_4bit_layers(model)
     if layers:  # so bitsandbytes is installed
@@ -70,14 +79,22 @@ def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype, max_bytes: Opt
                 layer_dtype = module.compute_dtype or dtype
                 if max_bytes is not None and held + _copy_bytes(module, dtype) > max_bytes:
                     continue
-                state = copy.copy(module.weight.quant_state)
-                state.dtype = layer_dtype
-                weight = dequantize_4bit(module.weight.data, state)
-                held += weight.numel() * weight.element_size()
-                module._lora_ppo_dequantized = (weight, None if module.bias is None else module.bias.to(layer_dtype))
+                if is_dequantized(module):
+                    held += _copy_bytes(module, dtype)
+                    continue
+                copy_ = vars(module).get(KEPT_COPY)
+                if copy_ is None or copy_[0].dtype != layer_dtype:
+                    state = copy.copy(module.weight.quant_state)
+                    state.dtype = layer_dtype
+                    copy_ = (dequantize_4bit(module.weight.data, state),
+                             None if module.bias is None else module.bias.to(layer_dtype))
+                held += copy_[0].numel() * copy_[0].element_size()
+                module._lora_ppo_dequantized = copy_
+                if keep:
+                    setattr(module, KEPT_COPY, copy_)
                 # An instance attribute shadows the class's forward. One function for every layer
                 # and step: a compiled decode step (rollout.compile) sees the same code each step
-                # and new weights as inputs, so it is not compiled again.
+                # and the weights as inputs, so it is not compiled again.
                 module.forward = types.MethodType(_dequantized_forward, module)
                 patched.append(module)
         yield held
@@ -85,6 +102,12 @@ def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype, max_bytes: Opt
         for module in patched:
             del module.forward
             del module._lora_ppo_dequantized
+
+
+def release_dequantized_copies(model: nn.Module) -> None:
+    """Drop the copies `dequantized_4bit_layers(..., keep=True)` kept on `model`'s layers."""
+    for module in linear_4bit_layers(model):
+        vars(module).pop(KEPT_COPY, None)
 
 
 def linear_4bit_layers(model: nn.Module) -> list[nn.Module]:

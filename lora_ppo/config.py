@@ -88,9 +88,10 @@ class ModelConfig(Section):
     without it at the same micro-batch (`train.memory_budget_gb`), else on; elsewhere (`train-reward`, `train-sft`) on.
     """
     dequantize_per_step: Union[bool, Literal["auto"]] = Field("auto", json_schema_extra=MAY_CHANGE_ON_RESUME)
-    """4-bit only: dequantize every 4-bit layer once per PPO step (and per evaluation) and compute from that
-    copy instead of dequantizing in every forward and backward pass: same numbers, faster steps (on CPU
-    generation about 2x), but the layers are held unquantized during a step. `auto`: on when that copy
+    """4-bit only: dequantize every 4-bit layer once and compute every step and evaluation from that copy
+    instead of dequantizing in every forward and backward pass: same numbers, faster steps (on CPU
+    generation about 2x), but the layers are held unquantized from the first step to the end of the
+    run (the name is older: until 2026-11-28 the copy was made again each step). `auto`: on when that copy
     takes at most half the memory free after loading (a small model; never an 8B model on a 24 GB card),
     else off; the run's log says which. Free memory is what this process may still allocate: a cap set
     with `torch.cuda.set_per_process_memory_fraction` (to share a card) counts.

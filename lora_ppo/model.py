@@ -250,7 +250,9 @@ def dequantized_once(model: nn.Module, cfg: ModelConfig) -> contextlib.AbstractC
     """The 4-bit layers computed from one dequantized copy for the duration, when the recipe's
     `model.dequantize_per_step` asks for it (or, with `auto`, when the copy fits: decided once per
     model); otherwise a context that does nothing. Each training step and each evaluation runs
-    inside one."""
+    inside one. The copy is made by the first and kept on the layers for the next, until the run
+    ends (`release_dequantized_copies`): between steps nothing else needs the memory, and the
+    same tensors keep the compiled decode step's CUDA graphs valid."""
     setting = cfg.dequantize_per_step
     limit = None if cfg.dequantize_budget_gb is None else cfg.dequantize_budget_gb * 1e9
     if setting == "auto":
@@ -259,7 +261,7 @@ def dequantized_once(model: nn.Module, cfg: ModelConfig) -> contextlib.AbstractC
         setting = _AUTO_DEQUANTIZE[model]
     if not setting:
         return contextlib.nullcontext()
-    return dequantized_4bit_layers(model, compute_dtype(cfg), limit)
+    return dequantized_4bit_layers(model, compute_dtype(cfg), limit, keep=True)
 
 
 def _dequantized_copy_fits(model: nn.Module, dtype: torch.dtype, limit: Optional[float] = None) -> bool:

@@ -16,6 +16,7 @@ from lora_ppo import checkpoint, ppo_math
 from lora_ppo.agents.episodes import EpisodeBatch, collect_episode_rollout, run_episodes
 from lora_ppo.agents.given import rollout_from_tokens
 from lora_ppo.alarms import LOGPROB_TOLERANCE, first_step_logprob_error
+from lora_ppo.bnb_workarounds import release_dequantized_copies
 from lora_ppo.compiled_update import CompiledLayers
 from lora_ppo.config import Recipe, recipe_to_yaml, with_absolute_paths
 from lora_ppo.data import PromptFormat, PromptProblem, PromptRow, PromptStream, count_summary
@@ -139,6 +140,7 @@ class PPOTrainer:
                 self.step_log.close()
         self.save_checkpoint(self.run.final)
         after = self.evaluate(self.run.eval_after)
+        release_dequantized_copies(self.roles.peft)  # the run's last use of them
         summary = build_summary(
             state.step, state.eval_before, after, state.last_metrics.get("objective/kl"),
             time.perf_counter() - t0, run_peak_gb(), str(self.run.root),
@@ -392,6 +394,7 @@ class PPOTrainer:
         if self._opened and self.world.is_main:
             self.step_log.close()
         self.save_checkpoint(self.run.final)
+        release_dequantized_copies(self.roles.peft)
 
     # ---- evaluation, run folder and checkpoints ---------------------------------------------
 

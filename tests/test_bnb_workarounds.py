@@ -1,6 +1,6 @@
-"""bitsandbytes workarounds on the real 4-bit tiny model: one dequantized copy per step gives the
-same numbers as dequantizing in every pass, is undone on exit, errors included, and `auto` holds
-it only where it fits."""
+"""bitsandbytes workarounds on the real 4-bit tiny model: one dequantized copy gives the same numbers
+as dequantizing in every pass, is undone on exit, errors included, is made once for a run's steps,
+and `auto` holds it only where it fits."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import pytest
 import torch
 
 import lora_ppo.model as model_module
-from lora_ppo.bnb_workarounds import dequantized_4bit_bytes, dequantized_4bit_layers
+from lora_ppo.bnb_workarounds import (KEPT_COPY, dequantized_4bit_bytes, dequantized_4bit_layers,
+                                      release_dequantized_copies)
 from lora_ppo.config import ModelConfig
 from lora_ppo.model import dequantized_once
 from lora_ppo.roles import POLICY, VALUE
-from tests.conftest import bnb_4bit_layers, prompt_and_random_response
+from tests.conftest import bnb_4bit_layers, prompt_and_random_response, tiny_recipe_dict
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +103,64 @@ def test_a_dequantization_budget_holds_the_layers_that_fit_and_keeps_the_numbers
     with dequantized_once(roles.peft, ModelConfig(name="tiny", dequantize_per_step=True,
                                                   dequantize_budget_gb=budget / 1e9)) as held:
         assert held == sizes[0] + sizes[1]
+
+
+def test_a_runs_copy_is_made_once_and_kept_at_its_addresses_until_released(roles, monkeypatch):
+    """`dequantized_once` (each step of a run): the copy made by the first step is the one every later
+    step computes from, the same tensors at the same addresses (a compiled decode step's CUDA graphs
+    read them there), dequantized no more; between steps the layers compute from their 4 bits; after
+    `release_dequantized_copies` a step makes a new copy."""
+    import bitsandbytes.functional as bnb_functional
+
+    made = []
+    dequantize = bnb_functional.dequantize_4bit
+    monkeypatch.setattr(bnb_functional, "dequantize_4bit", lambda *a, **k: made.append(1) or dequantize(*a, **k))
+    layers = bnb_4bit_layers(roles)
+    cfg = ModelConfig(name="tiny", dequantize_per_step=True)
+
+    def step() -> list[int]:
+        with dequantized_once(roles.peft, cfg):
+            return [m._lora_ppo_dequantized[0].data_ptr() for m in layers]
+
+    first = step()
+    assert len(made) == len(layers)
+    assert not any("forward" in vars(m) for m in layers)  # between steps: 4 bits
+    assert step() == first and len(made) == len(layers)
+    for m in layers:  # the kept copy is bitsandbytes' dequantization of the layer's weight
+        kept = vars(m)[KEPT_COPY][0]
+        torch.testing.assert_close(kept, dequantize(m.weight.data, m.weight.quant_state).to(kept.dtype), atol=0, rtol=0)
+    release_dequantized_copies(roles.peft)
+    assert not any(KEPT_COPY in vars(m) for m in layers)
+    step()
+    assert len(made) == 2 * len(layers)
+
+
+def test_a_context_inside_another_leaves_the_outer_ones_copies(roles):
+    layers = bnb_4bit_layers(roles)
+    with dequantized_4bit_layers(roles.peft, torch.float32) as outer_bytes:
+        weights = [m._lora_ppo_dequantized[0] for m in layers]
+        with dequantized_4bit_layers(roles.peft, torch.float32) as inner_bytes:
+            assert inner_bytes == outer_bytes
+        assert [m._lora_ppo_dequantized[0] for m in layers] == weights
+        assert all("forward" in vars(m) for m in layers)
+    assert not any("forward" in vars(m) for m in layers)
+
+
+def test_a_ppo_run_computes_every_step_from_one_copy_and_lets_it_go_at_the_end(tmp_path, tiny_model_dir):
+    import lora_ppo
+
+    recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run"),
+                                       ["model.dequantize_per_step=true", "train.steps=2", "train.eval=false"])
+    trainer = lora_ppo.PPOTrainer(recipe, progress=False)
+    layers = bnb_4bit_layers(trainer.roles)
+    kept, one_step = [], trainer._train_step
+
+    def step_then_look():
+        result = one_step()
+        kept.append([vars(m)[KEPT_COPY][0].data_ptr() for m in layers])
+        return result
+
+    trainer._train_step = step_then_look
+    trainer.train()
+    assert len(kept) == 2 and kept[0] == kept[1]
+    assert not any(KEPT_COPY in vars(m) for m in layers)

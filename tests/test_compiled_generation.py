@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from lora_ppo.alarms import LOGPROB_TOLERANCE
-from lora_ppo.bnb_workarounds import dequantized_4bit_layers
+from lora_ppo.bnb_workarounds import dequantized_4bit_layers, linear_4bit_layers, release_dequantized_copies
 from lora_ppo.compiled_generation import StaticDecoder, bucket, compiled_generation_on
-from lora_ppo.config import RolloutConfig
+from lora_ppo.config import ModelConfig, RolloutConfig
+from lora_ppo.model import dequantized_once
 from lora_ppo.model_checks import cache_keyword
 from lora_ppo.roles import position_ids_for
 from lora_ppo.rollout import Sampler, row_seeds
@@ -174,6 +175,26 @@ def test_dequantized_layers_compile_once_for_every_step(roles, tiny_tokenizer, d
         assert_same_samples(today, compiled)
         graphs.append(decoder.graphs)
     assert graphs[1] == graphs[0] + 1 and graphs[3] == graphs[2] == graphs[1] and decoder.recompiles == 0
+
+
+def test_a_runs_dequantized_copies_are_read_at_the_same_addresses_every_step(roles, tiny_tokenizer, decoder):
+    """Dynamo makes a module's tensors static inputs of the compiled decode step, and with CUDA graphs
+    a static input at a new address records the graphs again: the copies a run's steps compute from
+    (`dequantized_once`) are the same tensors every step, and compile nothing again."""
+    cfg = RolloutConfig(**SAMPLING, stop_token=None)
+    layers = linear_4bit_layers(roles.peft)
+    addresses, recompiles = [], decoder.recompiles
+    try:
+        for step in range(2):
+            perturb_lora_b(roles, "policy", seed=300 + step, scale=0.3)
+            with dequantized_once(roles.peft, ModelConfig(name="tiny", dequantize_per_step=True)):
+                today, compiled = both_paths(roles, tiny_tokenizer, decoder, cfg, PROMPTS, seed=step)
+                weights = [m._lora_ppo_dequantized[0] for m in layers]
+            assert_same_samples(today, compiled)
+            addresses.append([w.data_ptr() for w in weights])
+    finally:
+        release_dequantized_copies(roles.peft)
+    assert addresses[1] == addresses[0] and decoder.recompiles == recompiles
 
 
 def test_a_recompile_is_counted_and_logged_as_a_bug(roles, tiny_tokenizer, decoder, caplog):
