@@ -545,6 +545,8 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
                           "rollout.forward_batch_size": r.rollout.forward_batch_size,
                           "model.gradient_checkpointing": r.model.gradient_checkpointing,
                           "model.offload_embeddings": r.model.offload_embeddings,
+                          "model.dequantize_per_step": r.model.dequantize_per_step,
+                          "model.dequantize_budget_gb": r.model.dequantize_budget_gb,
                           "embeddings_staged_for_generation": getattr(
                               trainer.roles.peft.get_input_embeddings(), "staged_for_generation", False),
                           "rollout.compile": trainer.parts.decoder is not None}

@@ -723,7 +723,61 @@ def choose_auto_sizes(
     each choice with its reason (`_choose_sizes`); model.offload_embeddings: in CPU memory where
     the plan fits only so, or runs the update in fewer micro-batches or without recomputing (a
     GPU's update is bound by the host below ~8 rows a micro-batch: bench/README.md), else on the
-    device (a lookup on the CPU makes each decoded token wait to reach the host)."""
+    device (a lookup on the CPU makes each decoded token wait to reach the host). Then, with
+    `model.dequantize_per_step: auto`, the dequantized copy in what those sizes leave of the budget
+    (`_dequantized_copy_in_leftover`)."""
+    planned, choices = _sizes_and_embeddings(shape, recipe, device, budget_gb, processes, classifier_shapes)
+    if not choices or recipe.model.dequantize_per_step != AUTO or recipe.model.quantization != "4bit" \
+            or budget_gb is None:
+        return planned, choices
+    return _dequantized_copy_in_leftover(shape, planned, choices, device, budget_gb, processes, classifier_shapes)
+
+
+def _dequantized_copy_in_leftover(
+    shape: ModelShape, planned: Recipe, choices: list[AutoChoice], device: str, budget_gb: float, processes: int,
+    classifier_shapes: Optional[list[ModelShape]],
+) -> tuple[Recipe, list[AutoChoice]]:
+    """`planned` (its sizes chosen) with model.dequantize_per_step decided for `budget_gb`: the whole
+    copy where it takes at most AUTO_DEQUANTIZE_SHARE of the room beyond the weights (as a run
+    decides without a plan); else the part of it that fits what the plan leaves of its share of the
+    budget (model.dequantize_budget_gb: the layers that fit, in the model's order), where that holds
+    at least one layer; else off. The copy saves dequantizing its layers in every pass: on a GPU a
+    4-bit decode step's time (bench/README.md), with the same numbers. The sizes come first: a
+    larger micro-batch is worth more to the update than the copy."""
+    act = _dtype_bytes(planned, device)
+    path = "model.dequantize_per_step"
+    off = planned.with_values({path: False, "model.dequantize_budget_gb": None})
+    whole = _dequantized_weight_bytes(shape, off.with_values({path: True}), act)
+    if planned.model.dequantize_budget_gb is not None:  # the user's cap on the copy
+        whole = min(whole, planned.model.dequantize_budget_gb * GB)
+    if _dequantize_resolved(shape, planned, act, budget_gb).model.dequantize_per_step:
+        reason = f"the {whole / GB:.2f} GB copy takes at most {AUTO_DEQUANTIZE_SHARE:.0%} of the room beyond the weights"
+        return planned.with_values({path: True}), [*choices, AutoChoice(path, True, reason)]
+    without = estimate(shape, off, device, budget_gb, classifier_shapes, processes, propose_levers=False)
+    planned_bytes = AUTO_PLAN_SHARE * budget_gb * GB
+    left = planned_bytes - without.peak
+    layer = _dequantized_weight_bytes(shape, off, act)  # the largest layer's copy, made for its pass
+    if left < layer:
+        reason = (f"the plan ({without.peak / GB:.2f} GB) does not fit {budget_gb:.3g} GB" if not without.fits else
+                  f"the plan ({without.peak / GB:.2f} GB) leaves {max(left, 0) / GB:.2f} GB of the "
+                  f"{planned_bytes / GB:.3g} GB planned, less than one layer's copy ({layer / GB:.2f} GB)")
+        return off, [*choices, AutoChoice(path, False, reason)]
+    if left >= whole and planned.model.dequantize_budget_gb is None:
+        reason = f"the whole {whole / GB:.2f} GB copy fits beside the plan ({without.peak / GB:.2f} GB)"
+        return planned.with_values({path: True}), [*choices, AutoChoice(path, True, reason)]
+    part_gb = math.floor(min(left, whole) / GB * 100) / 100  # rounded down: still within the plan
+    return planned.with_values({path: True, "model.dequantize_budget_gb": part_gb}), [
+        *choices, AutoChoice(path, True, "a part of the copy fits beside the plan: faster 4-bit layers, the same numbers"),
+        AutoChoice("model.dequantize_budget_gb", part_gb,
+                   f"of the whole copy's {whole / GB:.2f} GB, what the plan ({without.peak / GB:.2f} GB) leaves of the "
+                   f"{planned_bytes / GB:.3g} GB planned")]
+
+
+def _sizes_and_embeddings(
+    shape: ModelShape, recipe: Recipe, device: str, budget_gb: Optional[float], processes: int = 1,
+    classifier_shapes: Optional[list[ModelShape]] = None,
+) -> tuple[Recipe, list[AutoChoice]]:
+    """`choose_auto_sizes` up to the dequantized copy: the sizes and the embeddings' place."""
     if recipe.model.offload_embeddings != AUTO:
         return _choose_sizes(shape, recipe, device, budget_gb, processes, classifier_shapes)
     kept = recipe.with_values({"model.offload_embeddings": False})

@@ -1,6 +1,7 @@
 """Sizes left `auto` (ppo.grad_accum_steps, rollout.forward_batch_size, model.gradient_checkpointing,
-model.offload_embeddings): chosen by the memory plan to fit the budget it is given and no larger,
-recorded in the run's recipe.yaml, kept on resume, and shown by `lora-ppo estimate`."""
+model.offload_embeddings), and with them the dequantized copy (model.dequantize_per_step): chosen by
+the memory plan to fit the budget it is given and no larger, recorded in the run's recipe.yaml, kept
+on resume, and shown by `lora-ppo estimate`."""
 
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def _peaks(shape, recipe, budget_gb):
 def test_auto_sizes_fit_the_budget_and_one_size_larger_does_not(budget_gb):
     recipe = _recipe()
     planned, choices = est.choose_auto_sizes(LLAMA_8B, recipe, "cuda", budget_gb)
-    assert [c.field for c in choices] == ["model.gradient_checkpointing", "ppo.grad_accum_steps",
-                                          "rollout.forward_batch_size"]
+    assert [c.field for c in choices][:3] == ["model.gradient_checkpointing", "ppo.grad_accum_steps",
+                                              "rollout.forward_batch_size"]
     assert planned.auto_sizes == []
     plan = est.AUTO_PLAN_SHARE * budget_gb * GB
     score, update = _peaks(LLAMA_8B, planned, budget_gb)
@@ -72,8 +73,8 @@ def test_checkpointing_goes_off_when_the_update_fits_without_it():
     assert "fits without it at the same micro-batch" in str(choices[0])
     # A recipe that fixes the micro-batch keeps it; only the other sizes are chosen.
     fixed, choices = est.choose_auto_sizes(tiny, _recipe(ppo={"grad_accum_steps": 4}), "cuda", 4.0)
-    assert fixed.ppo.grad_accum_steps == 4 and [c.field for c in choices] == ["model.gradient_checkpointing",
-                                                                              "rollout.forward_batch_size"]
+    assert fixed.ppo.grad_accum_steps == 4 and [c.field for c in choices] == [
+        "model.gradient_checkpointing", "rollout.forward_batch_size", "model.dequantize_per_step"]
 
 
 def test_a_gpu_keeps_recomputing_rather_than_run_micro_batches_too_small_to_fill_it():
@@ -94,7 +95,12 @@ def test_without_a_budget_or_room_the_sizes_are_the_leanest():
         planned, choices = est.choose_auto_sizes(LLAMA_8B, _recipe(), "cuda", budget)
         assert (planned.ppo.grad_accum_steps, planned.rollout.forward_batch_size,
                 planned.model.gradient_checkpointing) == (8, 1, True)
-        assert all("leanest" in choice.reason for choice in choices)
+        assert all("leanest" in choice.reason for choice in choices[:3])
+        # No room for a dequantized copy either (without a budget the run decides, as without a plan).
+        assert planned.model.dequantize_per_step == ("auto" if budget is None else False)
+        assert choices[3:] == ([] if budget is None else [est.AutoChoice(
+            "model.dequantize_per_step", False, f"the plan ({est.estimate(LLAMA_8B, planned, 'cuda', 1.0).peak / GB:.2f} "
+            "GB) does not fit 1 GB")])
 
 
 OFFLOAD_AUTO = {"model": {"gradient_checkpointing": "auto", "offload_embeddings": "auto"}}
@@ -177,6 +183,8 @@ def test_a_run_records_its_choice_and_a_resume_keeps_it(tmp_path, tiny_model_dir
                 saved["model"]["gradient_checkpointing"], saved["model"]["offload_embeddings"])
     assert recorded == (expected.ppo.grad_accum_steps, expected.rollout.forward_batch_size,
                         expected.model.gradient_checkpointing, expected.model.offload_embeddings) == (1, 4, False, False)
+    # The tiny model's dequantized copy takes far less than half of 4 GB: the whole copy, recorded.
+    assert (saved["model"]["dequantize_per_step"], saved["model"]["dequantize_budget_gb"]) == (True, None)
     assert "auto sizes for 4.0 GB, train.memory_budget_gb: model.offload_embeddings=false (everything is in CPU " \
         "memory); model.gradient_checkpointing=false" in caplog.text
     # Resumed with the same `auto` recipe and a budget that would choose the leanest sizes: the
@@ -185,6 +193,7 @@ def test_a_run_records_its_choice_and_a_resume_keeps_it(tmp_path, tiny_model_dir
     trainer = lora_ppo.PPOTrainer(more, progress=False, resume="auto")
     assert (trainer.recipe.ppo.grad_accum_steps, trainer.recipe.rollout.forward_batch_size,
             trainer.recipe.model.gradient_checkpointing, trainer.recipe.model.offload_embeddings) == recorded
+    assert trainer.recipe.model.dequantize_per_step is True  # 0.001 GB would leave no room for it
     trainer.train()
     assert yaml.safe_load((out / "recipe.yaml").read_text())["ppo"]["grad_accum_steps"] == 1
 
@@ -220,3 +229,40 @@ def test_the_plan_names_the_budget_from_which_the_update_runs_in_larger_micro_ba
     result = runner.invoke(app, ["estimate", "recipes/single_gpu_8b.yaml", "model.name=bench/model_configs/llama-3.1-8b",
                                  "--gpu-gb", "11.8", "--json"])
     assert json.loads(result.stdout)["faster_update_from_gb"] == edge
+
+
+LLAMA_8B_LAYER_COPY = 14336 * 4096 * 2  # the largest linear layer (gate, up, down), bfloat16
+
+
+@pytest.mark.parametrize("budget_gb", [12, 16, 24])
+def test_a_dequantized_copy_takes_what_the_sizes_leave_of_the_plan(budget_gb):
+    """model.dequantize_per_step auto, after the sizes: the part of the copy that fits beside the
+    plan's peak within its 90% of the budget (0.01 GB more would not), none where that is less than
+    one layer's copy. The sizes are those chosen without it: the copy takes only what they leave."""
+    planned, choices = est.choose_auto_sizes(LLAMA_8B, _recipe(), "cuda", budget_gb)
+    plan = est.AUTO_PLAN_SHARE * budget_gb * GB
+    off = planned.with_values({"model.dequantize_per_step": False, "model.dequantize_budget_gb": None})
+    assert est.choose_auto_sizes(LLAMA_8B, _recipe(model={"dequantize_per_step": False}), "cuda", budget_gb)[0] == off
+    left = plan - est.estimate(LLAMA_8B, off, "cuda", budget_gb).peak
+    if left < LLAMA_8B_LAYER_COPY:
+        assert budget_gb == 12 and planned == off
+        assert "less than one layer's copy (0.12 GB)" in choices[-1].reason
+        return
+    part = planned.model.dequantize_budget_gb
+    assert planned.model.dequantize_per_step is True and part == int(left / GB * 100) / 100
+    assert [c.field for c in choices][-2:] == ["model.dequantize_per_step", "model.dequantize_budget_gb"]
+    assert est.estimate(LLAMA_8B, planned, "cuda", budget_gb).peak <= plan
+    assert est.estimate(LLAMA_8B, planned.with_values({"model.dequantize_budget_gb": part + 0.01}), "cuda",
+                        budget_gb).peak > plan
+
+
+def test_the_whole_copy_where_it_takes_half_the_room_or_fits_beside_the_plan():
+    small = est.ModelShape(896, 4864, 24, 14, 2, 64, 151936, True)  # Qwen2.5-0.5B's shape
+    whole = small.linear_params * 2  # bfloat16
+    planned, choices = est.choose_auto_sizes(small, _recipe(), "cuda", 24)
+    assert (planned.model.dequantize_per_step, planned.model.dequantize_budget_gb) == (True, None)
+    assert str(choices[-1]) == (f"model.dequantize_per_step=true (the {whole / GB:.2f} GB copy takes at most 50% of "
+                                "the room beyond the weights)")
+    # A model that is not 4-bit has nothing to dequantize: the run decides (off).
+    planned, choices = est.choose_auto_sizes(small, _recipe(model={"quantization": "none"}), "cuda", 24)
+    assert planned.model.dequantize_per_step == "auto" and choices[-1].field != "model.dequantize_per_step"
