@@ -1,7 +1,7 @@
 """The sizes a recipe leaves `auto` (micro-batch, scoring batch, gradient checkpointing, and with
 them the dequantized copy), chosen for a run's memory budget by the estimate's memory plan, or
-taken from the run's recipe.yaml when it resumes: what a run records is what it ran with. And where generation looks tokens up when the
-embeddings are kept in CPU memory, as the same plan says."""
+taken from the run's recipe.yaml when it resumes: what a run records is what it ran with. And
+where generation looks tokens up when the embeddings are kept in CPU memory, as the same plan says."""
 
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ def with_auto_sizes(recipe: Recipe, resume: Optional[str | Path], world: World) 
     if saved is not None:
         recorded = {path: field_value(saved, path) for path in recipe.auto_sizes}
         if all(value not in (None, AUTO) for value in recorded.values()):
-            dequantized = {path: field_value(saved, path) for path in DEQUANTIZED_COPY}
-            if recipe.model.dequantize_per_step == AUTO and dequantized[DEQUANTIZED_COPY[0]] not in (None, AUTO):
-                recorded |= dequantized  # the copy the plan made room for
+            if recipe.model.dequantize_per_step == AUTO and \
+                    field_value(saved, "model.dequantize_per_step") not in (None, AUTO):
+                recorded |= {path: field_value(saved, path) for path in DEQUANTIZED_COPY}  # the copy planned for
             return recipe.with_values(recorded)
     kind = "cpu" if device_type() == "cpu" else "cuda"
     budget_gb, source = recipe.train.memory_budget_gb, "train.memory_budget_gb"
