@@ -77,10 +77,11 @@ def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype, max_bytes: Opt
                 # Straight into the layer's compute dtype, as bitsandbytes does per pass (a
                 # bf16 checkpoint computed in fp32 is not rounded through bf16 first).
                 layer_dtype = module.compute_dtype or dtype
-                if max_bytes is not None and held + _copy_bytes(module, dtype) > max_bytes:
+                size = _copy_bytes(module, dtype)
+                if max_bytes is not None and held + size > max_bytes:
                     continue
+                held += size
                 if is_dequantized(module):
-                    held += _copy_bytes(module, dtype)
                     continue
                 copy_ = vars(module).get(KEPT_COPY)
                 if copy_ is None or copy_[0].dtype != layer_dtype:
@@ -88,7 +89,6 @@ def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype, max_bytes: Opt
                     state.dtype = layer_dtype
                     copy_ = (dequantize_4bit(module.weight.data, state),
                              None if module.bias is None else module.bias.to(layer_dtype))
-                held += copy_[0].numel() * copy_[0].element_size()
                 module._lora_ppo_dequantized = copy_
                 if keep:
                     setattr(module, KEPT_COPY, copy_)

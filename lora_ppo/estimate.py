@@ -829,8 +829,8 @@ def faster_update_budget(
     if not {"ppo.grad_accum_steps", "model.gradient_checkpointing"} & set(recipe.auto_sizes):
         return None
 
-    def plan(gb: float) -> Recipe:
-        return choose_auto_sizes(shape, recipe, device, gb, processes, classifier_shapes)[0]
+    def plan(gb: float) -> Recipe:  # the sizes alone: the dequantized copy after them moves no micro-batch
+        return _sizes_and_embeddings(shape, recipe, device, gb, processes, classifier_shapes)[0]
 
     def update(planned: Recipe) -> tuple[int, bool]:
         return planned.micro_batch_size, planned.model.gradient_checkpointing
