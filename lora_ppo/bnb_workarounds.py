@@ -69,7 +69,7 @@ def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype, max_bytes: Opt
     layers = linear_4bit_layers(model)
     if layers:  # so bitsandbytes is installed
         from bitsandbytes.functional import dequantize_4bit
-    patched: list[nn.Module] = []
+    patched: list[tuple[nn.Module, Optional[types.MethodType]]] = []
     held = 0.0
     try:
         with torch.no_grad():
@@ -92,15 +92,19 @@ def dequantized_4bit_layers(model: nn.Module, dtype: torch.dtype, max_bytes: Opt
                 module._lora_ppo_dequantized = copy_
                 if keep:
                     setattr(module, KEPT_COPY, copy_)
-                # An instance attribute shadows the class's forward. One function for every layer
-                # and step: a compiled decode step (rollout.compile) sees the same code each step
-                # and the weights as inputs, so it is not compiled again.
+                # An instance attribute shadows the class's forward (or the fused decode's,
+                # `model.fused_4bit_decode`, put back on exit). One function for every layer and
+                # step: a compiled decode step (rollout.compile) sees the same code each step and
+                # the weights as inputs, so it is not compiled again.
+                patched.append((module, vars(module).get("forward")))
                 module.forward = types.MethodType(_dequantized_forward, module)
-                patched.append(module)
         yield held
     finally:
-        for module in patched:
-            del module.forward
+        for module, previous in patched:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
             del module._lora_ppo_dequantized
 
 

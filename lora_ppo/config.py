@@ -140,6 +140,15 @@ class ModelConfig(Section):
     other kinds (embeddings, 8-bit, expert parameters) keep PEFT's forward. Off by default until its speed is
     measured on a GPU.
     """
+    fused_4bit_decode: bool = False
+    """4-bit nf4 only: compute the 4-bit layers in each decode step (at most 64 rows, no gradient) with one
+    Triton kernel that reads the 4-bit codes and dequantizes them in registers, instead of dequantizing
+    the whole weight to the compute dtype for every generated token (what bitsandbytes does for most of an
+    8B model's layers at 16 rows on an H100). The same weights, their products summed in another order.
+    Needs a CUDA GPU and Triton (installed with PyTorch's CUDA builds); elsewhere the layers keep
+    bitsandbytes' forward and the log says why. Layers held dequantized (`dequantize_per_step`) compute from
+    their copy. Off by default until its speed is measured on a GPU.
+    """
     trust_remote_code: bool = False
     """Run model code downloaded from the hub. Off unless the recipe says so, since it executes code that
     comes with the model.
@@ -150,6 +159,9 @@ class ModelConfig(Section):
         if self.dequantize_budget_gb is not None and self.dequantize_per_step is False:
             raise ValueError(f"dequantize_budget_gb ({self.dequantize_budget_gb:g}) needs dequantize_per_step "
                              "true or auto")
+        if self.fused_4bit_decode and (self.quantization, self.bnb_4bit_quant_type) != ("4bit", "nf4"):
+            raise ValueError(f"fused_4bit_decode: needs model.quantization 4bit with bnb_4bit_quant_type nf4 (got "
+                             f"{self.quantization!r}, {self.bnb_4bit_quant_type!r})")
         if self.quantize_lm_head and self.quantization == "none":
             raise ValueError("quantize_lm_head: needs model.quantization 4bit or 8bit (got 'none')")
         return self

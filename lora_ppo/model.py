@@ -14,6 +14,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from lora_ppo.bnb_workarounds import dequantized_4bit_bytes, dequantized_4bit_layers, keep_4bit_weights_differentiable
+from lora_ppo.fused_4bit_decode import fuse_4bit_decode
 from lora_ppo.builtin_model import resolve_builtin
 from lora_ppo.config import AUTO_DEQUANTIZE_SHARE, BUILTIN_PREFIX, ModelConfig
 from lora_ppo.errors import RecipeError, first_line
@@ -118,6 +119,8 @@ def load_base_model(cfg: ModelConfig):
     compute_in(model, dtype, cfg.name)
     _log_what_stays_unquantized(model, cfg)
     keep_4bit_weights_differentiable(model)
+    if cfg.fused_4bit_decode:
+        fuse_4bit_decode(model, dev)
     if dev.type == "cpu":
         _copy_out_of_checkpoint_mapping(model)
     if cfg.embeddings_on_cpu:

@@ -24,6 +24,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
+import torch  # noqa: E402 - after OMP_NUM_THREADS
+
+# Triton kernels (model.fused_4bit_decode) run on CPU tensors only in Triton's interpreter, chosen when
+# triton is first imported, so before anything imports it. Not where there is a GPU: torch.compile's
+# own Triton kernels would run interpreted too.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -261,6 +269,21 @@ def rollout_for_update(roles, tokenizer):
     ids, mask, start = prompt_and_random_response(tokenizer, prompts, 6)
     mask[1, start + 4 :] = 0  # a response that stopped early
     return scored_rollout(roles, ids, mask, start, prompt_rows(tokenizer, prompts))
+
+
+def count_nf4_kernel_launches(monkeypatch) -> list:
+    """The grids `model.fused_4bit_decode`'s kernel is launched with from now on in this test."""
+    from lora_ppo import _nf4_kernel
+
+    launches, launch = [], _nf4_kernel.nf4_linear_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return launch[grid]
+
+    monkeypatch.setattr(_nf4_kernel, "nf4_linear_kernel", Counting())
+    return launches
 
 
 def bnb_4bit_layers(roles) -> list:

@@ -8,6 +8,7 @@ to one batch bucket (3 rows run as 4)."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from lora_ppo.model import dequantized_once
 from lora_ppo.model_checks import cache_keyword
 from lora_ppo.roles import position_ids_for
 from lora_ppo.rollout import Sampler, row_seeds
-from tests.conftest import perturb_lora_b, prompt_rows
+from tests.conftest import count_nf4_kernel_launches, perturb_lora_b, prompt_rows
 
 PROMPTS = ["a much longer prompt than the others, padded the least", "short", "the film was"]
 OTHER_PROMPTS = ["my family loved the comedy", "the ending made no sense but the music was lovely", "bad"]
@@ -122,6 +123,33 @@ def test_fused_lora_layers_compile_and_sample_what_generate_samples(make_roles, 
     today, compiled = both_paths(roles, tiny_tokenizer, decoder, cfg, PROMPTS, seed=5)
     assert_same_samples(today, compiled)
     assert decoder.disabled is None and decoder.graphs == 1 and decoder.recompiles == 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter runs the kernel on CPU")
+def test_the_fused_4bit_decode_kernel_compiles_into_the_step_and_samples_what_generate_samples(make_roles,
+                                                                                             tiny_tokenizer,
+                                                                                             monkeypatch):
+    """model.fused_4bit_decode with rollout.compile: the decode step's graph calls the kernel as one
+    opaque op (its fake gives the output's shape) and samples what generate() samples through it."""
+    pytest.importorskip("triton")
+    from lora_ppo.fused_4bit_decode import MAX_ROWS, fuse_4bit_decode
+
+    torch.manual_seed(0)
+    roles = make_roles(seed=3)
+    assert fuse_4bit_decode(roles.peft, torch.device("cpu")) == 14  # 2 layers x 7 linear layers
+    decoder = StaticDecoder(roles.peft, cache_tokens=64)
+    cfg = RolloutConfig(**SAMPLING, stop_token=None)
+    today, compiled = both_paths(roles, tiny_tokenizer, decoder, cfg, PROMPTS, seed=5)
+    assert_same_samples(today, compiled)
+    assert decoder.disabled is None and decoder.graphs == 1 and decoder.recompiles == 0
+    # The compiled steps launch it, 14 layers for each of the 9 steps after the first token; the
+    # prefill's 4 x (longest prompt) rows are more than MAX_ROWS, computed by bitsandbytes.
+    rows = prompt_rows(tiny_tokenizer, PROMPTS)
+    assert bucket(3) * max(len(row.ids) for row in rows) > MAX_ROWS
+    launches = count_nf4_kernel_launches(monkeypatch)
+    torch.manual_seed(5)
+    Sampler(roles, tiny_tokenizer, cfg, decoder).sample(rows)
+    assert len(launches) == 14 * (SAMPLING["max_new_tokens"] - 1)
 
 
 def test_a_stop_check_read_late_returns_the_tokens_generate_samples(roles, tiny_tokenizer, decoder):

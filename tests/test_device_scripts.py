@@ -114,3 +114,21 @@ def test_lever_costs_times_every_lever(tiny_config, tmp_path):
     assert head["compute_dtype_chunk_s"] > 0 and head["4bit_chunk_s"] > 0
     # 16 x 256 response positions in chunks of 64, through the head 2 + 3 x 2 epochs times
     assert head["lm_head_matmuls_per_step"] == 64 * 8
+
+
+def test_nf4_decode_matmul_times_every_path_of_every_shape(tiny_config, tmp_path):
+    """bench/nf4_decode_matmul.py (model.fused_4bit_decode's kernel against bitsandbytes); on CPU the
+    kernel runs in Triton's interpreter, so only its numbers are checked, not its times."""
+    pytest.importorskip("triton")
+    out = tmp_path / "nf4.json"
+    run_script("nf4_decode_matmul.py", "--config", str(tiny_config), "--rows", "1,16", "--calls", "1", "--repeats", "1",
+               "--no-sweep", "--out", str(out))
+    result = json.loads(out.read_text())
+    # The tiny config's q/o (64 x 64, merged: 4 layers of it), k/v (32 x 64), gate/up (128 x 64), down (64 x 128).
+    assert {name: shape["layers"] for name, shape in result["shapes"].items()} == {"q/o": 4, "k/v": 4, "gate/up": 4,
+                                                                                  "down": 2}
+    for shape in result["shapes"].values():
+        for row in shape["rows"].values():
+            assert all(row[f"{path}_us"] > 0 for path in ("bnb", "dequantize_linear", "fused", "copy"))
+            assert row["max_abs_diff"] <= 1e-5 * row["max_abs"] + 1e-6  # float32 on CPU: summation order only
+    assert set(result["decode_step_ms"]) == {"1", "16"}

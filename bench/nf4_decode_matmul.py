@@ -1,0 +1,186 @@
+"""A decode step's 4-bit linear layers, one at a time: `model.fused_4bit_decode`'s Triton kernel
+against what bitsandbytes does, at a config's layer shapes (Llama-3.1-8B's by default) and a decode
+step's row counts. Per shape and rows, microseconds per call of
+
+- `bnb`: bitsandbytes' no-grad `matmul_4bit` (what a decode step runs today: its own dispatch picks
+  its fused `gemm_4bit` kernel or dequantize + linear, per GPU and shape),
+- `dequantize_linear`: dequantize the whole weight, then a linear,
+- `fused`: the kernel at its launch defaults, and `fused_best`: the best of a sweep of its launch
+  settings (output columns per program, programs per multiprocessor),
+- `copy`: a linear on a dequantized copy (`model.dequantize_per_step`: 4x the memory; the bound),
+
+each timed on a GPU inside a CUDA graph of `--calls` calls (as the compiled decode step runs them),
+and the kernel's largest difference from dequantize + linear (same bf16 weight, other summation
+order). Then the sums over the model's layers: a decode step's linear layers in milliseconds.
+
+    python bench/nf4_decode_matmul.py --out bench/results/nf4_decode_matmul_h100.json   # CUDA GPU, ~2 min
+    python bench/nf4_decode_matmul.py --config <folder> --rows 1,16 --no-sweep          # CPU smoke run
+
+On CPU the kernel runs in Triton's interpreter (set here), for a smoke run only: its times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel on CPU tensors, before triton is imported
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import lora_ppo.fused_4bit_decode as fused  # noqa: E402
+
+CONFIGS = Path(__file__).parent / "model_configs"
+SWEEP_BLOCK_N = (32, 64, 128)
+SWEEP_PROGRAMS_PER_SM = (2, 4, 8)
+
+
+def layer_shapes(config: dict) -> dict[str, tuple[int, int, int]]:
+    """name -> (out_features, in_features, layers of the model with that shape) for one decoder layer's
+    linear layers, the same shapes merged (an 8B model's k and v)."""
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    head = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head, config.get("num_key_value_heads", config["num_attention_heads"]) * head
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for name, shape in (("q", (q, hidden)), ("k", (kv, hidden)), ("v", (kv, hidden)), ("o", (hidden, q)),
+                        ("gate", (inner, hidden)), ("up", (inner, hidden)), ("down", (hidden, inner))):
+        shapes.setdefault(shape, []).append(name)
+    layers = config["num_hidden_layers"]
+    return {"/".join(names): (n, k, layers * len(names)) for (n, k), names in shapes.items()}
+
+
+def timed_us(fn, calls: int, repeats: int, device: torch.device) -> float:
+    """Median microseconds per call: on a GPU `calls` calls captured in a CUDA graph, replayed."""
+    fn()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def one_shape(out_features: int, in_features: int, rows_list, args, device) -> dict:
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features, dtype=dtype, device=device) * 0.02
+    packed, state = F.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
+    state.dtype = dtype
+    del weight
+    copy = F.dequantize_4bit(packed, state)
+    nested = state.nested
+
+    def kernel(x):
+        return fused.nf4_linear(x, packed, state.absmax, state.code, state.state2.absmax if nested else None,
+                                state.state2.code if nested else None, state.offset if nested else None, None,
+                                out_features, state.blocksize)
+
+    results = {}
+    for rows in rows_list:
+        x = torch.randn(rows, in_features, dtype=dtype, device=device)
+        with torch.no_grad():
+            paths = {
+                "bnb": lambda: bnb.matmul_4bit(x, packed, quant_state=state),
+                "dequantize_linear": lambda: torch.nn.functional.linear(x, F.dequantize_4bit(packed, state)),
+                "fused": lambda: kernel(x),
+                "copy": lambda: torch.nn.functional.linear(x, copy),
+            }
+            row = {f"{name}_us": timed_us(fn, args.calls, args.repeats, device) for name, fn in paths.items()}
+            expected, got = paths["dequantize_linear"]().float(), kernel(x).float()
+            row["max_abs_diff"] = (got - expected).abs().max().item()
+            row["max_abs"] = expected.abs().max().item()
+            row["bnb_max_abs_diff"] = (paths["bnb"]().float() - expected).abs().max().item()
+            if args.sweep:
+                row["fused_sweep"] = sweep(lambda: kernel(x), args, device)
+                best = min(row["fused_sweep"], key=lambda entry: entry["us"])
+                row["fused_best_us"], row["fused_best"] = best["us"], {k: best[k] for k in ("block_n", "programs_per_sm")}
+        results[str(rows)] = row
+        print(json.dumps({"shape": [out_features, in_features], "rows": rows,
+                          **{k: v for k, v in row.items() if k != "fused_sweep"}}), flush=True)
+    return results
+
+
+def sweep(call, args, device) -> list[dict]:
+    defaults = fused.BLOCK_N, fused.PROGRAMS_PER_SM
+    entries = []
+    try:
+        for block_n in SWEEP_BLOCK_N:
+            for programs in SWEEP_PROGRAMS_PER_SM:
+                fused.BLOCK_N, fused.PROGRAMS_PER_SM = block_n, programs
+                entries.append({"block_n": block_n, "programs_per_sm": programs,
+                                "us": timed_us(call, args.calls, args.repeats, device)})
+    finally:
+        fused.BLOCK_N, fused.PROGRAMS_PER_SM = defaults
+    return entries
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(CONFIGS / "llama-3.1-8b"), help="a folder with config.json")
+    parser.add_argument("--rows", default="1,4,8,16,32,64", help="decode batch sizes, comma-separated")
+    parser.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
+    parser.add_argument("--repeats", type=int, default=10, help="graph replays; the median is kept")
+    parser.add_argument("--no-sweep", dest="sweep", action="store_false", help="the kernel's launch defaults only")
+    parser.add_argument("--out", default=None, help="write the JSON here too")
+    args = parser.parse_args()
+    import bitsandbytes
+    import triton
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    why_not = fused.fused_decode_unavailable(device)
+    if why_not:
+        raise SystemExit(f"nf4_decode_matmul: {why_not}")
+    config = json.loads((Path(args.config) / "config.json").read_text())
+    rows_list = [int(r) for r in args.rows.split(",")]
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)",
+        "versions": {"torch": torch.__version__, "bitsandbytes": bitsandbytes.__version__, "triton": triton.__version__},
+        "config": Path(args.config).name, "defaults": {"block_n": fused.BLOCK_N, "programs_per_sm": fused.PROGRAMS_PER_SM},
+        "calls_per_graph": args.calls, "shapes": {},
+    }
+    shapes = layer_shapes(config)
+    for name, (n, k, count) in shapes.items():
+        result["shapes"][name] = {"out_features": n, "in_features": k, "layers": count,
+                                  "rows": one_shape(n, k, rows_list, args, device)}
+    # A decode step's linear layers: each shape's time x the layers of that shape.
+    result["decode_step_ms"] = {
+        str(rows): {path: sum(s["rows"][str(rows)][f"{path}_us"] * s["layers"] for s in result["shapes"].values()) / 1e3
+                    for path in ("bnb", "dequantize_linear", "fused", "copy", *(("fused_best",) if args.sweep else ()))}
+        for rows in rows_list
+    }
+    print(json.dumps({"decode_step_ms": result["decode_step_ms"]}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""A 4-bit linear layer for a decode step's few rows in one Triton kernel (`model.fused_4bit_decode`):
+the weight's 4-bit codes are read and dequantized in registers, never written out in full.
+
+bitsandbytes computes a 4-bit layer for more than a handful of rows by dequantizing the whole
+weight to the compute dtype (4 bits read, 16 written, 16 read again) and then multiplying, or, for
+some shapes, with its own fused kernel, which parallelises over output columns only: on an H100
+its own dispatch prefers dequantize-then-multiply for most of an 8B model's layers at 16 rows. A
+decode step of 16 rows is bound by memory traffic, so the layer's cost is those bytes. Here each
+program reads a tile of output columns over one slice of the inner dimension (split-K, so even a
+layer with few columns fills the card), dequantizes each 64-value block as bitsandbytes does
+(code table value x the block's scale, in float32, rounded to the compute dtype) and multiplies;
+the slices' float32 partial sums are added once at the end.
+
+Triton runs on CUDA GPUs. On a CPU it runs only under Triton's interpreter (`TRITON_INTERPRET=1`,
+slow; the tests use it), so `fused_decode_unavailable` says why it cannot run elsewhere, and the
+layers keep bitsandbytes' forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+import types
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lora_ppo.bnb_workarounds import linear_4bit_layers
+
+log = logging.getLogger(__name__)
+
+# The most rows (batch x new tokens) the kernel takes: a decode step's batch bucket. More rows (a
+# prompt's prefill, scoring) are compute-bound, where dequantize-then-multiply is right.
+MAX_ROWS = 64
+# Output columns per program, and how many programs the split-K launch aims for per multiprocessor,
+# so a layer with few output columns (an 8B model's key and value projections: 1,024) fills the card.
+BLOCK_N = 64
+PROGRAMS_PER_SM = 4
+# Each slice of the inner dimension holds at least this many quantization blocks, so a program's
+# fixed costs (its partial sums' write, the final sum) stay small against its reads.
+MIN_BLOCKS_PER_SLICE = 4
+# The 8-bit code of bitsandbytes' double quantization (the scales' scales) has this block size.
+NESTED_BLOCKSIZE = 256
+
+
+def fused_decode_unavailable(device: torch.device) -> Optional[str]:
+    """Why the fused kernel cannot run on `device` (None when it can)."""
+    if importlib.util.find_spec("triton") is None:  # installed with torch's CUDA builds
+        return "Triton is not installed"
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return f"Triton kernels need a CUDA GPU (this run is on {device.type})"
+
+
+def layer_unsupported(layer: nn.Module) -> Optional[str]:
+    """Why a bitsandbytes Linear4bit cannot take the fused kernel (None when it can)."""
+    state = layer.weight.quant_state
+    if state.quant_type != "nf4":
+        return f"its quant type is {state.quant_type} (the kernel reads nf4)"
+    if state.shape[1] % state.blocksize:
+        return f"its input width {state.shape[1]} is not a multiple of its block size {state.blocksize}"
+    if state.nested and state.state2.blocksize != NESTED_BLOCKSIZE:
+        return f"its scales are quantized in blocks of {state.state2.blocksize}, not {NESTED_BLOCKSIZE}"
+    return None
+
+
+def fuse_4bit_decode(model: nn.Module, device: torch.device) -> int:
+    """`model.fused_4bit_decode`: compute the model's 4-bit layers that take it with the fused
+    kernel wherever a no-grad call has at most MAX_ROWS rows (a decode step's); other calls, and
+    layers computing from a dequantized copy (`dequantized_4bit_layers`), are computed as before.
+    Where the kernel cannot run on `device`, nothing changes. One log line says which; returns
+    the number of layers patched."""
+    why_not = fused_decode_unavailable(device)
+    if why_not is not None:
+        log.info("model.fused_4bit_decode: off (%s); the 4-bit layers keep bitsandbytes' forward", why_not)
+        return 0
+    layers = linear_4bit_layers(model)
+    reasons = [layer_unsupported(layer) for layer in layers]
+    for layer, why in zip(layers, reasons):
+        if why is None:
+            # One function for every layer: a compiled decode step sees the same code each step.
+            layer.forward = types.MethodType(_fused_forward, layer)  # shadows the class's forward
+    skipped = [why for why in reasons if why is not None]
+    patched = len(layers) - len(skipped)
+    log.info("model.fused_4bit_decode: %d of %d 4-bit layers decode with the fused kernel%s", patched, len(layers),
+             f" (the others: {skipped[0]})" if skipped else "")
+    return patched
+
+
+def _fused_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    if rows > MAX_ROWS or torch.is_grad_enabled():
+        return type(layer).forward(layer, x)
+    dtype = layer.compute_dtype or x.dtype
+    state = layer.weight.quant_state
+    nested = state.nested
+    out = torch.ops.lora_ppo.nf4_linear(
+        x.reshape(rows, x.shape[-1]).to(dtype), layer.weight.data, state.absmax, state.code,
+        state.state2.absmax if nested else None, state.state2.code if nested else None,
+        state.offset if nested else None, layer.bias, state.shape[0], state.blocksize,
+    )
+    return out.reshape(*x.shape[:-1], state.shape[0]).to(x.dtype)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # Triton's interpreter: one program at a time anyway
+
+
+def split_k(out_features: int, in_features: int, blocksize: int, multiprocessors: int) -> tuple[int, int]:
+    """(slices of the inner dimension, inner width per slice, a multiple of `blocksize`): enough
+    programs to fill the card, each slice at least MIN_BLOCKS_PER_SLICE quantization blocks."""
+    blocks = in_features // blocksize
+    tiles = -(-out_features // BLOCK_N)
+    wanted = max(1, -(-PROGRAMS_PER_SM * multiprocessors // tiles))
+    slices = max(1, min(wanted, blocks // MIN_BLOCKS_PER_SLICE))
+    blocks_per_slice = -(-blocks // slices)
+    return -(-blocks // blocks_per_slice), blocks_per_slice * blocksize
+
+
+@torch.library.custom_op("lora_ppo::nf4_linear", mutates_args=())
+def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+               absmax2: Optional[torch.Tensor], code2: Optional[torch.Tensor], offset: Optional[torch.Tensor],
+               bias: Optional[torch.Tensor], out_features: int, blocksize: int) -> torch.Tensor:
+    """`x [M, K] @ W.T` for an nf4 weight W [out_features, K] stored as bitsandbytes packs it:
+    `packed` two codes per byte (the first in the high nibble), `absmax` one scale per `blocksize`
+    values in row-major order (uint8 codes of `code2` x `absmax2` + `offset` where double
+    quantized). Plus `bias`, added to the float32 sums as a matmul's epilogue does. Returns
+    [M, out_features] in x's dtype. A custom op, so a compiled decode step
+    (and its CUDA graph) calls it as one opaque kernel launch."""
+    from lora_ppo._nf4_kernel import nf4_linear_kernel
+
+    M, K = x.shape
+    slices, slice_width = split_k(out_features, K, blocksize, _multiprocessors(x.device))
+    partial = torch.empty((slices, M, out_features), dtype=torch.float32, device=x.device)
+    nested = absmax2 is not None
+    grid = (-(-out_features // BLOCK_N), slices)
+    nf4_linear_kernel[grid](
+        x.contiguous(), packed, absmax, code.to(x.device),
+        absmax2 if nested else absmax, code2.to(x.device) if nested else code.to(x.device),
+        offset.to(x.device) if nested else absmax,
+        partial, M, out_features, K, slice_width,
+        NESTED=nested, QBLOCK=blocksize, BLOCK_M=max(16, 1 << (M - 1).bit_length()), BLOCK_N=BLOCK_N,
+        IEEE=x.dtype == torch.float32,
+    )
+    total = partial[0] if slices == 1 else partial.sum(0)
+    if bias is not None:
+        total = total + bias.to(x.dtype).float()  # bitsandbytes rounds the bias to the compute dtype first
+    return total.to(x.dtype)
+
+
+@nf4_linear.register_fake
+def _(x, packed, absmax, code, absmax2, code2, offset, bias, out_features, blocksize):
+    return x.new_empty((x.shape[0], out_features))

@@ -1,0 +1,182 @@
+"""model.fused_4bit_decode: the Triton kernel computes what bitsandbytes' dequantize-then-multiply
+computes (checked against bitsandbytes' own dequantization on CPU, under Triton's interpreter), the
+model's decode-sized no-grad calls go through it and nothing else does, a dequantized copy takes
+precedence and gives the kernel back on exit, and where it cannot run the layers stay as they were
+with one log line."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import pytest
+import torch
+
+import lora_ppo.fused_4bit_decode as fused
+from lora_ppo.bnb_workarounds import dequantized_4bit_layers, linear_4bit_layers
+from lora_ppo.config import AdaptersConfig, ModelConfig
+from lora_ppo.fused_4bit_decode import MAX_ROWS, fuse_4bit_decode, nf4_linear, split_k
+from lora_ppo.model import load_base_model
+from lora_ppo.roles import RoleModel
+from tests.conftest import count_nf4_kernel_launches
+
+pytest.importorskip("triton")  # the dev extra installs it; a GPU build of torch brings its own
+bnb_functional = pytest.importorskip("bitsandbytes.functional")
+# tests/conftest.py runs Triton's interpreter on a machine without a GPU: these tests use CPU tensors.
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+
+
+def quantized(out_features: int, in_features: int, nested: bool, dtype: torch.dtype, seed: int = 0):
+    """A random weight quantized to nf4 by bitsandbytes, and bitsandbytes' own dequantization of it."""
+    torch.manual_seed(seed)
+    weight = torch.randn(out_features, in_features)
+    packed, state = bnb_functional.quantize_4bit(weight, blocksize=64, compress_statistics=nested, quant_type="nf4")
+    state.dtype = dtype
+    return packed, state, bnb_functional.dequantize_4bit(packed, state)
+
+
+def kernel(x, packed, state, bias=None):
+    nested = state.nested
+    return nf4_linear(x, packed, state.absmax, state.code, state.state2.absmax if nested else None,
+                      state.state2.code if nested else None, state.offset if nested else None, bias,
+                      state.shape[0], state.blocksize)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 64, 64), (5, 96, 128), (16, 200, 256), (64, 32, 512)])
+def test_the_kernel_multiplies_by_the_weight_bitsandbytes_dequantizes(rows, out_features, in_features, nested):
+    packed, state, weight = quantized(out_features, in_features, nested, torch.float32)
+    x = torch.randn(rows, in_features)
+    bias = torch.randn(out_features)
+    # float32 throughout: only the order of the additions differs from torch's matmul.
+    torch.testing.assert_close(kernel(x, packed, state, bias), torch.nn.functional.linear(x, weight, bias),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_in_float16_the_weight_is_rounded_as_bitsandbytes_rounds_it():
+    packed, state, weight = quantized(64, 256, nested=True, dtype=torch.float16)
+    x = torch.randn(8, 256, dtype=torch.float16)
+    got = kernel(x, packed, state)
+    assert got.dtype == torch.float16
+    # The same float16 weight and inputs, products summed in float32: equal up to float16's rounding of the
+    # output (half a unit in the last place of values up to ~60).
+    expected = torch.nn.functional.linear(x.float(), weight.float())
+    torch.testing.assert_close(got.float(), expected, rtol=1e-3, atol=0.02)
+
+
+def test_split_k_fills_the_card_and_covers_the_inner_dimension_once():
+    # Llama-3.1-8B's shapes on an H100's 132 multiprocessors, 64-value blocks, by hand:
+    # q/o: 64 column tiles want ceil(528 / 64) = 9 slices of 64 blocks -> 8 blocks per slice -> 8 slices.
+    assert split_k(4096, 4096, 64, 132) == (8, 512)
+    # k/v: 16 tiles want 33 slices, capped at 64 / 4 = 16 (4 blocks each).
+    assert split_k(1024, 4096, 64, 132) == (16, 256)
+    # gate/up: 224 tiles want ceil(528 / 224) = 3 slices -> 22 blocks per slice (the last one 20).
+    assert split_k(14336, 4096, 64, 132) == (3, 1408)
+    # down: 64 tiles want 9 of 224 blocks -> 25 blocks per slice -> 9 slices, the last one shorter.
+    assert split_k(4096, 14336, 64, 132) == (9, 1600)
+
+
+def test_slices_of_the_inner_dimension_add_up_to_the_product(monkeypatch):
+    monkeypatch.setattr(fused, "_multiprocessors", lambda device: 132)
+    packed, state, weight = quantized(64, 1024, nested=True, dtype=torch.float32)
+    assert split_k(64, 1024, 64, 132)[0] == 4
+    x = torch.randn(3, 1024)
+    torch.testing.assert_close(kernel(x, packed, state), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    """The tiny 4-bit model twice, with and without the fused decode, with the same random adapters."""
+    def roles(fuse: bool):
+        torch.manual_seed(0)
+        base = load_base_model(ModelConfig(name=str(tiny_model_dir), fused_4bit_decode=fuse))
+        return RoleModel(base, AdaptersConfig(policy={"r": 4, "alpha": 8}, value={"r": 4, "alpha": 8}))
+
+    return roles(True), roles(False)
+
+
+def test_decode_sized_no_grad_calls_take_the_kernel_and_give_the_models_logits(models, tiny_tokenizer, monkeypatch):
+    fused_roles, plain_roles = models
+    layers = linear_4bit_layers(fused_roles.peft)
+    assert layers and all("forward" in vars(layer) for layer in layers)
+    ids = torch.tensor([tiny_tokenizer.encode("the film was good")] * 2)
+    calls = count_nf4_kernel_launches(monkeypatch)
+    with torch.no_grad():
+        got = fused_roles.peft(input_ids=ids).logits
+        expected = plain_roles.peft(input_ids=ids).logits
+    assert len(calls) == len(layers)  # every 4-bit layer, once
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_generation_picks_the_same_tokens(models, tiny_tokenizer):
+    fused_roles, plain_roles = models
+    ids = torch.tensor([tiny_tokenizer.encode("my family loved the")] * 3)
+    settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": tiny_tokenizer.pad_token_id}
+    with torch.no_grad():
+        got = fused_roles.peft.generate(input_ids=ids, **settings)
+        expected = plain_roles.peft.generate(input_ids=ids, **settings)
+    assert torch.equal(got, expected)
+
+
+def test_calls_with_a_gradient_or_many_rows_keep_bitsandbytes_forward(models, tiny_tokenizer, monkeypatch):
+    fused_roles, plain_roles = models
+    calls = count_nf4_kernel_launches(monkeypatch)
+    short = torch.tensor([tiny_tokenizer.encode("the film was good")])
+    long_rows = torch.randint(3, len(tiny_tokenizer), (MAX_ROWS // 8 + 1, 8))  # MAX_ROWS + 8 rows
+    with torch.no_grad():
+        torch.testing.assert_close(fused_roles.peft(input_ids=long_rows).logits,
+                                   plain_roles.peft(input_ids=long_rows).logits, rtol=0, atol=0)
+    with torch.enable_grad():
+        got = fused_roles.peft(input_ids=short).logits
+        expected = plain_roles.peft(input_ids=short).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert calls == []
+
+
+def test_a_dequantized_copy_takes_precedence_and_gives_the_kernel_back(models, tiny_tokenizer, monkeypatch):
+    fused_roles, _ = models
+    layers = linear_4bit_layers(fused_roles.peft)
+    fused_forward = [vars(layer)["forward"] for layer in layers]
+    calls = count_nf4_kernel_launches(monkeypatch)
+    ids = torch.tensor([tiny_tokenizer.encode("bad")])
+    with dequantized_4bit_layers(fused_roles.peft, torch.float32, keep=False), torch.no_grad():
+        fused_roles.peft(input_ids=ids)
+    assert calls == []
+    assert [vars(layer)["forward"] for layer in layers] == fused_forward
+    with torch.no_grad():
+        fused_roles.peft(input_ids=ids)
+    assert len(calls) == len(layers)
+
+
+def test_off_with_one_log_line_where_the_kernel_cannot_run(tiny_model_dir, monkeypatch, caplog):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    model = load_base_model(ModelConfig(name=str(tiny_model_dir)))
+    with caplog.at_level(logging.INFO, logger="lora_ppo.fused_4bit_decode"):
+        assert fuse_4bit_decode(model, torch.device("cpu")) == 0
+        monkeypatch.setitem(sys.modules, "triton", None)  # as if not installed
+        assert fuse_4bit_decode(model, torch.device("cuda")) == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "model.fused_4bit_decode: off (Triton kernels need a CUDA GPU (this run is on cpu)); the 4-bit layers "
+        "keep bitsandbytes' forward",
+        "model.fused_4bit_decode: off (Triton is not installed); the 4-bit layers keep bitsandbytes' forward",
+    ]
+    assert not any("forward" in vars(layer) for layer in linear_4bit_layers(model))
+
+
+def test_layers_the_kernel_does_not_read_are_left_and_named(tiny_model_dir, caplog):
+    model = load_base_model(ModelConfig(name=str(tiny_model_dir)))
+    layers = linear_4bit_layers(model)
+    layers[0].weight.quant_state.quant_type = "fp4"  # what the kernel does not decode
+    with caplog.at_level(logging.INFO, logger="lora_ppo.fused_4bit_decode"):
+        assert fuse_4bit_decode(model, torch.device("cpu")) == len(layers) - 1
+    assert "forward" not in vars(layers[0])
+    assert caplog.records[-1].getMessage() == (
+        f"model.fused_4bit_decode: {len(layers) - 1} of {len(layers)} 4-bit layers decode with the fused kernel "
+        "(the others: its quant type is fp4 (the kernel reads nf4))")
+
+
+@pytest.mark.parametrize("model", [{"quantization": "none"}, {"bnb_4bit_quant_type": "fp4"}])
+def test_the_recipe_refuses_it_without_nf4_weights(model):
+    with pytest.raises(ValueError, match="fused_4bit_decode: needs model.quantization 4bit with bnb_4bit_quant_type nf4"):
+        ModelConfig(fused_4bit_decode=True, **model)
