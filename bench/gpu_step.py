@@ -67,6 +67,7 @@ from random_models import build_random_4bit_model, small_tokenizer  # noqa: E402
 GB = 1e9
 # Kernel families, matched in order against a kernel's lower-cased name (first match wins).
 KERNEL_FAMILIES = (
+    ("4-bit fused matmul", ("nf4_linear", "gemm_4bit")),  # model.fused_4bit_decode's, bitsandbytes' own
     ("4-bit dequantize", ("dequant", "kdequantize", "bnb")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "softmax_warp_forward_causal", "efficient_attention")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "_mm_", "splitk", "sm90_", "sm80_",

@@ -62,6 +62,8 @@ def layer_unsupported(layer: nn.Module) -> Optional[str]:
         return f"its quant type is {state.quant_type} (the kernel reads nf4)"
     if state.shape[1] % state.blocksize:
         return f"its input width {state.shape[1]} is not a multiple of its block size {state.blocksize}"
+    if state.shape.numel() >= 2**31:
+        return f"its {state.shape.numel()} values need 64-bit offsets (the kernel's are 32-bit)"
     if state.nested and state.state2.blocksize != NESTED_BLOCKSIZE:
         return f"its scales are quantized in blocks of {state.state2.blocksize}, not {NESTED_BLOCKSIZE}"
     return None

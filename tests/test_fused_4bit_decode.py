@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch
 import lora_ppo.fused_4bit_decode as fused
 from lora_ppo.bnb_workarounds import dequantized_4bit_layers, linear_4bit_layers
 from lora_ppo.config import AdaptersConfig, ModelConfig
-from lora_ppo.fused_4bit_decode import MAX_ROWS, fuse_4bit_decode, nf4_linear, split_k
+from lora_ppo.fused_4bit_decode import MAX_ROWS, fuse_4bit_decode, layer_unsupported, nf4_linear, split_k
 from lora_ppo.model import load_base_model
 from lora_ppo.roles import RoleModel
 from tests.conftest import count_nf4_kernel_launches
@@ -174,6 +175,21 @@ def test_layers_the_kernel_does_not_read_are_left_and_named(tiny_model_dir, capl
     assert caplog.records[-1].getMessage() == (
         f"model.fused_4bit_decode: {len(layers) - 1} of {len(layers)} 4-bit layers decode with the fused kernel "
         "(the others: its quant type is fp4 (the kernel reads nf4))")
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"quant_type": "fp4"}, "its quant type is fp4 (the kernel reads nf4)"),
+    ({"shape": torch.Size([64, 96])}, "its input width 96 is not a multiple of its block size 64"),
+    ({"shape": torch.Size([2**16, 2**15])}, "its 2147483648 values need 64-bit offsets (the kernel's are 32-bit)"),
+    ({"nested": True, "state2": SimpleNamespace(blocksize=128)}, "its scales are quantized in blocks of 128, not 256"),
+])
+def test_each_layer_the_kernel_cannot_read_says_why(change, reason):
+    state = SimpleNamespace(**{"quant_type": "nf4", "shape": torch.Size([64, 128]), "blocksize": 64, "nested": False,
+                               **change})
+    layer = SimpleNamespace(weight=SimpleNamespace(quant_state=state))
+    assert layer_unsupported(layer) == reason
+    state.__dict__.update(quant_type="nf4", shape=torch.Size([64, 128]), state2=SimpleNamespace(blocksize=256))
+    assert layer_unsupported(layer) is None
 
 
 @pytest.mark.parametrize("model", [{"quantization": "none"}, {"bnb_4bit_quant_type": "fp4"}])
