@@ -196,3 +196,27 @@ def test_each_layer_the_kernel_cannot_read_says_why(change, reason):
 def test_the_recipe_refuses_it_without_nf4_weights(model):
     with pytest.raises(ValueError, match="fused_4bit_decode: needs model.quantization 4bit with bnb_4bit_quant_type nf4"):
         ModelConfig(fused_4bit_decode=True, **model)
+
+
+def test_a_run_with_it_on_samples_and_trains_as_one_without(tiny_model_dir, tmp_path, caplog):
+    """Two PPO steps from the same seed with the setting on and off (4-bit layers computed from their 4
+    bits, `model.dequantize_per_step` off): the same responses at every step, the same losses within
+    float32 rounding, and the load's log line."""
+    import lora_ppo
+    from tests.conftest import tiny_recipe_dict
+
+    steps = {}
+    for setting in (False, True):
+        recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(
+            tiny_model_dir, tmp_path / f"fused-{setting}", model={"fused_4bit_decode": setting,
+                                                                   "dequantize_per_step": False}))
+        with caplog.at_level(logging.INFO, logger="lora_ppo.fused_4bit_decode"):
+            trainer = lora_ppo.PPOTrainer(recipe, progress=False)
+        steps[setting] = [trainer.train_step() for _ in range(2)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "model.fused_4bit_decode: 14 of 14 4-bit layers decode with the fused kernel"]
+    for (plain, plain_rollout), (fused_run, fused_rollout) in zip(steps[False], steps[True]):
+        assert torch.equal(plain_rollout.response_ids, fused_rollout.response_ids)
+        assert fused_run["objective/raw_scores"] == plain["objective/raw_scores"]
+        for key in ("objective/kl", "loss/policy", "loss/value"):
+            assert fused_run[key] == pytest.approx(plain[key], abs=1e-4), key
