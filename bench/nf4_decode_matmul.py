@@ -86,6 +86,15 @@ def timed_us(fn, calls: int, repeats: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def timed_or_error(fn, args, device):
+    """`timed_us`, or the first line of what stopped it: one path failing (a capture a kernel does not
+    allow) must not cost the call's other numbers."""
+    try:
+        return timed_us(fn, args.calls, args.repeats, device)
+    except Exception as error:  # noqa: BLE001 - recorded in the JSON
+        return f"error: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
 def one_shape(out_features: int, in_features: int, rows_list, args, device) -> dict:
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
@@ -114,15 +123,16 @@ def one_shape(out_features: int, in_features: int, rows_list, args, device) -> d
                 "fused": lambda: kernel(x),
                 "copy": lambda: torch.nn.functional.linear(x, copy),
             }
-            row = {f"{name}_us": timed_us(fn, args.calls, args.repeats, device) for name, fn in paths.items()}
+            row = {f"{name}_us": timed_or_error(fn, args, device) for name, fn in paths.items()}
             expected, got = paths["dequantize_linear"]().float(), kernel(x).float()
             row["max_abs_diff"] = (got - expected).abs().max().item()
             row["max_abs"] = expected.abs().max().item()
             row["bnb_max_abs_diff"] = (paths["bnb"]().float() - expected).abs().max().item()
             if args.sweep:
                 row["fused_sweep"] = sweep(lambda: kernel(x), args, device)
-                best = min(row["fused_sweep"], key=lambda entry: entry["us"])
-                row["fused_best_us"], row["fused_best"] = best["us"], {k: best[k] for k in ("block_n", "programs_per_sm")}
+                timed = [entry for entry in row["fused_sweep"] if isinstance(entry["us"], float)]
+                best = min(timed, key=lambda entry: entry["us"]) if timed else {"us": None}
+                row["fused_best_us"], row["fused_best"] = best["us"], {k: best.get(k) for k in ("block_n", "programs_per_sm")}
         results[str(rows)] = row
         print(json.dumps({"shape": [out_features, in_features], "rows": rows,
                           **{k: v for k, v in row.items() if k != "fused_sweep"}}), flush=True)
@@ -137,10 +147,18 @@ def sweep(call, args, device) -> list[dict]:
             for programs in SWEEP_PROGRAMS_PER_SM:
                 fused.BLOCK_N, fused.PROGRAMS_PER_SM = block_n, programs
                 entries.append({"block_n": block_n, "programs_per_sm": programs,
-                                "us": timed_us(call, args.calls, args.repeats, device)})
+                                "us": timed_or_error(call, args, device)})
     finally:
         fused.BLOCK_N, fused.PROGRAMS_PER_SM = defaults
     return entries
+
+
+def step_ms(shapes: dict, rows: int, path: str):
+    """A decode step's linear layers by `path`: each shape's time x its layers (None where one failed)."""
+    times = [(shape["rows"][str(rows)][f"{path}_us"], shape["layers"]) for shape in shapes.values()]
+    if not all(isinstance(us, float) for us, _ in times):
+        return None
+    return sum(us * layers for us, layers in times) / 1e3
 
 
 def main() -> None:
@@ -173,7 +191,7 @@ def main() -> None:
                                   "rows": one_shape(n, k, rows_list, args, device)}
     # A decode step's linear layers: each shape's time x the layers of that shape.
     result["decode_step_ms"] = {
-        str(rows): {path: sum(s["rows"][str(rows)][f"{path}_us"] * s["layers"] for s in result["shapes"].values()) / 1e3
+        str(rows): {path: step_ms(result["shapes"], rows, path)
                     for path in ("bnb", "dequantize_linear", "fused", "copy", *(("fused_best",) if args.sweep else ()))}
         for rows in rows_list
     }

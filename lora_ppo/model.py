@@ -14,10 +14,10 @@ from safetensors import SafetensorError
 from torch import nn
 
 from lora_ppo.bnb_workarounds import dequantized_4bit_bytes, dequantized_4bit_layers, keep_4bit_weights_differentiable
-from lora_ppo.fused_4bit_decode import fuse_4bit_decode
 from lora_ppo.builtin_model import resolve_builtin
 from lora_ppo.config import AUTO_DEQUANTIZE_SHARE, BUILTIN_PREFIX, ModelConfig
 from lora_ppo.errors import RecipeError, first_line
+from lora_ppo.fused_4bit_decode import fuse_4bit_decode
 from lora_ppo.model_checks import fused_expert_parameters, unconverted_linears
 from lora_ppo.devices import accelerator_module, device, device_map
 from lora_ppo.quantization import compute_dtype, compute_in, quantization_config
