@@ -10,6 +10,7 @@ after each part, so a run cut short keeps what it measured).
     python bench/generation_speed.py                           # the quickstart's shape (CPU)
     python bench/generation_speed.py --shape vs_trl            # bench/vs_trl.py's random Llama 58M
     python bench/generation_speed.py --shape gpu-8b --train-steps 2   # Llama-3.1-8B's shape (CUDA GPU)
+    python bench/generation_speed.py --shape gpu-8b --also-fused-4bit  # then with model.fused_4bit_decode
 
 Shapes: `quickstart` (recipes/quickstart.yaml: SmolLM2-135M 4-bit, batch 32, 20 new tokens,
 stop at EOS), `vs_trl` (random Llama 58M, batch 8, 16 + 32 tokens, no stop token), `gpu-8b`
@@ -121,6 +122,8 @@ def main() -> None:
     parser.add_argument("--also-dequantized", action="store_true",
                         help="then both paths again with model.dequantize_per_step on")
     parser.add_argument("--dequantized-only", action="store_true", help="only the dequantized pair")
+    parser.add_argument("--also-fused-4bit", action="store_true",
+                        help="then both paths again with model.fused_4bit_decode on the same model (4-bit layers)")
     parser.add_argument("--stop-check", action="store_true",
                         help="only the compiled path, without and with a stop token (eos): what its per-token "
                              "stop check costs (with --dequantized-only: on dequantized layers)")
@@ -193,6 +196,15 @@ def main() -> None:
         result["recompiles_after_training"] = decoder.recompiles
     if args.also_dequantized or args.dequantized_only:
         both_paths(recipe.model.model_copy(update={"dequantize_per_step": True}), "_dequantized")
+    if args.also_fused_4bit:
+        # model.fused_4bit_decode on the loaded model, with a decoder of its own (the layers' forward
+        # changed: another graph, not a recompile of the first).
+        from lora_ppo.devices import model_device
+        from lora_ppo.fused_4bit_decode import fuse_4bit_decode
+
+        result["fused_4bit_layers"] = fuse_4bit_decode(parts.roles.peft, model_device(parts.roles.peft))
+        decoder = StaticDecoder(parts.roles.peft, recipe.sequence_tokens)
+        both_paths(recipe.model, "_fused_4bit")
     print(json.dumps(result), flush=True)
     report()
 
