@@ -106,12 +106,9 @@ def one_shape(out_features: int, in_features: int, rows_list, args, device) -> d
     state.dtype = dtype
     del weight
     copy = F.dequantize_4bit(packed, state)
-    nested = state.nested
 
     def kernel(x):
-        return fused.nf4_linear(x, packed, state.absmax, state.code, state.state2.absmax if nested else None,
-                                state.state2.code if nested else None, state.offset if nested else None, None,
-                                out_features, state.blocksize)
+        return fused.quantized_linear(x, packed, state)
 
     results = {}
     for rows in rows_list:

@@ -98,13 +98,19 @@ def _fused_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return type(layer).forward(layer, x)
     dtype = layer.compute_dtype or x.dtype
     state = layer.weight.quant_state
-    nested = state.nested
-    out = torch.ops.lora_ppo.nf4_linear(
-        x.reshape(rows, x.shape[-1]).to(dtype), layer.weight.data, state.absmax, state.code,
-        state.state2.absmax if nested else None, state.state2.code if nested else None,
-        state.offset if nested else None, layer.bias, state.shape[0], state.blocksize,
-    )
+    out = quantized_linear(x.reshape(rows, x.shape[-1]).to(dtype), layer.weight.data, state, layer.bias)
     return out.reshape(*x.shape[:-1], state.shape[0]).to(x.dtype)
+
+
+def quantized_linear(x: torch.Tensor, packed: torch.Tensor, state, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`nf4_linear` for x [M, K] and a weight as bitsandbytes holds it: its packed codes and their
+    `QuantState` (double-quantized or not)."""
+    nested = state.nested
+    return torch.ops.lora_ppo.nf4_linear(
+        x, packed, state.absmax, state.code, state.state2.absmax if nested else None,
+        state.state2.code if nested else None, state.offset if nested else None, bias, state.shape[0],
+        state.blocksize,
+    )
 
 
 @functools.cache

@@ -17,7 +17,7 @@ import torch
 import lora_ppo.fused_4bit_decode as fused
 from lora_ppo.bnb_workarounds import dequantized_4bit_layers, linear_4bit_layers
 from lora_ppo.config import AdaptersConfig, ModelConfig
-from lora_ppo.fused_4bit_decode import MAX_ROWS, fuse_4bit_decode, layer_unsupported, nf4_linear, split_k
+from lora_ppo.fused_4bit_decode import MAX_ROWS, fuse_4bit_decode, layer_unsupported, quantized_linear, split_k
 from lora_ppo.model import load_base_model
 from lora_ppo.roles import RoleModel
 from tests.conftest import count_nf4_kernel_launches
@@ -37,13 +37,6 @@ def quantized(out_features: int, in_features: int, nested: bool, dtype: torch.dt
     return packed, state, bnb_functional.dequantize_4bit(packed, state)
 
 
-def kernel(x, packed, state, bias=None):
-    nested = state.nested
-    return nf4_linear(x, packed, state.absmax, state.code, state.state2.absmax if nested else None,
-                      state.state2.code if nested else None, state.offset if nested else None, bias,
-                      state.shape[0], state.blocksize)
-
-
 @pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 64, 64), (5, 96, 128), (16, 200, 256), (64, 32, 512)])
 def test_the_kernel_multiplies_by_the_weight_bitsandbytes_dequantizes(rows, out_features, in_features, nested):
@@ -51,14 +44,14 @@ def test_the_kernel_multiplies_by_the_weight_bitsandbytes_dequantizes(rows, out_
     x = torch.randn(rows, in_features)
     bias = torch.randn(out_features)
     # float32 throughout: only the order of the additions differs from torch's matmul.
-    torch.testing.assert_close(kernel(x, packed, state, bias), torch.nn.functional.linear(x, weight, bias),
+    torch.testing.assert_close(quantized_linear(x, packed, state, bias), torch.nn.functional.linear(x, weight, bias),
                                rtol=1e-5, atol=1e-4)
 
 
 def test_in_float16_the_weight_is_rounded_as_bitsandbytes_rounds_it():
     packed, state, weight = quantized(64, 256, nested=True, dtype=torch.float16)
     x = torch.randn(8, 256, dtype=torch.float16)
-    got = kernel(x, packed, state)
+    got = quantized_linear(x, packed, state)
     assert got.dtype == torch.float16
     # The same float16 weight and inputs, products summed in float32: equal up to float16's rounding of the
     # output (half a unit in the last place of values up to ~60).
@@ -83,7 +76,8 @@ def test_slices_of_the_inner_dimension_add_up_to_the_product(monkeypatch):
     packed, state, weight = quantized(64, 1024, nested=True, dtype=torch.float32)
     assert split_k(64, 1024, 64, 132)[0] == 4
     x = torch.randn(3, 1024)
-    torch.testing.assert_close(kernel(x, packed, state), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(quantized_linear(x, packed, state), torch.nn.functional.linear(x, weight),
+                               rtol=1e-5, atol=1e-4)
 
 
 @pytest.fixture(scope="module")
