@@ -53,7 +53,16 @@ class CompiledLayers:
         # micro-batch are graphs of their own: past dynamo's default 8 per function, later ones would
         # run eager. Recent torch.compile (2.13 here) takes a limit of its own; older ones keep the default.
         limit = {"recompile_limit": 64} if "recompile_limit" in inspect.signature(torch.compile).parameters else {}
-        self._forward = torch.compile(layer_forward, dynamic=True, options={"emulate_precision_casts": True}, **limit)
+        compiled = torch.compile(layer_forward, dynamic=True, options={"emulate_precision_casts": True}, **limit)
+
+        def forward(layer: torch.nn.Module, *args, **kwargs):
+            # Dynamo gives dimensions of equal size one symbol ("duck shaping"): a first micro-batch
+            # as long as a head is wide (the rotary tables' last dimension) would compile a graph for
+            # that length alone, and every other length would compile a second one.
+            with torch.fx.experimental._config.patch(use_duck_shape=False):
+                return compiled(layer, *args, **kwargs)
+
+        self._forward = forward
         self.compile_s = 0.0  # the calls that compiled a graph: compiling, then running one layer
         self.graphs = 0
         self.disabled: Optional[str] = None  # why the compiled path is off, after a failure

@@ -57,7 +57,12 @@ def test_a_compiled_bfloat16_update_is_eagers_bit_for_bit(make_roles, tiny_token
     torch._dynamo.reset()  # graphs compiled by an earlier test would be reused, and not counted here
     compiled = CompiledLayers()
     compiled_stats, compiled_weights = updated(compiled_roles, rollout, compiled, checkpointing, together, packing)
-    assert compiled.disabled is None and compiled.graphs >= 2  # the compiled path ran, for both roles
+    assert compiled.disabled is None
+    # One graph per pass (a role, or both together) for the first layer, whose input needs no
+    # gradient, and one for the others, whatever the micro-batches' widths. The first micro-batch,
+    # trimmed, is 16 tokens wide, as wide as an attention head: Dynamo's duck shaping gave that
+    # width graphs of their own (8 here, not 4).
+    assert compiled.graphs == (2 if together else 4)
     assert compiled_stats == eager_stats  # losses, ratios, entropy, grad norms, the logprob self-check
     for eager, compiled_weight in zip(eager_weights, compiled_weights):
         assert torch.equal(eager, compiled_weight)
