@@ -14,8 +14,9 @@ dropped, and the backward reruns the compiled forward for the one layer it is in
 checkpoint compiled inside the function, a layer's recomputation held half as much again per row
 as eager's and ran out of memory on the device where eager fit (bench/README.md, live_memory.py).
 
-One graph per role, and for the first layer, whose input needs no gradient; a layer's module is an
-input to the graph (not a constant), so a 32-layer model compiles as few graphs as a 2-layer one.
+One graph per role: a layer's module is an input to the graph (not a constant), so a 32-layer model
+compiles as few graphs as a 2-layer one, and the first layer's input is made to need a gradient as
+every other layer's does.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ class CompiledLayers:
         for good once compiling failed (one log line)."""
         if self.disabled is not None:
             return layer_step(layer, checkpointing, *args, **kwargs)
+        if args and not args[0].requires_grad:
+            # The first layer's input (the embeddings) needs no gradient, which would make its graph
+            # one of its own: as much compiling again as every other layer's. Asking for that gradient
+            # costs one layer's input gradient, which is then dropped.
+            args = (args[0].detach().requires_grad_(), *args[1:])
         graphs_before = unique_graphs()
         t0 = time.perf_counter()
         try:
