@@ -73,15 +73,16 @@ class CompiledLayers:
         for good once compiling failed (one log line)."""
         if self.disabled is not None:
             return layer_step(layer, checkpointing, *args, **kwargs)
-        if args and not args[0].requires_grad:
+        inputs = args
+        if args and isinstance(args[0], torch.Tensor) and not args[0].requires_grad:
             # The first layer's input (the embeddings) needs no gradient, which would make its graph
             # one of its own: as much compiling again as every other layer's. Asking for that gradient
             # costs one layer's input gradient, which is then dropped.
-            args = (args[0].detach().requires_grad_(), *args[1:])
+            inputs = (args[0].detach().requires_grad_(), *args[1:])
         graphs_before = unique_graphs()
         t0 = time.perf_counter()
         try:
-            out = layer_step(layer, checkpointing, *args, forward=self._forward, **kwargs)
+            out = layer_step(layer, checkpointing, *inputs, forward=self._forward, **kwargs)
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # noqa: BLE001 - any failure to compile means "run eager"
