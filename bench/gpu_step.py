@@ -325,7 +325,8 @@ def update_variants(trainer, results: dict, save=lambda: None, only=None) -> dic
         described = {"micro_batch": settings.micro_batch_size, "roles_together": settings.roles_together,
                      "gradient_checkpointing": settings.gradient_checkpointing}
         if settings.compiled_layers is not None:
-            step(f"{name}_compiling", described, ("time/update", "time/compile", "memory/update_gb"))
+            step(f"{name}_compiling", described,
+                 ("time/update", "time/compile", "update/compiled_graphs", "memory/update_gb"))
         per_call = patch("lora_ppo.update.adapters_cast_once", lambda *_: nullcontext()) \
             if name.endswith("_cast_per_call") else nullcontext()
         with fused_in_update(trainer.parts.roles) if fused else nullcontext() as routed, per_call:

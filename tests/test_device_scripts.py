@@ -99,6 +99,7 @@ def test_gpu_step_runs_only_the_variants_named(tiny_config, tmp_path):
                *SIZES, "ppo.grad_accum_steps=4")
     (budget,) = json.loads(out.read_text())["budgets"]
     assert list(budget["update_variants"]) == ["compile_update_compiling", "compile_update", "auto_again"]
+    assert budget["update_variants"]["compile_update_compiling"]["update/compiled_graphs"] == 2  # policy, value
 
 
 def test_lever_costs_times_every_lever(tiny_config, tmp_path):
