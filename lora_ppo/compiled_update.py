@@ -50,8 +50,8 @@ class CompiledLayers:
     """The compiled layer step, what compiling has cost, and why it is off after a failure."""
 
     def __init__(self) -> None:
-        # Each role, the first layer, dequantized layers (model.dequantize_per_step) and a one-row
-        # micro-batch are graphs of their own: past dynamo's default 8 per function, later ones would
+        # Each role, dequantized layers (model.dequantize_per_step) and a one-row micro-batch are
+        # graphs of their own: past dynamo's default 8 per function, later ones would
         # run eager. Recent torch.compile (2.13 here) takes a limit of its own; older ones keep the default.
         limit = {"recompile_limit": 64} if "recompile_limit" in inspect.signature(torch.compile).parameters else {}
         compiled = torch.compile(layer_forward, dynamic=True, options={"emulate_precision_casts": True}, **limit)
