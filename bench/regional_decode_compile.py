@@ -4,12 +4,15 @@
 with the depth (64-85 s for Llama-3.1-8B's 32 layers on an H100 or H200, bench/README.md).
 `torch.compiler.nested_compile_region` traces a function once and reuses the traced region for
 every call with inputs of the same kind, so each decoder layer's forward is compiled once, not
-32 times. This times both on a random transformers Llama (no LoRA, no 4-bit: the compiler alone),
-each in a process of its own with an empty Inductor cache: the first call (compile and one step),
-the warm decode step, and whether both greedy-decode the same tokens.
+32 times. This times both on a random transformers Llama (`--lora-4bit`: its projections in NF4
+under a PEFT LoRA adapter, as lora_ppo decodes), each in a process of its own with an empty
+Inductor cache: the first call (compile and one step), the warm decode step, and whether both
+greedy-decode the same tokens.
 
     python bench/regional_decode_compile.py                                   # CPU, 16 layers
-    python bench/regional_decode_compile.py --device cuda --dtype bfloat16 --layers 32 --hidden 4096
+    python bench/regional_decode_compile.py --lora-4bit                       # CPU, bitsandbytes' CPU path
+    python bench/regional_decode_compile.py --device cuda --dtype bfloat16 --layers 32 --hidden 4096 \
+        --vocab 128256 --rows 16 --lora-4bit
 
 On CUDA the step runs as lora_ppo runs it, with CUDA graphs (`mode="reduce-overhead"`).
 """
@@ -40,14 +43,17 @@ def measure(args: argparse.Namespace, regional: bool) -> dict:
     with device:
         model = LlamaForCausalLM(config).eval()
     torch.set_default_dtype(torch.float32)
+    layers = model.model.layers
+    if args.lora_4bit:
+        model = with_lora_on_4bit(model, device, dtype)
     if regional:
-        layer_forward = type(model.model.layers[0]).forward
+        layer_forward = type(layers[0]).forward
 
         @torch.compiler.nested_compile_region
         def layer_region(layer, *inputs, **kwargs):
             return layer_forward(layer, *inputs, **kwargs)
 
-        for layer in model.model.layers:
+        for layer in layers:
             layer.forward = functools.partial(layer_region, layer)
 
     def decode_step(cache, tokens, positions, mask):
@@ -85,6 +91,29 @@ def measure(args: argparse.Namespace, regional: bool) -> dict:
             "tokens": torch.cat(tokens, 1).tolist()}
 
 
+def with_lora_on_4bit(model, device, dtype):
+    """`model` as lora_ppo decodes with it: every decoder projection in bitsandbytes' NF4 (quantized
+    on the device, one at a time), under a PEFT LoRA adapter of rank 16 (float32 weights)."""
+    import bitsandbytes as bnb
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, linear in list(parent.named_children()):
+                if name in projections:
+                    quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False,
+                                                  compute_dtype=dtype, quant_type="nf4")
+                    quantized.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4")
+                    setattr(parent, name, quantized.to(device))  # quantizes; the full weight is dropped
+    model.is_loaded_in_4bit = True  # so PEFT wraps the 4-bit layers with its bitsandbytes LoRA layers
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=projections,
+                                             init_lora_weights=False))  # random B: the adapter changes the logits
+    return model.eval()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=16)
@@ -94,6 +123,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=43, help="decode steps (the first 3 are not timed)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--lora-4bit", action="store_true",
+                        help="the projections in NF4 under a rank-16 PEFT adapter, as lora_ppo decodes")
     parser.add_argument("--variant", choices=("whole", "regional"), help=argparse.SUPPRESS)  # one child process
     args = parser.parse_args()
     if args.variant is not None:
