@@ -35,6 +35,8 @@ def measure(args: argparse.Namespace, regional: bool) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
     torch.manual_seed(0)
+    # Llama-3.1-8B's proportions: heads 128 wide (4 heads at a toy width), a quarter of them for keys
+    # and values, an MLP 3.5x the width.
     heads = max(1, args.hidden // 128) if args.hidden >= 512 else 4
     config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 7 // 2, num_hidden_layers=args.layers,
                          num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), vocab_size=args.vocab)
