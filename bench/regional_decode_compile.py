@@ -27,12 +27,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lora_ppo, where it is not installed (a device)
 
 
 def measure(args: argparse.Namespace, regional: bool) -> dict:
     """Compile, then time the decode step of a random Llama; greedy tokens for the comparison."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    from lora_ppo.compiled_update import layer_forward  # a decoder layer's own forward
 
     torch.manual_seed(0)
     # Llama-3.1-8B's proportions: heads 128 wide (4 heads at a toy width), a quarter of them for keys
@@ -49,12 +54,7 @@ def measure(args: argparse.Namespace, regional: bool) -> dict:
     if args.lora_4bit:
         model = with_lora_on_4bit(model, device, dtype)
     if regional:
-        layer_forward = type(layers[0]).forward
-
-        @torch.compiler.nested_compile_region
-        def layer_region(layer, *inputs, **kwargs):
-            return layer_forward(layer, *inputs, **kwargs)
-
+        layer_region = torch.compiler.nested_compile_region(layer_forward)
         for layer in layers:
             layer.forward = functools.partial(layer_region, layer)
 
@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=43, help="decode steps (the first 3 are not timed)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--lora-4bit", action="store_true",
                         help="the projections in NF4 under a rank-16 PEFT adapter, as lora_ppo decodes")
     parser.add_argument("--variant", choices=("whole", "regional"), help=argparse.SUPPRESS)  # one child process
