@@ -14,8 +14,10 @@ without and with `model.fused_lora`; and both fused variants with each layer cas
 weights at every call, as before `adapters_cast_once` (`--variants` picks some): the operators
 dispatched, those that launch work (everything but views and other metadata, counted with the
 operators they call), the kernels (`kernel_ops`: those that call no other such operator, about one
-GPU kernel each), the dtype casts, the 4-bit dequantizations, and the micro-batch's seconds at this
-width (median of `--repeats`; mostly host, plus attention over the full sequence). With
+GPU kernel each), the dtype casts, the 4-bit dequantizations, the micro-batch's seconds at this
+width (median of `--repeats`; mostly host, plus attention over the full sequence), and a role
+switch's milliseconds, policy to value and back and to the reference by disabled adapters, as
+lora_ppo switches (lora_ppo/adapter_switch.py) and through PEFT's `set_adapter` / `disable_adapter`. With
 `ppo.compile_update` the fused kernels of the compiled layers are not operators and are not counted:
 on a GPU each is one more launch.
 
@@ -132,7 +134,33 @@ def measure(model_dir: Path, work: Path, overrides: list[str], args) -> dict:
         "dequantize_4bit": counts.get("bitsandbytes::dequantize_4bit", 0),
         "top_launching": sorted(launching.items(), key=lambda kv: -kv[1])[:8],
         "seconds_median": round(statistics.median(seconds), 3),
+        "role_switch_ms": role_switch_ms(roles),
     }
+
+
+def role_switch_ms(roles, repeats: int = 21) -> dict:
+    """Median milliseconds of one role switch (`RoleModel.as_role`), lora_ppo's own and PEFT's."""
+    from lora_ppo.roles import POLICY, REFERENCE, VALUE
+
+    def median_ms(role: str) -> float:
+        times = []
+        for _ in range(repeats):
+            with roles.as_role(POLICY):
+                pass
+            t0 = time.perf_counter()
+            with roles.as_role(role):
+                pass
+            times.append(time.perf_counter() - t0)
+        return round(1000 * statistics.median(times), 3)
+
+    direct = roles._switch
+    result = {"value": median_ms(VALUE), "reference_disabled": median_ms(REFERENCE)}
+    roles._switch = None
+    try:
+        result.update(peft_value=median_ms(VALUE), peft_reference_disabled=median_ms(REFERENCE))
+    finally:
+        roles._switch = direct
+    return result
 
 
 def kernel_ops(events) -> Counter:

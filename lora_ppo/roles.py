@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lora_ppo.config import AdaptersConfig, LoraSettings, RewardAdapterSettings
+from lora_ppo.adapter_switch import AdapterSwitch
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.logprobs import token_logprobs
 from lora_ppo.bnb_workarounds import eval_on_training_kernel
@@ -337,6 +338,7 @@ class RoleModel(Backbone):
             self.make_head(REWARD, Path(reward_adapter) / REWARD_HEAD_FILE, trainable=False)
 
         self._params = {name: self.adapter_params(name) for name in (POLICY, VALUE, REFERENCE, REWARD)}
+        self._switch = AdapterSwitch.of(peft)  # None: PEFT's own switches (lora_ppo/adapter_switch.py)
         self._active: Optional[str] = None
         self._activate(POLICY)
         self._check_logit_path()
@@ -409,7 +411,10 @@ class RoleModel(Backbone):
 
     def _activate(self, adapter_name: str) -> None:
         if self._active != adapter_name:
-            self.peft.set_adapter(adapter_name)
+            if self._switch is None:
+                self.peft.set_adapter(adapter_name)
+            else:
+                self._switch.activate(adapter_name)
             self._active = adapter_name
             self._fix_requires_grad()
 
@@ -420,7 +425,7 @@ class RoleModel(Backbone):
         """Run the enclosed forwards as `role` (policy, value, reference or reward)."""
         name = self.adapter_name(role)
         if name == BASE:
-            with self.peft.disable_adapter():
+            with self.peft.disable_adapter() if self._switch is None else self._switch.adapters_disabled():
                 yield
             self._fix_requires_grad()
             return

@@ -154,3 +154,43 @@ def test_init_from_adapter_becomes_frozen_reference(roles, model_cfg, tokenizer,
     assert (pol_after - sft_lp).abs().max() > 1e-3
 
 
+
+
+@torch.no_grad()
+def test_role_switches_set_what_peft_sets(roles, tokenizer):
+    # lora_ppo sets the active adapter on each LoRA layer itself (lora_ppo/adapter_switch.py); a
+    # forward after each switch must equal one after PEFT's own set_adapter / disable_adapter.
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    assert roles._switch is not None
+    ids, mask, _ = prompt_and_random_response(tokenizer, ["This movie was"])
+    layers = [m for m in roles.peft.modules() if isinstance(m, BaseTunerLayer)]
+    for role in (VALUE, POLICY, REFERENCE, VALUE):
+        with roles.as_role(role):
+            ours = roles.hidden_states(ids, mask)
+            if role != REFERENCE:
+                assert roles.peft.active_adapter == role and all(m.active_adapters == [role] for m in layers)
+                roles.peft.set_adapter(role)
+                peft_own = roles.hidden_states(ids, mask)
+            else:
+                assert all(m.disable_adapters for m in layers)
+                with roles.peft.disable_adapter():
+                    peft_own = roles.hidden_states(ids, mask)
+        torch.testing.assert_close(ours, peft_own, atol=0, rtol=0)
+        roles._fix_requires_grad()
+    assert not any(m.disable_adapters for m in layers)
+
+
+def test_adapter_switch_leaves_modules_to_save_to_peft(tiny_untied_model_dir):
+    # PEFT switches a `modules_to_save` copy (or trainable tokens) by a module walk of its own:
+    # with one in the model, the roles switch through PEFT.
+    from peft import LoraConfig, get_peft_model
+
+    from lora_ppo.adapter_switch import AdapterSwitch
+
+    def peft_model(**extra):
+        base = load_base_model(ModelConfig(name=str(tiny_untied_model_dir), quantization="none"))
+        return get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], **extra))
+
+    assert AdapterSwitch.of(peft_model()) is not None
+    assert AdapterSwitch.of(peft_model(modules_to_save=["lm_head"])) is None
