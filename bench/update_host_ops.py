@@ -16,8 +16,9 @@ dispatched, those that launch work (everything but views and other metadata, cou
 operators they call), the kernels (`kernel_ops`: those that call no other such operator, about one
 GPU kernel each), the dtype casts, the 4-bit dequantizations, the micro-batch's seconds at this
 width (median of `--repeats`; mostly host, plus attention over the full sequence), and a role
-switch's milliseconds, policy to value and back and to the reference by disabled adapters, as
-lora_ppo switches (lora_ppo/adapter_switch.py) and through PEFT's `set_adapter` / `disable_adapter`. With
+switch's milliseconds (policy to value, into and out of the reference by disabled adapters, into
+and out of one batch of rows under policy, reference and value) as lora_ppo switches
+(lora_ppo/adapter_switch.py) and through PEFT's `set_adapter`, `disable_adapter` and forward hooks. With
 `ppo.compile_update` the fused kernels of the compiled layers are not operators and are not counted:
 on a GPU each is one more launch.
 
@@ -148,16 +149,20 @@ def role_switch_ms(roles, repeats: int = 21) -> dict:
             with roles.as_role(POLICY):
                 pass
             t0 = time.perf_counter()
-            with roles.as_role(role):
+            with roles.as_role(role) if role else roles.rows_as_roles((POLICY, REFERENCE, VALUE), 4):
                 pass
             times.append(time.perf_counter() - t0)
         return round(1000 * statistics.median(times), 3)
 
+    def switches(prefix: str) -> dict:  # the role None: into and out of one mixed batch of the three
+        return {prefix + "value": median_ms(VALUE), prefix + "reference_disabled": median_ms(REFERENCE),
+                prefix + "mixed_rows": median_ms(None)}
+
     direct = roles._switch
-    result = {"value": median_ms(VALUE), "reference_disabled": median_ms(REFERENCE)}
+    result = switches("")
     roles._switch = None
     try:
-        result.update(peft_value=median_ms(VALUE), peft_reference_disabled=median_ms(REFERENCE))
+        result.update(switches("peft_"))
     finally:
         roles._switch = direct
     return result

@@ -1,11 +1,12 @@
-"""Switching the active LoRA adapter by setting it on each LoRA layer, without PEFT's walk.
+"""Switching the active LoRA adapter by setting it on each LoRA layer, without PEFT's walk; and
+passing each row's adapter to the layers (PEFT's mixed batches) the same way.
 
 PEFT's `set_adapter` walks every module of the model and sets `requires_grad` on every adapter
-weight of every LoRA layer, and `disable_adapter` also computes the model's status first: 18 ms
-and 73 ms a switch for an 8B model's 224 LoRA layers on this project's CPU machine, where the 8B
-recipe switches roles 32 times a PPO step (bench/README.md#update_host_opspy). A role's
-`requires_grad` never changes (`RoleModel._fix_requires_grad` undid PEFT's change after every
-switch), so what is left of a switch is the attribute PEFT's forward reads on each layer.
+weight of every LoRA layer, `disable_adapter` also computes the model's status first, and its
+context for per-row adapters walks the model twice to hook each LoRA layer: tens of milliseconds
+each for an 8B model, which the 8B recipe pays about 40 times a PPO step (bench/README.md,
+update_host_ops.py). A role's `requires_grad` never changes (`RoleModel._fix_requires_grad` undid
+PEFT's change after every switch), so what is left is what PEFT's forward reads on each layer.
 """
 
 from __future__ import annotations
@@ -54,3 +55,19 @@ class AdapterSwitch:
         finally:
             for layer in self.layers:
                 layer._disable_adapters = False
+
+    @contextlib.contextmanager
+    def rows_as_adapters(self, names: list[str]) -> Iterator[None]:
+        """What PEFT's `_enable_peft_forward_hooks(adapter_names=names)` does for LoRA: each LoRA layer's
+        forward gets `adapter_names`, so row i is computed with adapter `names[i]`. The hooks go on
+        leaving, whatever ends the block."""
+        def pass_names(_module, args, kwargs):
+            kwargs["adapter_names"] = names
+            return args, kwargs
+
+        handles = [layer.register_forward_pre_hook(pass_names, with_kwargs=True) for layer in self.layers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()

@@ -463,6 +463,10 @@ class RoleModel(Backbone):
         its role's adapter. A backward that recomputes checkpointed layers must run inside too
         (outside, the recomputation would run every row under the active adapter)."""
         names = [self.adapter_name(role) for role in roles for _ in range(batch)]
+        if self._switch is not None:
+            with self._switch.rows_as_adapters(names):
+                yield
+            return
         # PeftModel.forward and generate wrap their call in this context to honour `adapter_names`;
         # the decoder is called directly here (no LM head over every position), so it is entered as they do.
         hooks = self.peft._enable_peft_forward_hooks(adapter_names=names)

@@ -68,3 +68,17 @@ def test_scoring_together_leaves_the_active_adapter_and_gradients_alone(make_rol
     with roles.as_role(VALUE):
         torch.testing.assert_close(roles.hidden_states(ids, mask), hidden[1], atol=1e-5, rtol=1e-5)
     assert all(p.requires_grad for p in roles.policy_parameters() + roles.value_parameters())
+
+
+def test_an_error_inside_mixed_rows_leaves_no_adapter_names_behind(make_roles, tiny_tokenizer):
+    # Left in place, the per-row adapter names would apply to every later forward (and fail on any
+    # other batch size).
+    roles = make_roles(seed=1, scale=0.5)
+    ids, mask, _start = _batch(tiny_tokenizer)
+    with roles.as_role(VALUE):
+        expected = roles.hidden_states(ids, mask)
+    with pytest.raises(KeyboardInterrupt):
+        with roles.rows_as_roles([POLICY, REFERENCE], ids.shape[0]):
+            raise KeyboardInterrupt
+    with roles.as_role(VALUE):
+        torch.testing.assert_close(roles.hidden_states(ids, mask), expected, atol=0, rtol=0)
