@@ -143,7 +143,7 @@ def role_switch_ms(roles, repeats: int = 21) -> dict:
     """Median milliseconds of one role switch (`RoleModel.as_role`), lora_ppo's own and PEFT's."""
     from lora_ppo.roles import POLICY, REFERENCE, VALUE
 
-    def median_ms(role: str) -> float:
+    def median_ms(role) -> float:
         times = []
         for _ in range(repeats):
             with roles.as_role(POLICY):

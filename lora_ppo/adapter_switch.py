@@ -18,8 +18,8 @@ from typing import Iterator, Optional
 class AdapterSwitch:
     """The LoRA layers of a PEFT model, kept once, to set their active adapter directly. `of` gives
     one only where nothing else takes part in a switch (no `modules_to_save` or trainable tokens,
-    which PEFT switches by module walk of their own) and the layers hold their state where this
-    PEFT keeps it."""
+    which PEFT switches by module walk of their own) and the layers have the attributes this PEFT's
+    forward reads."""
 
     def __init__(self, peft, layers: list):
         self.peft = peft
@@ -33,8 +33,7 @@ class AdapterSwitch:
         modules = list(peft.modules())
         layers = [m for m in modules if isinstance(m, BaseTunerLayer)]
         if any(isinstance(m, AuxiliaryTrainingWrapper) for m in modules) or not all(
-                isinstance(vars(layer).get("_active_adapter"), (str, list))
-                and isinstance(vars(layer).get("_disable_adapters"), bool) for layer in layers):
+                hasattr(layer, "_active_adapter") and hasattr(layer, "_disable_adapters") for layer in layers):
             return None
         return cls(peft, layers)
 

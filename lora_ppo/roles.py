@@ -15,8 +15,8 @@ from typing import Iterator, Literal, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from lora_ppo.config import AdaptersConfig, LoraSettings, RewardAdapterSettings
 from lora_ppo.adapter_switch import AdapterSwitch
+from lora_ppo.config import AdaptersConfig, LoraSettings, RewardAdapterSettings
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.logprobs import token_logprobs
 from lora_ppo.bnb_workarounds import eval_on_training_kernel

@@ -154,8 +154,6 @@ def test_init_from_adapter_becomes_frozen_reference(roles, model_cfg, tokenizer,
     assert (pol_after - sft_lp).abs().max() > 1e-3
 
 
-
-
 @torch.no_grad()
 def test_role_switches_set_what_peft_sets(roles, tokenizer):
     # lora_ppo sets the active adapter on each LoRA layer itself (lora_ppo/adapter_switch.py); a
