@@ -20,7 +20,8 @@ switch's milliseconds (policy to value, into and out of the reference by disable
 and out of one batch of rows under policy, reference and value) as lora_ppo switches
 (lora_ppo/adapter_switch.py) and through PEFT's `set_adapter`, `disable_adapter` and forward hooks. With
 `ppo.compile_update` the fused kernels of the compiled layers are not operators and are not counted:
-on a GPU each is one more launch.
+on a GPU each is one more launch. On a machine with a CUDA GPU the model runs there (as the trainer
+places it): at this width a micro-batch's seconds are then the host's work alone.
 
     python bench/update_host_ops.py [--rows 4] [--prompt 256 --response 256]   # about 5 minutes
     python bench/update_host_ops.py --variants bfloat16,bfloat16_fused_lora
@@ -97,14 +98,16 @@ def measure(model_dir: Path, work: Path, overrides: list[str], args) -> dict:
     trainer = lora_ppo.PPOTrainer(recipe, progress=False)
     roles, optimizer = trainer.parts.roles, trainer.parts.optimizer
     rows, prompt, response = args.rows, args.prompt, args.response
-    ids = torch.randint(3, SHAPE["vocab_size"], (rows, prompt + response), generator=torch.Generator().manual_seed(0))
+    device = roles.lm_head.weight.device  # a GPU where there is one: then the seconds are the host's work
+    ids = torch.randint(3, SHAPE["vocab_size"], (rows, prompt + response),
+                        generator=torch.Generator().manual_seed(0)).to(device)
     mask = torch.ones_like(ids)
     old, ref, values = score_passes(roles, ids, mask, prompt, 1.0, rows)
-    scores = torch.zeros(rows)
+    scores = torch.zeros(rows, device=device)
     rollout = Rollout(rows=[None] * rows, completions=[""] * rows, query_ids=ids[:, :prompt],
                       query_mask=mask[:, :prompt], response_ids=ids[:, prompt:], response_mask=mask[:, prompt:].bool(),
                       old_logprobs=old, ref_logprobs=ref, values=values, raw_scores=scores, scores=scores,
-                      stopped=torch.zeros(rows, dtype=torch.bool))
+                      stopped=torch.zeros(rows, dtype=torch.bool, device=device))
     adv = compute_advantages(rollout, recipe.ppo, 0.05, scores)
     compiled = trainer.update_settings.compiled_layers  # ppo.compile_update
     settings = UpdateSettings(rows, rows, 1.0, gradient_checkpointing=True,
@@ -112,8 +115,11 @@ def measure(model_dir: Path, work: Path, overrides: list[str], args) -> dict:
 
     def micro_batch() -> None:
         with roles.gradient_checkpointing(True, compiled):
-            minibatch_backward(roles, rollout, adv, torch.arange(rows), recipe.ppo, settings, 0.05, _TokenWeightedMeans())
+            minibatch_backward(roles, rollout, adv, torch.arange(rows, device=device), recipe.ppo, settings, 0.05,
+                               _TokenWeightedMeans())
         optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     micro_batch()  # warm (and compile)
     seconds = []
