@@ -4,7 +4,7 @@ passing each row's adapter to the layers (PEFT's mixed batches) the same way.
 PEFT's `set_adapter` walks every module of the model and sets `requires_grad` on every adapter
 weight of every LoRA layer, `disable_adapter` also computes the model's status first, and its
 context for per-row adapters walks the model twice to hook each LoRA layer: tens of milliseconds
-each for an 8B model, which the 8B recipe pays about 40 times a PPO step (bench/README.md,
+each for an 8B model, paid about 40 times in a one-step run of the 8B recipe (bench/README.md,
 update_host_ops.py). A role's `requires_grad` never changes (`RoleModel._fix_requires_grad` undid
 PEFT's change after every switch), so what is left is what PEFT's forward reads on each layer.
 """
