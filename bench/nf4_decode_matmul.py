@@ -5,15 +5,16 @@ step's row counts. Per shape and rows, microseconds per call of
 - `bnb`: bitsandbytes' no-grad `matmul_4bit` (what a decode step runs today: its own dispatch picks
   its fused `gemm_4bit` kernel or dequantize + linear, per GPU and shape),
 - `dequantize_linear`: dequantize the whole weight, then a linear,
-- `fused`: the kernel at its launch defaults, and `fused_best`: the best of a sweep of its launch
-  settings (output columns per program, programs per multiprocessor),
+- `fused`: the kernel at its launch defaults, and at `--sweep-rows` `fused_best`: the best of a
+  sweep of its launch settings (output columns per program and programs per multiprocessor, then
+  from the best of those quantization blocks per loop iteration and warps, then pipelining stages),
 - `copy`: a linear on a dequantized copy (`model.dequantize_per_step`: 4x the memory; the bound),
 
 each timed on a GPU inside a CUDA graph of `--calls` calls (as the compiled decode step runs them),
 and the kernel's largest difference from dequantize + linear (same bf16 weight, other summation
 order). Then the sums over the model's layers: a decode step's linear layers in milliseconds.
 
-    python bench/nf4_decode_matmul.py --out bench/results/nf4_decode_matmul_h100.json   # CUDA GPU, ~2 min
+    python bench/nf4_decode_matmul.py --out bench/results/nf4_decode_matmul_h100.json   # CUDA GPU, ~2-3 min
     python bench/nf4_decode_matmul.py --config <folder> --rows 1,16 --no-sweep          # CPU smoke run
 
 On CPU the kernel runs in Triton's interpreter (set here), for a smoke run only: its times mean nothing.
@@ -22,6 +23,7 @@ On CPU the kernel runs in Triton's interpreter (set here), for a smoke run only:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -38,8 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lora_ppo.fused_4bit_decode as fused  # noqa: E402
 
 CONFIGS = Path(__file__).parent / "model_configs"
-SWEEP_BLOCK_N = (32, 64, 128)
-SWEEP_PROGRAMS_PER_SM = (2, 4, 8)
+# The sweep's settings (`fused_4bit_decode`'s module constants), in three rounds, each from the best
+# of the one before: 9 + 9 + 4 launches of the kernel per shape.
+SWEEP_ROUNDS = (
+    {"BLOCK_N": (32, 64, 128), "PROGRAMS_PER_SM": (2, 4, 8)},
+    {"BLOCKS_PER_ITERATION": (1, 2, 4), "NUM_WARPS": (2, 4, 8)},
+    {"NUM_STAGES": (2, 3, 4, 5)},
+)
 
 
 def layer_shapes(config: dict) -> dict[str, tuple[int, int, int]]:
@@ -54,6 +61,16 @@ def layer_shapes(config: dict) -> dict[str, tuple[int, int, int]]:
         shapes.setdefault(shape, []).append(name)
     layers = config["num_hidden_layers"]
     return {"/".join(names): (n, k, layers * len(names)) for (n, k), names in shapes.items()}
+
+
+def rows_list(text: str) -> list[int]:
+    try:
+        rows = [int(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected row counts separated by commas, got {text!r}") from None
+    if any(r < 1 or r > fused.MAX_ROWS for r in rows):
+        raise argparse.ArgumentTypeError(f"row counts run from 1 to {fused.MAX_ROWS} (the kernel's), got {text!r}")
+    return rows
 
 
 def timed_us(fn, calls: int, repeats: int, device: torch.device) -> float:
@@ -95,7 +112,7 @@ def timed_or_error(fn, args, device):
         return f"error: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
-def one_shape(out_features: int, in_features: int, rows_list, args, device) -> dict:
+def one_shape(out_features: int, in_features: int, row_counts, args, device) -> dict:
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
 
@@ -111,7 +128,7 @@ def one_shape(out_features: int, in_features: int, rows_list, args, device) -> d
         return fused.quantized_linear(x, packed, state)
 
     results = {}
-    for rows in rows_list:
+    for rows in row_counts:
         x = torch.randn(rows, in_features, dtype=dtype, device=device)
         with torch.no_grad():
             paths = {
@@ -125,34 +142,52 @@ def one_shape(out_features: int, in_features: int, rows_list, args, device) -> d
             row["max_abs_diff"] = (got - expected).abs().max().item()
             row["max_abs"] = expected.abs().max().item()
             row["bnb_max_abs_diff"] = (paths["bnb"]().float() - expected).abs().max().item()
-            if args.sweep:
-                row["fused_sweep"] = sweep(lambda: kernel(x), args, device)
-                timed = [entry for entry in row["fused_sweep"] if isinstance(entry["us"], float)]
-                best = min(timed, key=lambda entry: entry["us"]) if timed else {"us": None}
-                row["fused_best_us"], row["fused_best"] = best["us"], {k: best.get(k) for k in ("block_n", "programs_per_sm")}
+            if args.sweep and rows in args.sweep_rows:
+                row["fused_sweep"] = sweep(lambda: kernel(x), expected, args, device)
+                best = min(row["fused_sweep"], key=lambda entry: entry["us"] if isinstance(entry["us"], float)
+                           else float("inf"))
+                row["fused_best_us"] = best["us"] if isinstance(best["us"], float) else None
+                row["fused_best"] = {k: v for k, v in best.items() if k not in ("us", "max_abs_diff")}
         results[str(rows)] = row
         print(json.dumps({"shape": [out_features, in_features], "rows": rows,
                           **{k: v for k, v in row.items() if k != "fused_sweep"}}), flush=True)
     return results
 
 
-def sweep(call, args, device) -> list[dict]:
-    defaults = fused.BLOCK_N, fused.PROGRAMS_PER_SM
-    entries = []
+def sweep(call, expected: torch.Tensor, args, device) -> list[dict]:
+    """The kernel timed at each setting of SWEEP_ROUNDS, a round's untried names at the best so far:
+    one entry per launch setting tried, with its largest difference from `expected` (dequantize +
+    linear), the module's defaults restored after."""
+    names = [name for settings in SWEEP_ROUNDS for name in settings]
+    defaults = {name: getattr(fused, name) for name in names}
+    best, entries = dict(defaults), []
     try:
-        for block_n in SWEEP_BLOCK_N:
-            for programs in SWEEP_PROGRAMS_PER_SM:
-                fused.BLOCK_N, fused.PROGRAMS_PER_SM = block_n, programs
-                entries.append({"block_n": block_n, "programs_per_sm": programs,
-                                "us": timed_or_error(call, args, device)})
+        for settings in SWEEP_ROUNDS:
+            tried = []
+            for values in itertools.product(*settings.values()):
+                setting = {**best, **dict(zip(settings, values))}
+                for name, value in setting.items():
+                    setattr(fused, name, value)
+                entry = {name.lower(): value for name, value in setting.items()}
+                entry["us"] = timed_or_error(call, args, device)
+                if isinstance(entry["us"], float):
+                    entry["max_abs_diff"] = (call().float() - expected).abs().max().item()
+                tried.append(entry)
+            entries += tried
+            timed = [entry for entry in tried if isinstance(entry["us"], float)]
+            if timed:
+                fastest = min(timed, key=lambda entry: entry["us"])
+                best.update({name: fastest[name.lower()] for name in settings})
     finally:
-        fused.BLOCK_N, fused.PROGRAMS_PER_SM = defaults
+        for name, value in defaults.items():
+            setattr(fused, name, value)
     return entries
 
 
 def step_ms(shapes: dict, rows: int, path: str):
-    """A decode step's linear layers by `path`: each shape's time x its layers (None where one failed)."""
-    times = [(shape["rows"][str(rows)][f"{path}_us"], shape["layers"]) for shape in shapes.values()]
+    """A decode step's linear layers by `path`: each shape's time x its layers (None where one failed
+    or was not timed)."""
+    times = [(shape["rows"][str(rows)].get(f"{path}_us"), shape["layers"]) for shape in shapes.values()]
     if not all(isinstance(us, float) for us, _ in times):
         return None
     return sum(us * layers for us, layers in times) / 1e3
@@ -161,10 +196,12 @@ def step_ms(shapes: dict, rows: int, path: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(CONFIGS / "llama-3.1-8b"), help="a folder with config.json")
-    parser.add_argument("--rows", default="1,4,8,16,32,64", help="decode batch sizes, comma-separated")
+    parser.add_argument("--rows", type=rows_list, default=[1, 4, 8, 16, 32, 64], help="decode batch sizes, comma-separated")
     parser.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
     parser.add_argument("--repeats", type=int, default=10, help="graph replays; the median is kept")
     parser.add_argument("--no-sweep", dest="sweep", action="store_false", help="the kernel's launch defaults only")
+    parser.add_argument("--sweep-rows", type=rows_list, default=[16],
+                        help="the row counts at which to sweep the kernel's launch settings (default: 16)")
     parser.add_argument("--out", default=None, help="write the JSON here too")
     args = parser.parse_args()
     import bitsandbytes
@@ -175,22 +212,23 @@ def main() -> None:
     if why_not:
         raise SystemExit(f"nf4_decode_matmul: {why_not}")
     config = json.loads((Path(args.config) / "config.json").read_text())
-    rows_list = [int(r) for r in args.rows.split(",")]
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)",
         "versions": {"torch": torch.__version__, "bitsandbytes": bitsandbytes.__version__, "triton": triton.__version__},
-        "config": Path(args.config).name, "defaults": {"block_n": fused.BLOCK_N, "programs_per_sm": fused.PROGRAMS_PER_SM},
+        "config": Path(args.config).name,
+        "defaults": {name.lower(): getattr(fused, name) for settings in SWEEP_ROUNDS for name in settings},
         "calls_per_graph": args.calls, "shapes": {},
     }
     shapes = layer_shapes(config)
     for name, (n, k, count) in shapes.items():
         result["shapes"][name] = {"out_features": n, "in_features": k, "layers": count,
-                                  "rows": one_shape(n, k, rows_list, args, device)}
+                                  "rows": one_shape(n, k, args.rows, args, device)}
     # A decode step's linear layers: each shape's time x the layers of that shape.
     result["decode_step_ms"] = {
         str(rows): {path: step_ms(result["shapes"], rows, path)
-                    for path in ("bnb", "dequantize_linear", "fused", "copy", *(("fused_best",) if args.sweep else ()))}
-        for rows in rows_list
+                    for path in ("bnb", "dequantize_linear", "fused", "copy",
+                                 *(("fused_best",) if args.sweep and rows in args.sweep_rows else ()))}
+        for rows in args.rows
     }
     print(json.dumps({"decode_step_ms": result["decode_step_ms"]}, indent=1))
     if args.out:

@@ -39,6 +39,11 @@ MAX_ROWS = 64
 # so a layer with few output columns (an 8B model's key and value projections: 1,024) fills the card.
 BLOCK_N = 64
 PROGRAMS_PER_SM = 4
+# Quantization blocks each program reads per loop iteration, and Triton's warps per program and
+# software-pipelining stages (None: Triton's default). bench/nf4_decode_matmul.py sweeps all four.
+BLOCKS_PER_ITERATION = 1
+NUM_WARPS = 4
+NUM_STAGES = None
 # Each slice of the inner dimension holds at least this many quantization blocks, so a program's
 # fixed costs (its partial sums' write, the final sum) stay small against its reads.
 MIN_BLOCKS_PER_SLICE = 4
@@ -120,14 +125,17 @@ def _multiprocessors(device: torch.device) -> int:
     return 1  # Triton's interpreter: one program at a time anyway
 
 
-def split_k(out_features: int, in_features: int, blocksize: int, multiprocessors: int) -> tuple[int, int]:
-    """(slices of the inner dimension, inner width per slice, a multiple of `blocksize`): enough
-    programs to fill the card, each slice at least MIN_BLOCKS_PER_SLICE quantization blocks."""
+def split_k(out_features: int, in_features: int, blocksize: int, multiprocessors: int,
+            per_iteration: int = 1) -> tuple[int, int]:
+    """(slices of the inner dimension, inner width per slice, a multiple of `blocksize` x
+    `per_iteration`, so only the last slice ends inside an iteration): enough programs to fill the
+    card, each slice at least MIN_BLOCKS_PER_SLICE quantization blocks."""
     blocks = in_features // blocksize
     tiles = -(-out_features // BLOCK_N)
     wanted = max(1, -(-PROGRAMS_PER_SM * multiprocessors // tiles))
     slices = max(1, min(wanted, blocks // MIN_BLOCKS_PER_SLICE))
     blocks_per_slice = -(-blocks // slices)
+    blocks_per_slice = -(-blocks_per_slice // per_iteration) * per_iteration
     return -(-blocks // blocks_per_slice), blocks_per_slice * blocksize
 
 
@@ -144,7 +152,7 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     from lora_ppo._nf4_kernel import nf4_linear_kernel
 
     M, K = x.shape
-    slices, slice_width = split_k(out_features, K, blocksize, _multiprocessors(x.device))
+    slices, slice_width = split_k(out_features, K, blocksize, _multiprocessors(x.device), BLOCKS_PER_ITERATION)
     partial = torch.empty((slices, M, out_features), dtype=torch.float32, device=x.device)
     nested = absmax2 is not None
     grid = (-(-out_features // BLOCK_N), slices)
@@ -153,8 +161,9 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
         absmax2 if nested else absmax, code2.to(x.device) if nested else code.to(x.device),
         offset.to(x.device) if nested else absmax,
         partial, M, out_features, K, slice_width,
-        NESTED=nested, QBLOCK=blocksize, BLOCK_M=max(16, 1 << (M - 1).bit_length()), BLOCK_N=BLOCK_N,
-        IEEE=x.dtype == torch.float32,
+        NESTED=nested, QBLOCK=blocksize, BLOCKS=BLOCKS_PER_ITERATION, BLOCK_M=max(16, 1 << (M - 1).bit_length()),
+        BLOCK_N=BLOCK_N, IEEE=x.dtype == torch.float32, num_warps=NUM_WARPS,
+        **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
     )
     total = partial[0] if slices == 1 else partial.sum(0)
     if bias is not None:

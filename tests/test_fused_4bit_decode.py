@@ -71,11 +71,24 @@ def test_split_k_fills_the_card_and_covers_the_inner_dimension_once():
     assert split_k(4096, 14336, 64, 132) == (9, 1600)
 
 
-def test_slices_of_the_inner_dimension_add_up_to_the_product(monkeypatch):
+def test_split_k_slices_hold_whole_iterations_of_blocks():
+    # down (224 blocks) wants 9 slices of 25 blocks; at 2 blocks an iteration 26 each -> 9 slices (the
+    # last of 16), at 4 -> 28 each -> 8 slices.
+    assert split_k(4096, 14336, 64, 132, per_iteration=2) == (9, 26 * 64)
+    assert split_k(4096, 14336, 64, 132, per_iteration=4) == (8, 28 * 64)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("per_iteration, slices", [(1, 5), (2, 4), (4, 3)])
+def test_slices_of_the_inner_dimension_add_up_to_the_product(monkeypatch, per_iteration, slices, nested):
+    """Split-K with 1, 2 or 4 blocks an iteration: 21 blocks in slices of 5 (the last of 1), 6 (the
+    last of 3) or 8 (the last of 5). With 2 or 4 the last slice's last iteration runs past the end of
+    the weight: those blocks must count as nothing."""
     monkeypatch.setattr(fused, "_multiprocessors", lambda device: 132)
-    packed, state, weight = quantized(64, 1024, nested=True, dtype=torch.float32)
-    assert split_k(64, 1024, 64, 132)[0] == 4
-    x = torch.randn(3, 1024)
+    monkeypatch.setattr(fused, "BLOCKS_PER_ITERATION", per_iteration)
+    packed, state, weight = quantized(64, 21 * 64, nested=nested, dtype=torch.float32)
+    assert split_k(64, 21 * 64, 64, 132, per_iteration)[0] == slices
+    x = torch.randn(3, 21 * 64)
     torch.testing.assert_close(quantized_linear(x, packed, state), torch.nn.functional.linear(x, weight),
                                rtol=1e-5, atol=1e-4)
 
