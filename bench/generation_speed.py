@@ -127,6 +127,9 @@ def main() -> None:
     parser.add_argument("--stop-check", action="store_true",
                         help="only the compiled path, without and with a stop token (eos): what its per-token "
                              "stop check costs (with --dequantized-only: on dequantized layers)")
+    parser.add_argument("--nf4-launch-from", default=None, metavar="JSON",
+                        help="with model.fused_4bit_decode: each shape's best launch settings from this "
+                             "bench/nf4_decode_matmul.py JSON, where they beat its defaults")
     parser.add_argument("overrides", nargs="*", help="recipe overrides")
     args = parser.parse_args()
 
@@ -139,6 +142,10 @@ def main() -> None:
     work = (REPO / args.work).resolve()
     result: dict = {"shape": args.shape, "date": time.strftime("%Y-%m-%d"), **software(),
                     "threads": torch.get_num_threads()}
+    if args.nf4_launch_from:
+        from nf4_decode_matmul import use_tuned_launch
+
+        result["nf4_launch"] = use_tuned_launch(args.nf4_launch_from)
 
     def report() -> None:
         if args.out:

@@ -611,6 +611,9 @@ def main() -> None:
                         help="skip the extra steps that try other update settings")
     parser.add_argument("--variants", type=variant_names, default=None,
                         help="only these update variants, comma-separated (ragged: trimming, packing, neither); default all")
+    parser.add_argument("--nf4-launch-from", default=None, metavar="JSON",
+                        help="with model.fused_4bit_decode: each shape's best launch settings from this "
+                             "bench/nf4_decode_matmul.py JSON, where they beat its defaults")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
@@ -636,6 +639,10 @@ def main() -> None:
         "build_s": round(build_s, 1), "measured_matmul_tflops": round(rate, 1),
         "budgets": [],
     }
+    if args.nf4_launch_from:
+        from nf4_decode_matmul import use_tuned_launch
+
+        result["nf4_launch"] = use_tuned_launch(args.nf4_launch_from)
     def save() -> None:  # after each part: a device call cut short keeps the parts done
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lora_ppo.fused_4bit_decode as fused  # noqa: E402
 
 CONFIGS = Path(__file__).parent / "model_configs"
-# The sweep's settings (`fused_4bit_decode`'s module constants), in three rounds, each from the best
-# of the one before: 9 + 9 + 4 launches of the kernel per shape.
+# The sweep's settings (`fused_4bit_decode.LAUNCH_SETTINGS`), in three rounds, each from the best of
+# the one before: 9 + 9 + 4 launches of the kernel per shape.
 SWEEP_ROUNDS = (
     {"BLOCK_N": (32, 64, 128), "PROGRAMS_PER_SM": (2, 4, 8)},
     {"BLOCKS_PER_ITERATION": (1, 2, 4), "NUM_WARPS": (2, 4, 8)},
@@ -143,7 +143,7 @@ def one_shape(out_features: int, in_features: int, row_counts, args, device) -> 
             row["max_abs"] = expected.abs().max().item()
             row["bnb_max_abs_diff"] = (paths["bnb"]().float() - expected).abs().max().item()
             if args.sweep and rows in args.sweep_rows:
-                row["fused_sweep"] = sweep(lambda: kernel(x), expected, args, device)
+                row["fused_sweep"] = sweep(lambda: kernel(x), expected, (out_features, in_features), args, device)
                 best = min(row["fused_sweep"], key=lambda entry: entry["us"] if isinstance(entry["us"], float)
                            else float("inf"))
                 row["fused_best_us"] = best["us"] if isinstance(best["us"], float) else None
@@ -154,21 +154,18 @@ def one_shape(out_features: int, in_features: int, row_counts, args, device) -> 
     return results
 
 
-def sweep(call, expected: torch.Tensor, args, device) -> list[dict]:
-    """The kernel timed at each setting of SWEEP_ROUNDS, a round's untried names at the best so far:
-    one entry per launch setting tried, with its largest difference from `expected` (dequantize +
-    linear), the module's defaults restored after."""
-    names = [name for settings in SWEEP_ROUNDS for name in settings]
-    defaults = {name: getattr(fused, name) for name in names}
-    best, entries = dict(defaults), []
+def sweep(call, expected: torch.Tensor, shape: tuple[int, int], args, device) -> list[dict]:
+    """The kernel timed at each setting of SWEEP_ROUNDS for weights of `shape` (`TUNED_LAUNCH`), a
+    round's untried names at the best so far: one entry per launch setting tried, with its largest
+    difference from `expected` (dequantize + linear); the shape's entry restored after."""
+    before = fused.TUNED_LAUNCH.get(shape)
+    best, entries = fused.launch_settings(*shape), []
     try:
         for settings in SWEEP_ROUNDS:
             tried = []
             for values in itertools.product(*settings.values()):
-                setting = {**best, **dict(zip(settings, values))}
-                for name, value in setting.items():
-                    setattr(fused, name, value)
-                entry = {name.lower(): value for name, value in setting.items()}
+                entry = {**best, **{name.lower(): value for name, value in zip(settings, values)}}
+                fused.TUNED_LAUNCH[shape] = dict(entry)
                 entry["us"] = timed_or_error(call, args, device)
                 if isinstance(entry["us"], float):
                     entry["max_abs_diff"] = (call().float() - expected).abs().max().item()
@@ -177,11 +174,32 @@ def sweep(call, expected: torch.Tensor, args, device) -> list[dict]:
             timed = [entry for entry in tried if isinstance(entry["us"], float)]
             if timed:
                 fastest = min(timed, key=lambda entry: entry["us"])
-                best.update({name: fastest[name.lower()] for name in settings})
+                best.update({name.lower(): fastest[name.lower()] for name in settings})
     finally:
-        for name, value in defaults.items():
-            setattr(fused, name, value)
+        if before is None:
+            fused.TUNED_LAUNCH.pop(shape, None)
+        else:
+            fused.TUNED_LAUNCH[shape] = before
     return entries
+
+
+def tuned_launch_from(path: str, rows: int = 16) -> dict[tuple[int, int], dict]:
+    """`fused_4bit_decode.TUNED_LAUNCH` from this script's JSON: each shape's best launch settings
+    at `rows` rows, where that best beat the kernel's defaults."""
+    tuned = {}
+    for shape in json.loads(Path(path).read_text())["shapes"].values():
+        row = shape["rows"].get(str(rows), {})
+        best, default = row.get("fused_best_us"), row.get("fused_us")
+        if isinstance(best, float) and (not isinstance(default, float) or best < default):
+            tuned[(shape["out_features"], shape["in_features"])] = row["fused_best"]
+    return tuned
+
+
+def use_tuned_launch(path: str) -> dict[str, dict]:
+    """For another script's `--nf4-launch-from`: put `tuned_launch_from(path)` into
+    `fused_4bit_decode.TUNED_LAUNCH` for this process; returns it for that script's JSON."""
+    fused.TUNED_LAUNCH.update(tuned_launch_from(path))
+    return {f"{n}x{k}": settings for (n, k), settings in fused.TUNED_LAUNCH.items()}
 
 
 def step_ms(shapes: dict, rows: int, path: str):
@@ -216,7 +234,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)",
         "versions": {"torch": torch.__version__, "bitsandbytes": bitsandbytes.__version__, "triton": triton.__version__},
         "config": Path(args.config).name,
-        "defaults": {name.lower(): getattr(fused, name) for settings in SWEEP_ROUNDS for name in settings},
+        "defaults": {name.lower(): getattr(fused, name) for name in fused.LAUNCH_SETTINGS},
         "calls_per_graph": args.calls, "shapes": {},
     }
     shapes = layer_shapes(config)

@@ -40,10 +40,14 @@ MAX_ROWS = 64
 BLOCK_N = 64
 PROGRAMS_PER_SM = 4
 # Quantization blocks each program reads per loop iteration, and Triton's warps per program and
-# software-pipelining stages (None: Triton's default). bench/nf4_decode_matmul.py sweeps all four.
+# software-pipelining stages (None: Triton's default). bench/nf4_decode_matmul.py sweeps all five.
 BLOCKS_PER_ITERATION = 1
 NUM_WARPS = 4
 NUM_STAGES = None
+# Launch settings for one weight shape, (out_features, in_features) -> {name in lower case: value},
+# over the defaults above: a device's best from bench/nf4_decode_matmul.py (its `fused_best`).
+TUNED_LAUNCH: dict[tuple[int, int], dict[str, Optional[int]]] = {}
+LAUNCH_SETTINGS = ("BLOCK_N", "PROGRAMS_PER_SM", "BLOCKS_PER_ITERATION", "NUM_WARPS", "NUM_STAGES")
 # Each slice of the inner dimension holds at least this many quantization blocks, so a program's
 # fixed costs (its partial sums' write, the final sum) stay small against its reads.
 MIN_BLOCKS_PER_SLICE = 4
@@ -118,6 +122,12 @@ def quantized_linear(x: torch.Tensor, packed: torch.Tensor, state, bias: Optiona
     )
 
 
+def launch_settings(out_features: int, in_features: int) -> dict[str, Optional[int]]:
+    """The kernel's launch settings for a weight of this shape: TUNED_LAUNCH's over the defaults."""
+    defaults = {name.lower(): globals()[name] for name in LAUNCH_SETTINGS}
+    return {**defaults, **TUNED_LAUNCH.get((out_features, in_features), {})}
+
+
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
@@ -125,14 +135,15 @@ def _multiprocessors(device: torch.device) -> int:
     return 1  # Triton's interpreter: one program at a time anyway
 
 
-def split_k(out_features: int, in_features: int, blocksize: int, multiprocessors: int,
-            per_iteration: int = 1) -> tuple[int, int]:
+def split_k(out_features: int, in_features: int, blocksize: int, multiprocessors: int, per_iteration: int = 1,
+            block_n: Optional[int] = None, programs_per_sm: Optional[int] = None) -> tuple[int, int]:
     """(slices of the inner dimension, inner width per slice, a multiple of `blocksize` x
-    `per_iteration`, so only the last slice ends inside an iteration): enough programs to fill the
-    card, each slice at least MIN_BLOCKS_PER_SLICE quantization blocks."""
+    `per_iteration`, so only the last slice ends inside an iteration): enough programs of `block_n`
+    columns to run `programs_per_sm` per multiprocessor (the module's defaults where None), each
+    slice at least MIN_BLOCKS_PER_SLICE quantization blocks."""
     blocks = in_features // blocksize
-    tiles = -(-out_features // BLOCK_N)
-    wanted = max(1, -(-PROGRAMS_PER_SM * multiprocessors // tiles))
+    tiles = -(-out_features // (block_n or BLOCK_N))
+    wanted = max(1, -(-(programs_per_sm or PROGRAMS_PER_SM) * multiprocessors // tiles))
     slices = max(1, min(wanted, blocks // MIN_BLOCKS_PER_SLICE))
     blocks_per_slice = -(-blocks // slices)
     blocks_per_slice = -(-blocks_per_slice // per_iteration) * per_iteration
@@ -152,18 +163,20 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     from lora_ppo._nf4_kernel import nf4_linear_kernel
 
     M, K = x.shape
-    slices, slice_width = split_k(out_features, K, blocksize, _multiprocessors(x.device), BLOCKS_PER_ITERATION)
+    launch = launch_settings(out_features, K)
+    slices, slice_width = split_k(out_features, K, blocksize, _multiprocessors(x.device),
+                                  launch["blocks_per_iteration"], launch["block_n"], launch["programs_per_sm"])
     partial = torch.empty((slices, M, out_features), dtype=torch.float32, device=x.device)
     nested = absmax2 is not None
-    grid = (-(-out_features // BLOCK_N), slices)
+    grid = (-(-out_features // launch["block_n"]), slices)
     nf4_linear_kernel[grid](
         x.contiguous(), packed, absmax, code.to(x.device),
         absmax2 if nested else absmax, code2.to(x.device) if nested else code.to(x.device),
         offset.to(x.device) if nested else absmax,
         partial, M, out_features, K, slice_width,
-        NESTED=nested, QBLOCK=blocksize, BLOCKS=BLOCKS_PER_ITERATION, BLOCK_M=max(16, 1 << (M - 1).bit_length()),
-        BLOCK_N=BLOCK_N, IEEE=x.dtype == torch.float32, num_warps=NUM_WARPS,
-        **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
+        NESTED=nested, QBLOCK=blocksize, BLOCKS=launch["blocks_per_iteration"],
+        BLOCK_M=max(16, 1 << (M - 1).bit_length()), BLOCK_N=launch["block_n"], IEEE=x.dtype == torch.float32,
+        num_warps=launch["num_warps"], **({} if launch["num_stages"] is None else {"num_stages": launch["num_stages"]}),
     )
     total = partial[0] if slices == 1 else partial.sum(0)
     if bias is not None:

@@ -93,6 +93,22 @@ def test_slices_of_the_inner_dimension_add_up_to_the_product(monkeypatch, per_it
                                rtol=1e-5, atol=1e-4)
 
 
+def test_a_shapes_tuned_launch_settings_are_its_own(monkeypatch):
+    """`TUNED_LAUNCH` (a device's best, bench/nf4_decode_matmul.py) for one weight shape changes that
+    shape's launch alone, and the product stays the same."""
+    monkeypatch.setattr(fused, "_multiprocessors", lambda device: 132)
+    monkeypatch.setitem(fused.TUNED_LAUNCH, (64, 21 * 64), {"block_n": 32, "blocks_per_iteration": 4})
+    launches = count_nf4_kernel_launches(monkeypatch)
+    x = torch.randn(3, 21 * 64)
+    for out_features in (64, 32):
+        packed, state, weight = quantized(out_features, 21 * 64, nested=True, dtype=torch.float32)
+        torch.testing.assert_close(quantized_linear(x, packed, state), torch.nn.functional.linear(x, weight),
+                                   rtol=1e-5, atol=1e-4)
+    # Tuned: 2 tiles of 32 columns; 21 blocks want 5 slices of 5, at 4 an iteration slices of 8: 3.
+    # The other shape, by the defaults: 1 tile of 64 columns, 5 slices of 5 blocks.
+    assert launches == [(2, 3), (1, 5)]
+
+
 @pytest.fixture(scope="module")
 def models(tiny_model_dir):
     """The tiny 4-bit model twice, with and without the fused decode, with the same random adapters."""
