@@ -183,23 +183,30 @@ def sweep(call, expected: torch.Tensor, shape: tuple[int, int], args, device) ->
     return entries
 
 
-def tuned_launch_from(path: str, rows: int = 16) -> dict[tuple[int, int], dict]:
-    """`fused_4bit_decode.TUNED_LAUNCH` from this script's JSON: each shape's best launch settings
-    at `rows` rows, where that best beat the kernel's defaults."""
-    tuned = {}
+def tuned_launch_from(path: str, rows: int = 16) -> tuple[dict[tuple[int, int], dict], set[tuple[int, int]]]:
+    """From this script's JSON, at `rows` rows: `fused_4bit_decode.TUNED_LAUNCH` (each shape's best
+    launch settings, where they beat the kernel's defaults) and `BITSANDBYTES_FASTER` (the shapes
+    where bitsandbytes beat the kernel at its best)."""
+    tuned, slower = {}, set()
     for shape in json.loads(Path(path).read_text())["shapes"].values():
-        row = shape["rows"].get(str(rows), {})
-        best, default = row.get("fused_best_us"), row.get("fused_us")
+        row, key = shape["rows"].get(str(rows), {}), (shape["out_features"], shape["in_features"])
+        best, default, bnb = (row.get(f"{name}_us") for name in ("fused_best", "fused", "bnb"))
         if isinstance(best, float) and (not isinstance(default, float) or best < default):
-            tuned[(shape["out_features"], shape["in_features"])] = row["fused_best"]
-    return tuned
+            tuned[key] = row["fused_best"]
+        kernel = min(us for us in (best, default, float("inf")) if isinstance(us, float))
+        if isinstance(bnb, float) and bnb < kernel:
+            slower.add(key)
+    return tuned, slower
 
 
-def use_tuned_launch(path: str) -> dict[str, dict]:
+def use_tuned_launch(path: str) -> dict:
     """For another script's `--nf4-launch-from`: put `tuned_launch_from(path)` into
-    `fused_4bit_decode.TUNED_LAUNCH` for this process; returns it for that script's JSON."""
-    fused.TUNED_LAUNCH.update(tuned_launch_from(path))
-    return {f"{n}x{k}": settings for (n, k), settings in fused.TUNED_LAUNCH.items()}
+    `fused_4bit_decode` for this process; returns both for that script's JSON."""
+    tuned, slower = tuned_launch_from(path)
+    fused.TUNED_LAUNCH.update(tuned)
+    fused.BITSANDBYTES_FASTER.update(slower)
+    return {"tuned": {f"{n}x{k}": settings for (n, k), settings in fused.TUNED_LAUNCH.items()},
+            "bitsandbytes_faster": sorted(f"{n}x{k}" for n, k in fused.BITSANDBYTES_FASTER)}
 
 
 def step_ms(shapes: dict, rows: int, path: str):

@@ -47,6 +47,9 @@ NUM_STAGES = None
 # Launch settings for one weight shape, (out_features, in_features) -> {name in lower case: value},
 # over the defaults above: a device's best from bench/nf4_decode_matmul.py (its `fused_best`).
 TUNED_LAUNCH: dict[tuple[int, int], dict[str, Optional[int]]] = {}
+# Weight shapes (out_features, in_features) where bitsandbytes' own no-grad path measured faster
+# than the kernel at its best (bench/nf4_decode_matmul.py): their layers keep bitsandbytes' forward.
+BITSANDBYTES_FASTER: set[tuple[int, int]] = set()
 LAUNCH_SETTINGS = ("BLOCK_N", "PROGRAMS_PER_SM", "BLOCKS_PER_ITERATION", "NUM_WARPS", "NUM_STAGES")
 # Each slice of the inner dimension holds at least this many quantization blocks, so a program's
 # fixed costs (its partial sums' write, the final sum) stay small against its reads.
@@ -75,6 +78,8 @@ def layer_unsupported(layer: nn.Module) -> Optional[str]:
         return f"its {state.shape.numel()} values need 64-bit offsets (the kernel's are 32-bit)"
     if state.nested and state.state2.blocksize != NESTED_BLOCKSIZE:
         return f"its scales are quantized in blocks of {state.state2.blocksize}, not {NESTED_BLOCKSIZE}"
+    if tuple(state.shape) in BITSANDBYTES_FASTER:
+        return f"bitsandbytes measured faster at its shape {tuple(state.shape)} (BITSANDBYTES_FASTER)"
     return None
 
 

@@ -98,12 +98,15 @@ def test_gpu_step_runs_only_the_variants_named(tiny_config, tmp_path):
     kernel's tuned launch settings in the JSON."""
     out, launch = tmp_path / "gpu_step.json", tmp_path / "nf4.json"
     tuned = {"block_n": 32, "programs_per_sm": 8, "blocks_per_iteration": 2, "num_warps": 8, "num_stages": 3}
-    launch.write_text(json.dumps({"shapes": {"down": {"out_features": 64, "in_features": 128, "rows": {
-        "16": {"fused_us": 9.0, "fused_best_us": 7.0, "fused_best": tuned}}}}}))
+    launch.write_text(json.dumps({"shapes": {
+        "down": {"out_features": 64, "in_features": 128, "rows": {
+            "16": {"bnb_us": 8.0, "fused_us": 9.0, "fused_best_us": 7.0, "fused_best": tuned}}},
+        "k/v": {"out_features": 32, "in_features": 64, "rows": {
+            "16": {"bnb_us": 5.0, "fused_us": 9.0, "fused_best_us": 9.5, "fused_best": {"block_n": 32}}}}}}))
     run_script("gpu_step.py", "--config", str(tiny_config), "--gpu-gb", "4", "--work", str(tmp_path / "work"),
                "--out", str(out), "--steps", "1", "--no-kl-check", "--variants", "auto_again,roles_together",
                "--nf4-launch-from", str(launch), *SIZES, "ppo.grad_accum_steps=4")
-    assert json.loads(out.read_text())["nf4_launch"] == {"64x128": tuned}
+    assert json.loads(out.read_text())["nf4_launch"] == {"tuned": {"64x128": tuned}, "bitsandbytes_faster": ["32x64"]}
     (budget,) = json.loads(out.read_text())["budgets"]
     assert list(budget["update_variants"]) == ["roles_together", "auto_again"]
     assert budget["update_variants"]["roles_together"]["roles_together"] is True
@@ -148,11 +151,13 @@ def test_nf4_decode_matmul_times_every_path_of_every_shape(tiny_config, tmp_path
         assert shape["rows"]["16"]["fused_best_us"] == min(entry["us"] for entry in swept)
     assert set(result["decode_step_ms"]) == {"1", "16"}
     assert "fused_best" not in result["decode_step_ms"]["1"] and result["decode_step_ms"]["16"]["fused_best"] > 0
-    # What `--nf4-launch-from` reads: each shape's best at 16 rows, where it beat the defaults.
+    # What `--nf4-launch-from` reads, at 16 rows: each shape's best where it beat the defaults, and the
+    # shapes where bitsandbytes beat the kernel.
     from nf4_decode_matmul import tuned_launch_from
 
-    tuned = tuned_launch_from(str(out))
+    tuned, bitsandbytes_faster = tuned_launch_from(str(out))
     for shape in result["shapes"].values():
-        row = shape["rows"]["16"]
+        row, key = shape["rows"]["16"], (shape["out_features"], shape["in_features"])
         beat = row["fused_best_us"] < row["fused_us"]
-        assert tuned.get((shape["out_features"], shape["in_features"])) == (row["fused_best"] if beat else None)
+        assert tuned.get(key) == (row["fused_best"] if beat else None)
+        assert (key in bitsandbytes_faster) == (row["bnb_us"] < min(row["fused_best_us"], row["fused_us"]))

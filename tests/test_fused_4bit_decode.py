@@ -205,8 +205,10 @@ def test_layers_the_kernel_does_not_read_are_left_and_named(tiny_model_dir, capl
     ({"shape": torch.Size([64, 96])}, "its input width 96 is not a multiple of its block size 64"),
     ({"shape": torch.Size([2**16, 2**15])}, "its 2147483648 values need 64-bit offsets (the kernel's are 32-bit)"),
     ({"nested": True, "state2": SimpleNamespace(blocksize=128)}, "its scales are quantized in blocks of 128, not 256"),
+    ({"shape": torch.Size([32, 128])}, "bitsandbytes measured faster at its shape (32, 128) (BITSANDBYTES_FASTER)"),
 ])
-def test_each_layer_the_kernel_cannot_read_says_why(change, reason):
+def test_each_layer_the_kernel_cannot_read_or_should_not_says_why(change, reason, monkeypatch):
+    monkeypatch.setattr(fused, "BITSANDBYTES_FASTER", {(32, 128)})
     state = SimpleNamespace(**{"quant_type": "nf4", "shape": torch.Size([64, 128]), "blocksize": 64, "nested": False,
                                **change})
     layer = SimpleNamespace(weight=SimpleNamespace(quant_state=state))
