@@ -244,10 +244,15 @@ def main() -> None:
         "defaults": {name.lower(): getattr(fused, name) for name in fused.LAUNCH_SETTINGS},
         "calls_per_graph": args.calls, "shapes": {},
     }
+    def save() -> None:  # after each shape: a call cut short keeps the shapes done
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
     shapes = layer_shapes(config)
     for name, (n, k, count) in shapes.items():
         result["shapes"][name] = {"out_features": n, "in_features": k, "layers": count,
                                   "rows": one_shape(n, k, args.rows, args, device)}
+        save()
     # A decode step's linear layers: each shape's time x the layers of that shape.
     result["decode_step_ms"] = {
         str(rows): {path: step_ms(result["shapes"], rows, path)
@@ -256,8 +261,7 @@ def main() -> None:
         for rows in args.rows
     }
     print(json.dumps({"decode_step_ms": result["decode_step_ms"]}, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    save()
 
 
 if __name__ == "__main__":
