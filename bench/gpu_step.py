@@ -643,6 +643,7 @@ def main() -> None:
         from nf4_decode_matmul import use_tuned_launch
 
         result["nf4_launch"] = use_tuned_launch(args.nf4_launch_from)
+
     def save() -> None:  # after each part: a device call cut short keeps the parts done
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

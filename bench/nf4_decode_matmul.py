@@ -244,6 +244,7 @@ def main() -> None:
         "defaults": {name.lower(): getattr(fused, name) for name in fused.LAUNCH_SETTINGS},
         "calls_per_graph": args.calls, "shapes": {},
     }
+
     def save() -> None:  # after each shape: a call cut short keeps the shapes done
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
