@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -107,6 +108,60 @@ def test_a_shapes_tuned_launch_settings_are_its_own(monkeypatch):
     # Tuned: 2 tiles of 32 columns; 21 blocks want 5 slices of 5, at 4 an iteration slices of 8: 3.
     # The other shape, by the defaults: 1 tile of 64 columns, 5 slices of 5 blocks.
     assert launches == [(2, 3), (1, 5)]
+
+
+# The shared memory one block may use, by CUDA architecture (the CUDA C++ Programming Guide's table
+# of compute capabilities): a T4, an RTX 3090, an RTX 4090, an H100.
+SHARED_MEMORY_PER_BLOCK = {75: 64 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+
+
+def compiled_for_gpu(arch: int, x_dtype: str, rows: int, launch: dict, nested: bool = True):
+    """The kernel at these launch settings, compiled ahead of time for a CUDA architecture by Triton's
+    own compiler and ptxas (no GPU needed): (Triton's metadata, ptxas' resource usage line)."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from lora_ppo import _nf4_kernel
+
+    kernel = _nf4_kernel.nf4_linear_kernel
+    kernel = JITFunction(kernel.fn) if hasattr(kernel, "fn") else kernel  # the interpreter's wrapper, unwrapped
+    pointers = {"x_ptr": x_dtype, "packed_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32", "absmax2_ptr": "*fp32",
+                "code2_ptr": "*fp32", "offset_ptr": "*fp32", "partial_ptr": "*fp32"}
+    constants = {"NESTED": nested, "QBLOCK": 64, "BLOCKS": launch["blocks_per_iteration"],
+                 "BLOCK_M": max(16, 1 << (rows - 1).bit_length()), "BLOCK_N": launch["block_n"],
+                 "IEEE": x_dtype == "*fp32"}
+    signature = {**pointers, **dict.fromkeys(("M", "N", "K", "slice_width"), "i32"), **dict.fromkeys(constants, "constexpr")}
+    options = {"num_warps": launch["num_warps"], **({} if launch["num_stages"] is None else {"num_stages": launch["num_stages"]})}
+    binary = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants), target=GPUTarget("cuda", arch, 32),
+                            options=options)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(binary.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+    return binary.metadata, next(line.strip() for line in usage.splitlines() if "REG:" in line)
+
+
+@pytest.mark.parametrize("arch, x_dtype, rows", [(75, "*fp16", 64), (86, "*bf16", 64), (89, "*bf16", 16), (90, "*bf16", 16),
+                                                 (90, "*bf16", 64), (90, "*fp32", 64)])
+def test_the_kernel_compiles_for_the_gpus_users_have(arch, x_dtype, rows):
+    """The interpreter runs the kernel's arithmetic, not its lowering to a GPU. Compiled for each card's
+    architecture at the launch defaults and at each shape's tuned settings (`TUNED_LAUNCH`), at 16 and
+    at 64 rows (the widest row tile), it must compile, keep its registers out of local memory (no
+    spills) and fit the card's shared memory per block."""
+    pytest.importorskip("triton.backends.nvidia")
+    # (no weight has the shape 0 x 0: the defaults)
+    launches = [fused.launch_settings(0, 0), *(fused.launch_settings(*shape) for shape in fused.TUNED_LAUNCH)]
+    for launch in {tuple(launch.items()): launch for launch in launches}.values():
+        metadata, usage = compiled_for_gpu(arch, x_dtype, rows, launch)
+        assert " LOCAL:0 " in usage, (usage, launch)
+        assert metadata.shared <= SHARED_MEMORY_PER_BLOCK[arch], (metadata.shared, arch, launch)
 
 
 @pytest.fixture(scope="module")
