@@ -41,11 +41,12 @@ import lora_ppo.fused_4bit_decode as fused  # noqa: E402
 
 CONFIGS = Path(__file__).parent / "model_configs"
 # The sweep's settings (`fused_4bit_decode.LAUNCH_SETTINGS`), in three rounds, each from the best of
-# the one before: 9 + 9 + 4 launches of the kernel per shape.
+# the one before: 9 + 9 + 10 launches of the kernel per shape. One stage: no software pipelining, so
+# the code table's lookups are plain loads (with more, Triton stages them through shared memory).
 SWEEP_ROUNDS = (
     {"BLOCK_N": (32, 64, 128), "PROGRAMS_PER_SM": (2, 4, 8)},
     {"BLOCKS_PER_ITERATION": (1, 2, 4), "NUM_WARPS": (2, 4, 8)},
-    {"NUM_STAGES": (2, 3, 4, 5)},
+    {"NUM_STAGES": (1, 2, 3, 4, 5), "PAIRED_CODES": (False, True)},
 )
 
 

@@ -6,13 +6,15 @@ import triton.language as tl
 
 
 @triton.jit
-def nf4_linear_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+def nf4_linear_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, pairs_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                       partial_ptr, M, N, K, slice_width,
                       NESTED: tl.constexpr, QBLOCK: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PAIRED: tl.constexpr):
     """One program: output columns [pid_n * BLOCK_N, +BLOCK_N) over the inner slice
     [pid_k * slice_width, +slice_width), BLOCKS quantization blocks (QBLOCK values each) per
-    iteration; writes its float32 partial sums to partial[pid_k, :M, columns]."""
+    iteration; writes its float32 partial sums to partial[pid_k, :M, columns]. PAIRED: each byte's
+    two table values are looked up at once in `pairs_ptr` (256 64-bit words: the high nibble's
+    float32 bits low, the low nibble's high), one load where `code_ptr` takes two."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     columns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of W
@@ -45,9 +47,16 @@ def nf4_linear_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code
             scale = tl.load(absmax_ptr + block, mask=block_ok, other=0.0)
         scale = scale[:, :, None]
         packed = tl.load(column_codes + k0 // 2, mask=block_ok[:, :, None], other=0).to(tl.int32)
+        if PAIRED:
+            both = tl.load(pairs_ptr + packed)
+            high_code = (both & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+            low_code = (both >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+        else:
+            high_code = tl.load(code_ptr + (packed >> 4))
+            low_code = tl.load(code_ptr + (packed & 15))
         # As bitsandbytes dequantizes: table value x block scale in float32, then the compute dtype.
-        high = (tl.load(code_ptr + (packed >> 4)) * scale).to(x_ptr.dtype.element_ty)
-        low = (tl.load(code_ptr + (packed & 15)) * scale).to(x_ptr.dtype.element_ty)
+        high = (high_code * scale).to(x_ptr.dtype.element_ty)
+        low = (low_code * scale).to(x_ptr.dtype.element_ty)
         high = tl.reshape(high, (BLOCK_N, BLOCKS * (QBLOCK // 2)))
         low = tl.reshape(low, (BLOCK_N, BLOCKS * (QBLOCK // 2)))
         input_ok = row_ok[:, None] & (k0 + 2 * places[None, :] < k_end)

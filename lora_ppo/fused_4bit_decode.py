@@ -40,17 +40,19 @@ MAX_ROWS = 64
 BLOCK_N = 64
 PROGRAMS_PER_SM = 4
 # Quantization blocks each program reads per loop iteration, and Triton's warps per program and
-# software-pipelining stages (None: Triton's default). bench/nf4_decode_matmul.py sweeps all five.
+# software-pipelining stages (None: Triton's default). bench/nf4_decode_matmul.py sweeps them all.
 BLOCKS_PER_ITERATION = 1
 NUM_WARPS = 4
 NUM_STAGES = None
+# Look each byte's two table values up at once (`paired_codes`): half the lookups, each 8 bytes.
+PAIRED_CODES = False
 # Launch settings for one weight shape, (out_features, in_features) -> {name in lower case: value},
 # over the defaults above: a device's best from bench/nf4_decode_matmul.py (its `fused_best`).
 TUNED_LAUNCH: dict[tuple[int, int], dict[str, Optional[int]]] = {}
 # Weight shapes (out_features, in_features) where bitsandbytes' own no-grad path measured faster
 # than the kernel at its best (bench/nf4_decode_matmul.py): their layers keep bitsandbytes' forward.
 BITSANDBYTES_FASTER: set[tuple[int, int]] = set()
-LAUNCH_SETTINGS = ("BLOCK_N", "PROGRAMS_PER_SM", "BLOCKS_PER_ITERATION", "NUM_WARPS", "NUM_STAGES")
+LAUNCH_SETTINGS = ("BLOCK_N", "PROGRAMS_PER_SM", "BLOCKS_PER_ITERATION", "NUM_WARPS", "NUM_STAGES", "PAIRED_CODES")
 # Each slice of the inner dimension holds at least this many quantization blocks, so a program's
 # fixed costs (its partial sums' write, the final sum) stay small against its reads.
 MIN_BLOCKS_PER_SLICE = 4
@@ -155,6 +157,25 @@ def split_k(out_features: int, in_features: int, blocksize: int, multiprocessors
     return -(-blocks // blocks_per_slice), blocks_per_slice * blocksize
 
 
+# `paired_codes`' tables, by the code table's storage and the device they are read on.
+_PAIRED_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def paired_codes(code: torch.Tensor, device: torch.device) -> Optional[torch.Tensor]:
+    """The table a PAIRED_CODES launch reads: 256 64-bit words, word b the float32 bits of
+    code[b >> 4] (low half) and of code[b & 15] (high half), so one load gives a byte's two values.
+    Built once per code table and device, never inside a CUDA graph's capture: there, until it is
+    built, None (the launch then looks the values up one by one)."""
+    key = (code.data_ptr(), device)
+    if key not in _PAIRED_TABLES:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        bits = code.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        byte = torch.arange(256, device=code.device)
+        _PAIRED_TABLES[key] = (bits[byte >> 4] | (bits[byte & 15] << 32)).to(device)
+    return _PAIRED_TABLES[key]
+
+
 @torch.library.custom_op("lora_ppo::nf4_linear", mutates_args=())
 def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
                absmax2: Optional[torch.Tensor], code2: Optional[torch.Tensor], offset: Optional[torch.Tensor],
@@ -174,14 +195,16 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     partial = torch.empty((slices, M, out_features), dtype=torch.float32, device=x.device)
     nested = absmax2 is not None
     grid = (-(-out_features // launch["block_n"]), slices)
+    pairs = paired_codes(code, x.device) if launch["paired_codes"] else None
+    code = code.to(x.device)
     nf4_linear_kernel[grid](
-        x.contiguous(), packed, absmax, code.to(x.device),
-        absmax2 if nested else absmax, code2.to(x.device) if nested else code.to(x.device),
+        x.contiguous(), packed, absmax, code, code if pairs is None else pairs,
+        absmax2 if nested else absmax, code2.to(x.device) if nested else code,
         offset.to(x.device) if nested else absmax,
         partial, M, out_features, K, slice_width,
         NESTED=nested, QBLOCK=blocksize, BLOCKS=launch["blocks_per_iteration"],
         BLOCK_M=max(16, 1 << (M - 1).bit_length()), BLOCK_N=launch["block_n"], IEEE=x.dtype == torch.float32,
-        num_warps=launch["num_warps"], **({} if launch["num_stages"] is None else {"num_stages": launch["num_stages"]}),
+        PAIRED=pairs is not None, num_warps=launch["num_warps"], **({} if launch["num_stages"] is None else {"num_stages": launch["num_stages"]}),
     )
     total = partial[0] if slices == 1 else partial.sum(0)
     if bias is not None:

@@ -142,11 +142,12 @@ def test_nf4_decode_matmul_times_every_path_of_every_shape(tiny_config, tmp_path
         for row in shape["rows"].values():
             assert all(row[f"{path}_us"] > 0 for path in ("bnb", "dequantize_linear", "fused", "copy"))
             assert row["max_abs_diff"] <= 1e-5 * row["max_abs"] + 1e-6  # float32 on CPU: summation order only
-        # The launch settings swept at 16 rows alone: 3 x 3, then 3 x 3 from the best, then 4 stages;
-        # each computes the product.
+        # The launch settings swept at 16 rows alone: 3 x 3, then 3 x 3 from the best, then 5 stages x
+        # paired lookups or not; each computes the product.
         assert "fused_sweep" not in shape["rows"]["1"]
         swept = shape["rows"]["16"]["fused_sweep"]
-        assert len(swept) == 22 and {entry["blocks_per_iteration"] for entry in swept} == {1, 2, 4}
+        assert len(swept) == 28 and {entry["blocks_per_iteration"] for entry in swept} == {1, 2, 4}
+        assert sum(entry["paired_codes"] for entry in swept) == 5
         assert all(entry["max_abs_diff"] <= 1e-5 * shape["rows"]["16"]["max_abs"] + 1e-6 for entry in swept)
         assert shape["rows"]["16"]["fused_best_us"] == min(entry["us"] for entry in swept)
     assert set(result["decode_step_ms"]) == {"1", "16"}

@@ -6,8 +6,10 @@ with one log line."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +25,7 @@ from lora_ppo.model import load_base_model
 from lora_ppo.roles import RoleModel
 from tests.conftest import count_nf4_kernel_launches
 
+REPO = Path(__file__).resolve().parents[1]
 pytest.importorskip("triton")  # the dev extra installs it; a GPU build of torch brings its own
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 # tests/conftest.py runs Triton's interpreter on a machine without a GPU: these tests use CPU tensors.
@@ -94,6 +97,29 @@ def test_slices_of_the_inner_dimension_add_up_to_the_product(monkeypatch, per_it
                                rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paired_lookups_give_the_same_product_to_the_bit(monkeypatch, nested, dtype):
+    """PAIRED_CODES looks a byte's two table values up in one 64-bit word: the same float32 values,
+    so the same weights and the same sums."""
+    packed, state, _ = quantized(96, 256, nested=nested, dtype=dtype)
+    x = torch.randn(5, 256).to(dtype)
+    singly = quantized_linear(x, packed, state)
+    launches = count_nf4_kernel_launches(monkeypatch)
+    monkeypatch.setattr(fused, "PAIRED_CODES", True)
+    assert torch.equal(quantized_linear(x, packed, state), singly) and len(launches) == 1
+
+
+def test_the_paired_table_holds_each_bytes_two_values():
+    code = torch.linspace(-1.0, 1.0, 16)
+    table = fused.paired_codes(code, torch.device("cpu"))
+    assert table.dtype == torch.int64 and table.shape == (256,)
+    # byte 0x3A: high nibble 3 in the low 32 bits, low nibble 10 in the high 32 bits
+    word = int(table[0x3A])
+    as_float = lambda bits: torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32).item()  # noqa: E731
+    assert as_float(word & 0xFFFFFFFF) == code[3].item() and as_float(word >> 32) == code[10].item()
+
+
 def test_a_shapes_tuned_launch_settings_are_its_own(monkeypatch):
     """`TUNED_LAUNCH` (a device's best, bench/nf4_decode_matmul.py) for one weight shape changes that
     shape's launch alone, and the product stays the same."""
@@ -110,58 +136,22 @@ def test_a_shapes_tuned_launch_settings_are_its_own(monkeypatch):
     assert launches == [(2, 3), (1, 5)]
 
 
-# The shared memory one block may use, by CUDA architecture (the CUDA C++ Programming Guide's table
-# of compute capabilities): a T4, an RTX 3090, an RTX 4090, an H100.
-SHARED_MEMORY_PER_BLOCK = {75: 64 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-
-
-def compiled_for_gpu(arch: int, x_dtype: str, rows: int, launch: dict, nested: bool = True):
-    """The kernel at these launch settings, compiled ahead of time for a CUDA architecture by Triton's
-    own compiler and ptxas (no GPU needed): (Triton's metadata, ptxas' resource usage line)."""
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    from lora_ppo import _nf4_kernel
-
-    kernel = _nf4_kernel.nf4_linear_kernel
-    kernel = JITFunction(kernel.fn) if hasattr(kernel, "fn") else kernel  # the interpreter's wrapper, unwrapped
-    pointers = {"x_ptr": x_dtype, "packed_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32", "absmax2_ptr": "*fp32",
-                "code2_ptr": "*fp32", "offset_ptr": "*fp32", "partial_ptr": "*fp32"}
-    constants = {"NESTED": nested, "QBLOCK": 64, "BLOCKS": launch["blocks_per_iteration"],
-                 "BLOCK_M": max(16, 1 << (rows - 1).bit_length()), "BLOCK_N": launch["block_n"],
-                 "IEEE": x_dtype == "*fp32"}
-    signature = {**pointers, **dict.fromkeys(("M", "N", "K", "slice_width"), "i32"), **dict.fromkeys(constants, "constexpr")}
-    options = {"num_warps": launch["num_warps"], **({} if launch["num_stages"] is None else {"num_stages": launch["num_stages"]})}
-    binary = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants), target=GPUTarget("cuda", arch, 32),
-                            options=options)
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(binary.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name], capture_output=True, text=True,
-                               check=True).stdout
-    return binary.metadata, next(line.strip() for line in usage.splitlines() if "REG:" in line)
-
-
-@pytest.mark.parametrize("arch, x_dtype, rows", [(75, "*fp16", 64), (86, "*bf16", 64), (89, "*bf16", 16), (90, "*bf16", 16),
-                                                 (90, "*bf16", 64), (90, "*fp32", 64)])
-def test_the_kernel_compiles_for_the_gpus_users_have(arch, x_dtype, rows):
-    """The interpreter runs the kernel's arithmetic, not its lowering to a GPU. Compiled for each card's
-    architecture at the launch defaults and at each shape's tuned settings (`TUNED_LAUNCH`), at 16 and
-    at 64 rows (the widest row tile), it must compile, keep its registers out of local memory (no
-    spills) and fit the card's shared memory per block."""
+def test_the_kernel_compiles_for_the_gpus_users_have():
+    """The interpreter runs the kernel's arithmetic, not its lowering to a GPU. bench/nf4_kernel_compile.py
+    compiles it ahead of time (Triton's own ptxas, no GPU) for a T4 in float16, an RTX 3090 in bf16 and
+    an H100 in bf16 and float32, at the launch defaults, with paired lookups and at each tuned setting,
+    at 16 or 64 rows (the widest row tile): each must compile, spill no registers to local memory and
+    fit the card's shared memory per block."""
     pytest.importorskip("triton.backends.nvidia")
-    # (no weight has the shape 0 x 0: the defaults)
-    launches = [fused.launch_settings(0, 0), *(fused.launch_settings(*shape) for shape in fused.TUNED_LAUNCH)]
-    for launch in {tuple(launch.items()): launch for launch in launches}.values():
-        metadata, usage = compiled_for_gpu(arch, x_dtype, rows, launch)
-        assert " LOCAL:0 " in usage, (usage, launch)
-        assert metadata.shared <= SHARED_MEMORY_PER_BLOCK[arch], (metadata.shared, arch, launch)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "nf4_kernel_compile.py"), "--targets",
+                           "75:fp16:64,86:bf16:64,90:bf16:16,90:fp32:64"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    compiles = json.loads(done.stdout)
+    assert len(compiles) >= 8 and {c["launch"]["paired_codes"] for c in compiles} == {False, True}
+    for result in compiles:
+        assert "error" not in result and result["spilled_bytes"] == 0 and result["shared_fits"], result
 
 
 @pytest.fixture(scope="module")
