@@ -222,7 +222,8 @@ def step_ms(shapes: dict, rows: int, path: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(CONFIGS / "llama-3.1-8b"), help="a folder with config.json")
-    parser.add_argument("--rows", type=rows_list, default=[1, 4, 8, 16, 32, 64], help="decode batch sizes, comma-separated")
+    parser.add_argument("--rows", type=rows_list, default=[1, 4, 8, 16, 32, 64],
+                        help="decode batch sizes, comma-separated")
     parser.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
     parser.add_argument("--repeats", type=int, default=10, help="graph replays; the median is kept")
     parser.add_argument("--no-sweep", dest="sweep", action="store_false", help="the kernel's launch defaults only")

@@ -204,7 +204,8 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
         partial, M, out_features, K, slice_width,
         NESTED=nested, QBLOCK=blocksize, BLOCKS=launch["blocks_per_iteration"],
         BLOCK_M=max(16, 1 << (M - 1).bit_length()), BLOCK_N=launch["block_n"], IEEE=x.dtype == torch.float32,
-        PAIRED=pairs is not None, num_warps=launch["num_warps"], **({} if launch["num_stages"] is None else {"num_stages": launch["num_stages"]}),
+        PAIRED=pairs is not None, num_warps=launch["num_warps"],
+        **({} if launch["num_stages"] is None else {"num_stages": launch["num_stages"]}),
     )
     total = partial[0] if slices == 1 else partial.sum(0)
     if bias is not None:
