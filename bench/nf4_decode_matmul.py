@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -144,21 +145,34 @@ def one_shape(out_features: int, in_features: int, row_counts, args, device) -> 
             row["max_abs"] = expected.abs().max().item()
             row["bnb_max_abs_diff"] = (paths["bnb"]().float() - expected).abs().max().item()
             if args.sweep and rows in args.sweep_rows:
-                row["fused_sweep"] = sweep(lambda: kernel(x), expected, (out_features, in_features), args, device)
-                best = min(row["fused_sweep"], key=lambda entry: entry["us"] if isinstance(entry["us"], float)
-                           else float("inf"))
-                row["fused_best_us"] = best["us"] if isinstance(best["us"], float) else None
-                row["fused_best"] = {k: v for k, v in best.items() if k not in ("us", "max_abs_diff")}
+                # A setting counts only if it computes the product: within twice bitsandbytes' own
+                # difference plus a rounding of the largest output (bf16's half unit; float32: 1e-5).
+                rounding = 1e-5 if dtype == torch.float32 else 2.0 ** -8
+                row["sweep_tolerance"] = 2 * row["bnb_max_abs_diff"] + rounding * row["max_abs"]
+                row["fused_sweep"] = sweep(lambda: kernel(x), expected, row["sweep_tolerance"],
+                                           (out_features, in_features), args, device)
+                best = fastest_correct(row["fused_sweep"])
+                row["fused_best_us"] = best["us"] if best else None
+                row["fused_best"] = {k: v for k, v in best.items() if k not in ("us", "max_abs_diff", "correct")} \
+                    if best else None
         results[str(rows)] = row
         print(json.dumps({"shape": [out_features, in_features], "rows": rows,
                           **{k: v for k, v in row.items() if k != "fused_sweep"}}), flush=True)
     return results
 
 
-def sweep(call, expected: torch.Tensor, shape: tuple[int, int], args, device) -> list[dict]:
+def fastest_correct(entries: list[dict]) -> Optional[dict]:
+    """The fastest sweep entry that ran and computed the product (None if none did): a launch setting
+    that is fast and wrong (a miscompile) must never become a tuned default."""
+    usable = [entry for entry in entries if isinstance(entry["us"], float) and entry.get("correct")]
+    return min(usable, key=lambda entry: entry["us"]) if usable else None
+
+
+def sweep(call, expected: torch.Tensor, tolerance: float, shape: tuple[int, int], args, device) -> list[dict]:
     """The kernel timed at each setting of SWEEP_ROUNDS for weights of `shape` (`TUNED_LAUNCH`), a
-    round's untried names at the best so far: one entry per launch setting tried, with its largest
-    difference from `expected` (dequantize + linear); the shape's entry restored after."""
+    round's untried names at the fastest correct so far: one entry per launch setting tried, with its
+    largest difference from `expected` (dequantize + linear) and whether that is within `tolerance`;
+    the shape's entry restored after."""
     before = fused.TUNED_LAUNCH.get(shape)
     best, entries = fused.launch_settings(*shape), []
     try:
@@ -170,11 +184,11 @@ def sweep(call, expected: torch.Tensor, shape: tuple[int, int], args, device) ->
                 entry["us"] = timed_or_error(call, args, device)
                 if isinstance(entry["us"], float):
                     entry["max_abs_diff"] = (call().float() - expected).abs().max().item()
+                    entry["correct"] = entry["max_abs_diff"] <= tolerance
                 tried.append(entry)
             entries += tried
-            timed = [entry for entry in tried if isinstance(entry["us"], float)]
-            if timed:
-                fastest = min(timed, key=lambda entry: entry["us"])
+            fastest = fastest_correct(tried)
+            if fastest:
                 best.update({name.lower(): fastest[name.lower()] for name in settings})
     finally:
         if before is None:

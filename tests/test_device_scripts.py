@@ -112,6 +112,17 @@ def test_gpu_step_runs_only_the_variants_named(tiny_config, tmp_path):
     assert budget["update_variants"]["roles_together"]["roles_together"] is True
 
 
+def test_the_sweep_never_picks_a_setting_that_computes_the_wrong_product(tiny_config):
+    """A launch setting that is fastest but wrong (a miscompile on some GPU) is passed over; one that
+    did not run is too; and with none right there is no best. (`tiny_config` puts bench/ on the path.)"""
+    from nf4_decode_matmul import fastest_correct
+
+    entries = [{"block_n": 32, "us": 5.0, "correct": False}, {"block_n": 64, "us": 7.0, "correct": True},
+               {"block_n": 128, "us": "error: OutOfResources"}, {"block_n": 16, "us": 9.0, "correct": True}]
+    assert fastest_correct(entries)["block_n"] == 64
+    assert fastest_correct(entries[:1] + entries[2:3]) is None
+
+
 def test_lever_costs_times_every_lever(tiny_config, tmp_path):
     """bench/lever_costs.py (a minute on the device, no model built) writes each lever's timings."""
     out = tmp_path / "lever_costs.json"
@@ -148,7 +159,8 @@ def test_nf4_decode_matmul_times_every_path_of_every_shape(tiny_config, tmp_path
         swept = shape["rows"]["16"]["fused_sweep"]
         assert len(swept) == 28 and {entry["blocks_per_iteration"] for entry in swept} == {1, 2, 4}
         assert sum(entry["paired_codes"] for entry in swept) == 5
-        assert all(entry["max_abs_diff"] <= 1e-5 * shape["rows"]["16"]["max_abs"] + 1e-6 for entry in swept)
+        assert all(entry["max_abs_diff"] <= 1e-5 * shape["rows"]["16"]["max_abs"] + 1e-6 and entry["correct"]
+                   for entry in swept)
         assert shape["rows"]["16"]["fused_best_us"] == min(entry["us"] for entry in swept)
     assert set(result["decode_step_ms"]) == {"1", "16"}
     assert "fused_best" not in result["decode_step_ms"]["1"] and result["decode_step_ms"]["16"]["fused_best"] > 0
