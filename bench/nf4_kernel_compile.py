@@ -4,12 +4,12 @@ setting, whether it compiles, its registers per thread, the bytes it spills to l
 its shared memory per block against the architecture's. Triton's interpreter, which runs the
 kernel's arithmetic on CPU in the tests, never lowers it to a GPU: this does. Prints JSON.
 
-    python bench/nf4_kernel_compile.py                              # defaults and paired lookups, 4 GPUs
+    python bench/nf4_kernel_compile.py                              # defaults and paired lookups, 6 targets
     python bench/nf4_kernel_compile.py --targets 90:bf16:16 --sweep   # every setting the sweep can reach
 
 Targets are ARCH:DTYPE:ROWS (sm_75 a T4, sm_86 an RTX 3090, sm_89 an RTX 4090, sm_80 an A100, sm_90 an
-H100 or H200). Like the tuned launch at run time, integer arguments and pointers are taken as
-multiples of 16 (Triton's specialization when they are).
+H100 or H200). Integer arguments and pointers are taken as multiples of 16, as Triton specializes
+them at a launch when they are (an 8B model's widths and torch's allocations).
 """
 
 from __future__ import annotations
@@ -48,11 +48,10 @@ def target(text: str) -> tuple[int, str, int]:
 
 
 def compiled(arch: int, dtype: str, rows: int, launch: dict) -> dict:
-    """One compile: its resources, or the first line of its error."""
+    """One compile: its resources, or the last line of its error (where Triton names the cause)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
     from triton.runtime.jit import JITFunction
 
     from lora_ppo._nf4_kernel import nf4_linear_kernel
