@@ -616,6 +616,11 @@ def main() -> None:
                              "bench/nf4_decode_matmul.py JSON, where they beat its defaults")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    nf4_launch = None
+    if args.nf4_launch_from:  # read first: a wrong file stops the run before the model is built
+        from nf4_decode_matmul import use_tuned_launch
+
+        nf4_launch = use_tuned_launch(args.nf4_launch_from)
 
     import torch
     from transformers import AutoTokenizer
@@ -639,10 +644,8 @@ def main() -> None:
         "build_s": round(build_s, 1), "measured_matmul_tflops": round(rate, 1),
         "budgets": [],
     }
-    if args.nf4_launch_from:
-        from nf4_decode_matmul import use_tuned_launch
-
-        result["nf4_launch"] = use_tuned_launch(args.nf4_launch_from)
+    if nf4_launch is not None:
+        result["nf4_launch"] = nf4_launch
 
     def save() -> None:  # after each part: a device call cut short keeps the parts done
         if args.out:

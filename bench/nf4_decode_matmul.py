@@ -216,8 +216,13 @@ def tuned_launch_from(path: str, rows: int = 16) -> tuple[dict[tuple[int, int], 
 
 def use_tuned_launch(path: str) -> dict:
     """For another script's `--nf4-launch-from`: put `tuned_launch_from(path)` into
-    `fused_4bit_decode` for this process; returns both for that script's JSON."""
-    tuned, slower = tuned_launch_from(path)
+    `fused_4bit_decode` for this process; returns both for that script's JSON. A file that is not
+    this script's JSON stops the run with one line, before it builds anything."""
+    try:
+        tuned, slower = tuned_launch_from(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise SystemExit(f"--nf4-launch-from {path}: not a bench/nf4_decode_matmul.py JSON "
+                         f"({type(error).__name__}: {error})") from None
     fused.TUNED_LAUNCH.update(tuned)
     fused.BITSANDBYTES_FASTER.update(slower)
     return {"tuned": {f"{n}x{k}": settings for (n, k), settings in fused.TUNED_LAUNCH.items()},

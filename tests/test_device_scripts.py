@@ -112,6 +112,22 @@ def test_gpu_step_runs_only_the_variants_named(tiny_config, tmp_path):
     assert budget["update_variants"]["roles_together"]["roles_together"] is True
 
 
+@pytest.mark.parametrize("content", [None, "{}", "not json"])
+def test_a_launch_file_that_is_not_the_sweeps_stops_the_run_with_one_line(tiny_config, tmp_path, content):
+    """A missing or wrong `--nf4-launch-from` file ends gpu_step.py with one line, before the model is
+    built (no work folder), not with a traceback a device call would pay for."""
+    launch = tmp_path / "nf4.json"
+    if content is not None:
+        launch.write_text(content)
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_step.py"), "--config", str(tiny_config),
+                           "--work", str(tmp_path / "work"), "--nf4-launch-from", str(launch)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    last_line = done.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"--nf4-launch-from {launch}: not a bench/nf4_decode_matmul.py JSON")
+    assert not (tmp_path / "work").exists()
+
+
 def test_the_sweep_never_picks_a_setting_that_computes_the_wrong_product(tiny_config):
     """A launch setting that is fastest but wrong (a miscompile on some GPU) is passed over; one that
     did not run is too; and with none right there is no best. (`tiny_config` puts bench/ on the path.)"""
