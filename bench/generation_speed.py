@@ -128,8 +128,9 @@ def main() -> None:
                         help="only the compiled path, without and with a stop token (eos): what its per-token "
                              "stop check costs (with --dequantized-only: on dequantized layers)")
     parser.add_argument("--nf4-launch-from", default=None, metavar="JSON",
-                        help="with model.fused_4bit_decode: each shape's best launch settings from this "
-                             "bench/nf4_decode_matmul.py JSON, where they beat its defaults")
+                        help="with model.fused_4bit_decode: from this bench/nf4_decode_matmul.py JSON, each "
+                             "shape's best launch settings where they beat the defaults, and bitsandbytes "
+                             "for the shapes where it beat the kernel")
     parser.add_argument("overrides", nargs="*", help="recipe overrides")
     args = parser.parse_args()
 

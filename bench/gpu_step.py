@@ -612,8 +612,9 @@ def main() -> None:
     parser.add_argument("--variants", type=variant_names, default=None,
                         help="only these update variants, comma-separated (ragged: trimming, packing, neither); default all")
     parser.add_argument("--nf4-launch-from", default=None, metavar="JSON",
-                        help="with model.fused_4bit_decode: each shape's best launch settings from this "
-                             "bench/nf4_decode_matmul.py JSON, where they beat its defaults")
+                        help="with model.fused_4bit_decode: from this bench/nf4_decode_matmul.py JSON, each "
+                             "shape's best launch settings where they beat the defaults, and bitsandbytes "
+                             "for the shapes where it beat the kernel")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     nf4_launch = None
