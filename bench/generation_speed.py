@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from gpu_memory_check import software  # noqa: E402  (bench/, beside this script)
+from nf4_decode_matmul import add_launch_argument, use_tuned_launch  # noqa: E402
 
 SHAPES = {
     "quickstart": {"recipe": "recipes/quickstart.yaml", "overrides": ["train.eval=false"]},
@@ -127,10 +128,7 @@ def main() -> None:
     parser.add_argument("--stop-check", action="store_true",
                         help="only the compiled path, without and with a stop token (eos): what its per-token "
                              "stop check costs (with --dequantized-only: on dequantized layers)")
-    parser.add_argument("--nf4-launch-from", default=None, metavar="JSON",
-                        help="with model.fused_4bit_decode: from this bench/nf4_decode_matmul.py JSON, each "
-                             "shape's best launch settings where they beat the defaults, and bitsandbytes "
-                             "for the shapes where it beat the kernel")
+    add_launch_argument(parser)
     parser.add_argument("overrides", nargs="*", help="recipe overrides")
     args = parser.parse_args()
 
@@ -144,8 +142,6 @@ def main() -> None:
     result: dict = {"shape": args.shape, "date": time.strftime("%Y-%m-%d"), **software(),
                     "threads": torch.get_num_threads()}
     if args.nf4_launch_from:
-        from nf4_decode_matmul import use_tuned_launch
-
         result["nf4_launch"] = use_tuned_launch(args.nf4_launch_from)
 
     def report() -> None:

@@ -62,6 +62,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from gpu_memory_check import cap_allocator, long_prompts, run_overrides, software  # noqa: E402  (bench/, beside this script)
+from nf4_decode_matmul import add_launch_argument, use_tuned_launch  # noqa: E402
 from random_models import build_random_4bit_model, small_tokenizer  # noqa: E402
 
 GB = 1e9
@@ -611,16 +612,11 @@ def main() -> None:
                         help="skip the extra steps that try other update settings")
     parser.add_argument("--variants", type=variant_names, default=None,
                         help="only these update variants, comma-separated (ragged: trimming, packing, neither); default all")
-    parser.add_argument("--nf4-launch-from", default=None, metavar="JSON",
-                        help="with model.fused_4bit_decode: from this bench/nf4_decode_matmul.py JSON, each "
-                             "shape's best launch settings where they beat the defaults, and bitsandbytes "
-                             "for the shapes where it beat the kernel")
+    add_launch_argument(parser)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     nf4_launch = None
     if args.nf4_launch_from:  # read first: a wrong file stops the run before the model is built
-        from nf4_decode_matmul import use_tuned_launch
-
         nf4_launch = use_tuned_launch(args.nf4_launch_from)
 
     import torch

@@ -34,11 +34,8 @@ from typing import Optional
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel on CPU tensors, before triton is imported
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import lora_ppo.fused_4bit_decode as fused  # noqa: E402
+import lora_ppo.fused_4bit_decode as fused  # noqa: E402  (imports triton only when the kernel first runs)
 
 CONFIGS = Path(__file__).parent / "model_configs"
 # The sweep's settings (`fused_4bit_decode.LAUNCH_SETTINGS`), in three rounds, each from the best of
@@ -238,7 +235,17 @@ def step_ms(shapes: dict, rows: int, path: str):
     return sum(us * layers for us, layers in times) / 1e3
 
 
+def add_launch_argument(parser: argparse.ArgumentParser) -> None:
+    """`--nf4-launch-from`, for the scripts that run model.fused_4bit_decode (`use_tuned_launch` reads it)."""
+    parser.add_argument("--nf4-launch-from", default=None, metavar="JSON",
+                        help="with model.fused_4bit_decode: from this bench/nf4_decode_matmul.py JSON, each "
+                             "shape's best launch settings where they beat the defaults, and bitsandbytes "
+                             "for the shapes where it beat the kernel")
+
+
 def main() -> None:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel on CPU tensors, before triton is imported
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(CONFIGS / "llama-3.1-8b"), help="a folder with config.json")
     parser.add_argument("--rows", type=rows_list, default=[1, 4, 8, 16, 32, 64],
