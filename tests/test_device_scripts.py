@@ -190,3 +190,86 @@ def test_nf4_decode_matmul_times_every_path_of_every_shape(tiny_config, tmp_path
         beat = row["fused_best_us"] < row["fused_us"]
         assert tuned.get(key) == (row["fused_best"] if beat else None)
         assert (key in bitsandbytes_faster) == (row["bnb_us"] < min(row["fused_best_us"], row["fused_us"]))
+
+
+def test_update_numerics_measures_every_path_against_float32(tiny_config, tmp_path):
+    """bench/update_numerics.py: each update path in float32 and in bfloat16 against the default path in
+    float32. On CPU every path computes the default's function, and those that only lay the work out
+    otherwise round as it does (the compiled update, bit for bit in tests/test_compiled_update.py, is
+    left out here: a minute of compiling)."""
+    out = tmp_path / "numerics.json"
+    layouts = ["roles_together", "packing", "trim_padding_off", "checkpointing_off"]
+    paths = ["fused_lora", "adapter_autocast", *layouts]
+    run_script("update_numerics.py", "--config", str(tiny_config), "--layers", "2", "--dtype", "bfloat16",
+               "--rows", "4", "--prompt-tokens", "16", "--response-tokens", "16", "--rank", "4",
+               "--work", str(tmp_path / "work"), "--paths", ",".join(paths), "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["dtype"] == "bfloat16" and max(result["response_lengths"]) == 16 > min(result["response_lengths"])
+    measured = result["paths"]
+    assert list(measured) == ["float32_self_check", "default", *paths]
+    assert measured["float32_self_check"] < 1e-5  # float32's update reproduces its scoring
+    default = measured["default"]["bfloat16"]
+    assert default["logprob_mean_diff"] > 1e-5 and default["policy_grad_rel"] > 0  # bfloat16 really ran
+    for name in paths:
+        if name != "adapter_autocast":  # bfloat16 by definition: no float32 run
+            assert measured[name]["float32"]["same_function"], (name, measured[name])
+        assert all(ratio > 0 for ratio in measured[name]["bfloat16"]["vs_default"].values())
+    for name in layouts:
+        assert set(measured[name]["bfloat16"]["vs_default"].values()) == {1.0}, name
+    assert "float32" not in measured["adapter_autocast"]
+
+
+def test_update_numerics_tells_another_function_from_another_rounding(tiny_model_dir, tiny_config):
+    """The distances are what they say: the default path's bfloat16 logprob distance is the model's own,
+    read from its plain forward in each dtype (the same to the digits recorded); and a path computing a slightly other policy (its LoRA B
+    1% larger) is told apart in float32 while model.fused_lora is not. (`tiny_config` puts bench/ on
+    the path.)"""
+    import argparse
+    import contextlib
+
+    import torch
+
+    import update_numerics as un
+    from lora_ppo.config import PPOConfig
+    from lora_ppo.roles import POLICY
+
+    @contextlib.contextmanager
+    def larger_lora_b(roles):
+        bs = [p for name, p in roles.peft.named_parameters() if f"lora_B.{POLICY}." in name]
+        with torch.no_grad():
+            for p in bs:
+                p.mul_(1.01)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p in bs:
+                    p.div_(1.01)
+
+    torch.manual_seed(0)
+    exact = un.roles_of(tiny_model_dir, "float32", 4)
+    un.draw_adapters(exact, 0.3)
+    low = un.roles_of(tiny_model_dir, "bfloat16", 4)
+    un.copy_trainable(exact, low)
+    config = exact.peft.get_base_model().config
+    rollout = un.scored_rollout(exact, 3, 8, 6, config.vocab_size, config.pad_token_id)
+    results = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(un.PATHS, "larger_lora_b", lambda roles, s: (s, larger_lora_b(roles)))
+        un.check_paths(low, exact, rollout, PPOConfig(), 3, ["default", "fused_lora", "larger_lora_b"], results)
+    assert results["fused_lora"]["float32"]["same_function"]
+    assert not results["larger_lora_b"]["float32"]["same_function"], results["larger_lora_b"]
+    assert results["larger_lora_b"]["float32"]["value_grad_rel"] == 0  # the value's adapter is untouched
+
+    def plain_logprobs(roles) -> torch.Tensor:
+        start = rollout.query_ids.shape[1]
+        with roles.as_role(POLICY), torch.no_grad():
+            logits = roles.peft(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask).logits
+        logprobs = logits[:, start - 1:-1].float().log_softmax(-1)
+        return logprobs.gather(-1, rollout.response_ids.unsqueeze(-1)).squeeze(-1)[rollout.response_mask]
+
+    independent = float((plain_logprobs(low) - plain_logprobs(exact)).abs().mean())
+    assert results["default"]["bfloat16"]["logprob_mean_diff"] == pytest.approx(independent, rel=1e-5)
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown"):
+        un.path_names("fused_lora,fast_lora")
+    assert un.path_names("packing,default") == ["default", "packing"]  # the default first: the others need it
