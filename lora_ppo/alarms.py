@@ -181,10 +181,15 @@ def _logprob_mismatch(history, settings) -> list[Alarm]:
     diff = _series(history, "check/logprob_mean_diff")
     if not diff or diff[-1] <= settings.logprob_tolerance:
         return []
+    if "update/compiled_graphs" in history[-1]:  # ppo.compile_update ran this step's update
+        advice = ("ppo.compile_update is on: on a GPU its compiled layers round apart from the eager scoring pass "
+                  "(0.04 nats per token on an H200 in bfloat16, docs/performance.md); set it to false.")
+    else:
+        advice = ("Try rollout.logprobs_from_generation: false and rollout.score_roles_together: false; if it stays, "
+                  "report the model (docs/models.md).")
     return [Alarm("logprob_mismatch", f"the update's first forward gives logprobs {diff[-1]:.2g} nats per token away "
                   f"from the rollout's (limit {settings.logprob_tolerance:g}) with the same weights: the policy "
-                  "that samples is not the one being optimised. Try rollout.logprobs_from_generation: false and "
-                  "rollout.score_roles_together: false; if it stays, report the model (docs/models.md).")]
+                  f"that samples is not the one being optimised. {advice}")]
 
 
 def _sampling_mismatch(history, settings) -> list[Alarm]:

@@ -98,6 +98,18 @@ def test_logprob_mismatch_follows_the_compute_dtype():
     assert "logprob_mismatch" not in names(history, AlarmSettings(20, logprob_tolerance=LOGPROB_TOLERANCE["bfloat16"]))
 
 
+def test_logprob_mismatch_under_a_compiled_update_says_to_turn_it_off():
+    """What an H200 measured with ppo.compile_update (0.040 nats per token in bfloat16): the alarm names
+    the setting, not the scoring switches it names otherwise."""
+    bf16 = AlarmSettings(20, logprob_tolerance=LOGPROB_TOLERANCE["bfloat16"])
+    history = with_values("check/logprob_mean_diff", [0.0, 0.0398])
+    (plain,) = [a for a in check_alarms(history, bf16) if a.name == "logprob_mismatch"]
+    history[-1]["update/compiled_graphs"] = 2.0
+    (compiled,) = [a for a in check_alarms(history, bf16) if a.name == "logprob_mismatch"]
+    assert "ppo.compile_update is on" in compiled.message and "score_roles_together" not in compiled.message
+    assert "ppo.compile_update" not in plain.message and "score_roles_together" in plain.message
+
+
 def test_the_first_step_stops_only_far_past_the_limit():
     limit = LOGPROB_TOLERANCE["float32"]
     assert first_step_logprob_error({}, limit) is None  # no update ran (guard): nothing to judge
