@@ -23,6 +23,7 @@ import importlib.util
 import logging
 import os
 import types
+import weakref
 from typing import Optional
 
 import torch
@@ -157,8 +158,9 @@ def split_k(out_features: int, in_features: int, blocksize: int, multiprocessors
     return -(-blocks // blocks_per_slice), blocks_per_slice * blocksize
 
 
-# `paired_codes`' tables, by the code table's storage and the device they are read on.
-_PAIRED_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+# `paired_codes`' tables, by the code table's address and the device they are read on, each with a weak
+# reference to the code it was built from: once that tensor is gone, another may take its address.
+_PAIRED_TABLES: dict[tuple[int, torch.device], tuple[weakref.ref, torch.Tensor]] = {}
 
 
 def paired_codes(code: torch.Tensor, device: torch.device) -> Optional[torch.Tensor]:
@@ -167,13 +169,14 @@ def paired_codes(code: torch.Tensor, device: torch.device) -> Optional[torch.Ten
     Built once per code table and device, never inside a CUDA graph's capture: there, until it is
     built, None (the launch then looks the values up one by one)."""
     key = (code.data_ptr(), device)
-    if key not in _PAIRED_TABLES:
+    built = _PAIRED_TABLES.get(key)
+    if built is None or built[0]() is None:  # none yet, or built from a code since freed (its address reused)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         bits = code.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         byte = torch.arange(256, device=code.device)
-        _PAIRED_TABLES[key] = (bits[byte >> 4] | (bits[byte & 15] << 32)).to(device)
-    return _PAIRED_TABLES[key]
+        _PAIRED_TABLES[key] = weakref.ref(code), (bits[byte >> 4] | (bits[byte & 15] << 32)).to(device)
+    return _PAIRED_TABLES[key][1]
 
 
 @torch.library.custom_op("lora_ppo::nf4_linear", mutates_args=())

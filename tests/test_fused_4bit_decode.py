@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -115,9 +117,27 @@ def test_the_paired_table_holds_each_bytes_two_values():
     table = fused.paired_codes(code, torch.device("cpu"))
     assert table.dtype == torch.int64 and table.shape == (256,)
     # byte 0x3A: high nibble 3 in the low 32 bits, low nibble 10 in the high 32 bits
-    word = int(table[0x3A])
-    as_float = lambda bits: torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32).item()  # noqa: E731
-    assert as_float(word & 0xFFFFFFFF) == code[3].item() and as_float(word >> 32) == code[10].item()
+    word = int(table[0x3A]) & 0xFFFFFFFFFFFFFFFF  # as the 64 unsigned bits the kernel loads
+    # Read by Python's struct: torch's int64 -> int32 cast of a value past 2**31 is undefined (it gave other
+    # bits on an AMD EPYC, 2026-11-28)
+    low, high = struct.unpack("<ff", word.to_bytes(8, "little"))
+    assert low == code[3].item() and high == code[10].item()
+
+
+def test_a_paired_table_is_not_reused_for_another_code_at_a_freed_codes_address(monkeypatch):
+    """The tables are cached by the code's address: a code freed and another allocated in its place (a
+    second model in one process, or a test's) gets its own table, not the freed one's (CI, 2026-11-28:
+    a test read another code's values)."""
+    code = torch.linspace(-1.0, 1.0, 16)
+    freed = torch.zeros(1)
+    stale = (weakref.ref(freed), torch.zeros(256, dtype=torch.int64))  # what a freed code left at this address
+    del freed
+    monkeypatch.setattr(fused, "_PAIRED_TABLES", {(code.data_ptr(), torch.device("cpu")): stale})
+    table = fused.paired_codes(code, torch.device("cpu"))
+    assert table is not stale[1] and torch.equal(table, fused.paired_codes(code, torch.device("cpu")))
+    low, high = struct.unpack("<ff", (int(table[0x3A]) & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little"))
+    assert (low, high) == (code[3].item(), code[10].item())
+    assert fused.paired_codes(code, torch.device("cpu")) is table  # while the code lives, built once
 
 
 def test_a_shapes_tuned_launch_settings_are_its_own(monkeypatch):
