@@ -178,9 +178,10 @@ def scored_rollout(roles, rows: int, prompt_tokens: int, response_tokens: int, v
     ids, mask, response_mask = ids.to(device), mask.to(device), response_mask.to(device)
     old, ref, values = score_passes(roles, ids, mask, prompt_tokens, 1.0, forward_batch_size=rows)
     scores = torch.randn(rows, generator=g).to(device)
-    return Rollout(rows=[], completions=[""] * rows, query_ids=ids[:, :prompt_tokens], query_mask=mask[:, :prompt_tokens],
-                   response_ids=ids[:, prompt_tokens:], response_mask=response_mask, old_logprobs=old,
-                   ref_logprobs=ref, values=values, raw_scores=scores, scores=scores, stopped=~response_mask[:, -1])
+    return Rollout(rows=[], completions=[""] * rows, query_ids=ids[:, :prompt_tokens],
+                   query_mask=mask[:, :prompt_tokens], response_ids=ids[:, prompt_tokens:],
+                   response_mask=response_mask, old_logprobs=old, ref_logprobs=ref, values=values,
+                   raw_scores=scores, scores=scores, stopped=~response_mask[:, -1])
 
 
 def one_minibatch(roles, rollout, adv, cfg, settings) -> dict:
@@ -188,8 +189,8 @@ def one_minibatch(roles, rollout, adv, cfg, settings) -> dict:
     self-check against the rollout's logprobs, its losses, and each role's gradient (float32, flat)."""
     import torch
 
-    from lora_ppo.update import LogprobCheck, _TokenWeightedMeans, minibatch_backward
     from lora_ppo.distributed import World
+    from lora_ppo.update import LogprobCheck, _TokenWeightedMeans, minibatch_backward
 
     means, check = _TokenWeightedMeans(), LogprobCheck()
     rows = torch.arange(rollout.response_ids.shape[0])
@@ -230,8 +231,9 @@ def vs_default(entry: dict, default: dict) -> dict:
 
 def check_paths(low, exact, rollout, cfg, micro_batch: int, names, results: dict, save=lambda: None) -> dict:
     """Every path of `names` (the default first) run in float32 on `exact` and in 16 bits on `low` (its
-    entry named by `low`'s compute dtype), each against the default path on `exact`, into `results`. A path that raises is recorded with its error's
-    first line and the rest go on."""
+    entry named by `low`'s compute dtype), each against the default path on `exact`, into `results`. A
+    path that raises is recorded with its error's first line, its partial gradients dropped, and the
+    rest go on."""
     from lora_ppo.errors import named_first_line
     from lora_ppo.update import UpdateSettings, compute_advantages
 
@@ -255,6 +257,8 @@ def check_paths(low, exact, rollout, cfg, micro_batch: int, names, results: dict
                                 "value_loss": run["value_loss"], "seconds": round(time.perf_counter() - t0, 2)}
             except Exception as error:  # noqa: BLE001 - one path's failure must not lose the others'
                 entry[dtype] = {"error": named_first_line(error)}
+                for p in roles.policy_parameters() + roles.value_parameters():
+                    p.grad = None  # what a backward cut short left would add to the next path's
                 continue
             if dtype == "float32":
                 entry[dtype]["same_function"] = same_function(entry[dtype])

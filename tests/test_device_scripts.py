@@ -221,9 +221,9 @@ def test_update_numerics_measures_every_path_against_float32(tiny_config, tmp_pa
 
 def test_update_numerics_tells_another_function_from_another_rounding(tiny_model_dir, tiny_config):
     """The distances are what they say: the default path's bfloat16 logprob distance is the model's own,
-    read from its plain forward in each dtype (the same to the digits recorded); and a path computing a slightly other policy (its LoRA B
-    1% larger) is told apart in float32 while model.fused_lora is not. (`tiny_config` puts bench/ on
-    the path.)"""
+    read from its plain forward in each dtype (the same to the digits recorded); and a path computing a
+    slightly other policy (its LoRA B 1% larger) is told apart in float32 while model.fused_lora is not.
+    (`tiny_config` puts bench/ on the path.)"""
     import argparse
     import contextlib
 
