@@ -183,7 +183,7 @@ def _logprob_mismatch(history, settings) -> list[Alarm]:
         return []
     if "update/compiled_graphs" in history[-1]:  # ppo.compile_update ran this step's update
         advice = ("ppo.compile_update is on: on a GPU its compiled layers round apart from the eager scoring pass "
-                  "(0.04 nats per token on an H200 in bfloat16, docs/performance.md); set it to false.")
+                  "past this limit in bfloat16 (docs/performance.md); set it to false.")
     else:
         advice = ("Try rollout.logprobs_from_generation: false and rollout.score_roles_together: false; if it stays, "
                   "report the model (docs/models.md).")

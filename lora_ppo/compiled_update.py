@@ -7,8 +7,8 @@ runs one function compiled once (`torch.compile`, sequence length dynamic), whos
 compiled with it: fewer launches, elementwise work fused. Inductor emulates eager's rounding of
 each intermediate (`emulate_precision_casts`), so on CPU logprobs, losses and gradients are eager's
 (bit for bit in bfloat16; in float32 within rounding, a norm being summed in another order:
-tests/test_compiled_update.py) and the PPO ratio still starts at 1. On an H200 in bfloat16 its
-logprobs were 0.040 nats per token from the eager scoring pass's (bench/README.md):
+tests/test_compiled_update.py) and the PPO ratio still starts at 1. On a GPU in bfloat16 its
+logprobs were measured past the self-check's limit from the eager scoring pass's (bench/README.md):
 bench/update_numerics.py tells there whether that is rounding or another function.
 
 Gradient checkpointing stays eager, around the compiled forward: the forward's saved tensors are

@@ -618,10 +618,10 @@ class PPOConfig(Section):
     kernel launches, where a GPU update below 8 rows a micro-batch spent half its time (bench/README.md).
     On CPU the same numbers as without it (Inductor rounds each intermediate as eager does; float32 sums
     can differ in the last bits), and no more memory. On a GPU in bfloat16 its logprobs round apart from
-    the eager scoring pass's: 0.040 nats per token on an H200, over the self-check's limit, so the
-    logprob_mismatch alarm fires. Compiling takes a while once per role at the first update (a failure
-    logs one line and the update runs eager). Off by default: on an H200 its update took 7.42 s against
-    eager's 7.57 s, within the run's drift, after 2-3 minutes of compiling.
+    the eager scoring pass's, past the self-check's limit, so the logprob_mismatch alarm fires
+    (docs/performance.md). Compiling takes a while once per role at the first update (a failure logs one
+    line and the update runs eager). Off by default: on the GPU measured, its update was no faster than
+    eager's beyond the run's drift, for minutes of compiling (bench/README.md).
     """
     clip_eps: float = Field(0.2, gt=0.0)
     """Policy ratio clip: the objective ignores ratios beyond 1 ± clip_eps; 0.2 is PPO's standard value."""
