@@ -41,6 +41,7 @@ import sys
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from unittest.mock import patch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -56,17 +57,6 @@ from random_models import build_random_4bit_model, small_tokenizer  # noqa: E402
 FLOAT32_LIMIT = 1e-4
 # Paths that exist only in 16-bit: no float32 run.
 LOW_PRECISION_ONLY = {"adapter_autocast"}
-
-
-@contextmanager
-def attribute(obj, name: str, value):
-    """`obj.name` set to `value` inside, as it was after."""
-    before = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, before)
 
 
 @contextmanager
@@ -92,11 +82,11 @@ def _compiled():
 PATHS = {
     "default": lambda roles, s: (s, nullcontext()),
     "fused_lora": lambda roles, s: (s, fused(roles)),
-    "adapter_autocast": lambda roles, s: (s, attribute(roles, "autocast_dtype", _bfloat16_model(roles))),
+    "adapter_autocast": lambda roles, s: (s, patch.object(roles, "autocast_dtype", _bfloat16_model(roles))),
     "compile_update": lambda roles, s: (dataclasses.replace(s, compiled_layers=_compiled()), nullcontext()),
     "roles_together": lambda roles, s: (dataclasses.replace(s, roles_together=True), nullcontext()),
-    "packing": lambda roles, s: (s, attribute(roles, "packing", True)),
-    "trim_padding_off": lambda roles, s: (s, attribute(roles, "trim_padding", False)),
+    "packing": lambda roles, s: (s, patch.object(roles, "packing", True)),
+    "trim_padding_off": lambda roles, s: (s, patch.object(roles, "trim_padding", False)),
     "checkpointing_off": lambda roles, s: (dataclasses.replace(s, gradient_checkpointing=False), nullcontext()),
 }
 
