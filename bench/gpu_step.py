@@ -11,23 +11,26 @@ as `data.max_prompt_tokens` allows and every response at full length. For each b
 - the auto sizes chosen, per-step seconds, peaks and `perf/*` (model FLOPs per phase per second),
   each phase's rate as a share of the measured matmul rate, and the allocator's reserved peak and
   retries;
-- a torch.profiler table of one update micro-batch (policy and value forward and backward) and
-  one optimizer step by kernel family (4-bit dequantize, matmul, attention, softmax and
-  reductions, optimizer, other elementwise), with the device time under the LM head + logprob
-  and LoRA ranges (forward) and the top kernels by name; then the same micro-batch's wall time and
-  its waits for the GPU (CUDA's sync debug mode);
-- the same table for one more generation of the batch (warm: compiled by the steps), against
-  that call's wall time and per decoded token: where a 4-bit decode step's time goes;
-- one extra step per update variant (compiled layers, double the micro-batch, both roles in one
-  pass, checkpointing off, half the micro-batch, `model.fused_lora` in the update at the same micro-
-  batch (also with its adapters cast per layer call) and double it, then the `auto` choice again as a
-  control), on the
-  same loaded run: the update's seconds, TFLOP/s and peak, or where it ran out of memory; then
-  `ppo.trim_padding` on and off over responses cut at random lengths (their padding share too);
 - the KL check: objective/kl per step of the near-reference policy (per token, against the bf16
   self-check tolerance), and on a fresh sample the per-token mean of generation logprobs minus
   scoring logprobs, and the KL measured from each (scoring the policy together with the reference
-  in one stacked forward, or alone).
+  in one stacked forward, or alone);
+- one extra step per update variant (compiled layers, double the micro-batch, both roles in one
+  pass, checkpointing off, half the micro-batch, `model.fused_lora` in the update at the same micro-
+  batch (also with its adapters cast per layer call) and double it, then the `auto` choice again as a
+  control), on the same loaded run: the update's seconds, TFLOP/s and peak, or where it ran out of
+  memory; then `ppo.trim_padding` on and off over responses cut at random lengths (their padding
+  share too);
+- after every timed step (the last budget only: a CUDA profile slows every later launch of the
+  process, `step_after_profiler`), a torch.profiler table of one update micro-batch (policy and value
+  forward and backward) and one optimizer step by kernel family (4-bit dequantize, matmul,
+  attention, softmax and reductions, optimizer, other elementwise), with the device time under the
+  LM head + logprob and LoRA ranges (forward) and the top kernels by name; then the same
+  micro-batch's wall time and its waits for the GPU (CUDA's sync debug mode);
+- the same table for one more generation of the batch (warm: compiled by the steps), against
+  that call's wall time and per decoded token: where a 4-bit decode step's time goes;
+- with the update variants, one more step at the `auto` settings after the profiles
+  (`after_profiler`): what the profiles cost the steps that follow them.
 
 Prints one JSON object and writes it to `--out`.
 
@@ -100,9 +103,10 @@ UPDATE_VARIANTS = {
 
 def variant_names(text: str) -> list[str]:
     names = text.split(",")
-    unknown = sorted(set(names) - {*UPDATE_VARIANTS, "ragged"})
+    known = [*UPDATE_VARIANTS, "ragged", "after_profiler"]
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {[*UPDATE_VARIANTS, 'ragged']}")
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {known}")
     return names
 
 
@@ -163,6 +167,15 @@ def profiler_ranges(trainer):
         for handle in handles:
             handle.remove()
         torch.cuda.synchronize() if torch.cuda.is_available() else None
+
+
+def step_after_profiler(trainer) -> dict:
+    """One more step at the `auto` settings after the profiles: against the steps before them, what a
+    CUDA profile's CUPTI, still attached, costs the steps after it (every slower step of the earlier
+    device calls ran after their profile: bench/README.md)."""
+    metrics, _ = trainer.train_step()
+    keys = ("time/generate", "time/score_forward", "time/update", "time/step", "perf/update_tflops")
+    return {**{k: round(metrics[k], 4) for k in keys if k in metrics}, **allocator_counts(), **card_state()}
 
 
 def profile_update(trainer, rollout) -> dict:
@@ -575,14 +588,23 @@ def run_budget(args, model_dir: Path, prompts, prompt_tokens: int, gpu_gb: float
         if args.kl_check:
             result["kl_check"] = recorded(kl_check, trainer, prompts)
             save()
-        result["profile"] = recorded(profile_update, trainer, rollout)
-        save()
-        result["generation_profile"] = recorded(profile_generation, trainer, prompts)
-        save()
-        if args.update_variants and gpu_gb == args.gpu_gb[0]:  # the first budget only: each costs a step
+        variants = args.update_variants and gpu_gb == args.gpu_gb[0]  # the first budget only: each costs a step
+        if variants:
             result["update_variants"] = {}
             outcome = recorded(update_variants, trainer, result["update_variants"], save, args.variants)
             result["update_variants"].update({"error": outcome["error"]} if "error" in outcome else {})
+        # The profiles come after every timed step: a CUDA profile leaves CUPTI attached to the process
+        # (Kineto tears it down only with TEARDOWN_CUPTI=1), and each later launch pays for it (pytorch
+        # issue 144455). So only the process's last budget is profiled, and one step after the profiles
+        # measures what they cost the steps that follow (`after_profiler`).
+        if gpu_gb == args.gpu_gb[-1]:
+            result["profile"] = recorded(profile_update, trainer, rollout)
+            save()
+            result["generation_profile"] = recorded(profile_generation, trainer, prompts)
+            save()
+            if variants and (args.variants is None or "after_profiler" in args.variants):
+                result["update_variants"]["after_profiler"] = recorded(step_after_profiler, trainer)
+                save()
     except torch.OutOfMemoryError as err:
         result["error"] = f"out of memory: {str(err).splitlines()[0]}"
     result["max_phase_peak_gb"] = max((v for s in result.get("steps", []) for k, v in s.items()
@@ -611,7 +633,8 @@ def main() -> None:
     parser.add_argument("--no-update-variants", dest="update_variants", action="store_false",
                         help="skip the extra steps that try other update settings")
     parser.add_argument("--variants", type=variant_names, default=None,
-                        help="only these update variants, comma-separated (ragged: trimming, packing, neither); default all")
+                        help="only these update variants, comma-separated (ragged: trimming, packing, neither; "
+                             "after_profiler: one step after the profiles); default all")
     add_launch_argument(parser)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()

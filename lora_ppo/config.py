@@ -620,8 +620,8 @@ class PPOConfig(Section):
     can differ in the last bits), and no more memory. On a GPU in bfloat16 its logprobs round apart from
     the eager scoring pass's, past the self-check's limit, so the logprob_mismatch alarm fires
     (docs/performance.md). Compiling takes a while once per role at the first update (a failure logs one
-    line and the update runs eager). Off by default: on the GPU measured, its update was no faster than
-    eager's beyond the run's drift, for minutes of compiling (bench/README.md).
+    line and the update runs eager). Off by default: on a GPU its logprobs fail the bfloat16 self-check,
+    and its speed there is not settled (docs/performance.md).
     """
     clip_eps: float = Field(0.2, gt=0.0)
     """Policy ratio clip: the objective ignores ratios beyond 1 ± clip_eps; 0.2 is PPO's standard value."""

@@ -65,7 +65,11 @@ def test_gpu_step_writes_every_part(tiny_config, tmp_path):
     # skips (4 micro-batches a minibatch, rows ordered by length first; packed, rows back to back).
     on, packed, off = (variants[f"ragged_{name}"] for name in ("trim_padding_on", "packing", "trim_padding_off"))
     assert 0 <= packed["update/padding_frac"] < on["update/padding_frac"] < off["update/padding_frac"] < 1
-    assert list(variants)[-3:] == ["ragged_trim_padding_on", "ragged_packing", "ragged_trim_padding_off"]
+    assert list(variants)[-4:-1] == ["ragged_trim_padding_on", "ragged_packing", "ragged_trim_padding_off"]
+    # Every timed step comes before the profiles (a CUDA profile slows the launches after it), then one
+    # step at the `auto` settings measures what they cost
+    assert list(budget).index("update_variants") < list(budget).index("profile")
+    assert list(variants)[-1] == "after_profiler" and variants["after_profiler"]["time/update"] > 0
     kl = budget["kl_check"]
     assert {"generation_minus_scoring_first_token_abs", "generation_minus_scoring_later_tokens_abs",
             "eager_generation_minus_scoring_policy_abs"} <= set(kl)
@@ -103,13 +107,16 @@ def test_gpu_step_runs_only_the_variants_named(tiny_config, tmp_path):
             "16": {"bnb_us": 8.0, "fused_us": 9.0, "fused_best_us": 7.0, "fused_best": tuned}}},
         "k/v": {"out_features": 32, "in_features": 64, "rows": {
             "16": {"bnb_us": 5.0, "fused_us": 9.0, "fused_best_us": 9.5, "fused_best": {"block_n": 32}}}}}}))
-    run_script("gpu_step.py", "--config", str(tiny_config), "--gpu-gb", "4", "--work", str(tmp_path / "work"),
+    run_script("gpu_step.py", "--config", str(tiny_config), "--gpu-gb", "4", "5", "--work", str(tmp_path / "work"),
                "--out", str(out), "--steps", "1", "--no-kl-check", "--variants", "auto_again,roles_together",
                "--nf4-launch-from", str(launch), *SIZES, "ppo.grad_accum_steps=4")
     assert json.loads(out.read_text())["nf4_launch"] == {"tuned": {"64x128": tuned}, "bitsandbytes_faster": ["32x64"]}
-    (budget,) = json.loads(out.read_text())["budgets"]
-    assert list(budget["update_variants"]) == ["roles_together", "auto_again"]
-    assert budget["update_variants"]["roles_together"]["roles_together"] is True
+    first, last = json.loads(out.read_text())["budgets"]
+    assert list(first["update_variants"]) == ["roles_together", "auto_again"]  # no after_profiler: not named
+    assert first["update_variants"]["roles_together"]["roles_together"] is True
+    # Only the last budget is profiled: the first one's steps would otherwise run after its profiles
+    assert "profile" not in first and "update_variants" not in last
+    assert last["profile"]["device_ms"] > 0 and len(last["steps"]) == 1
 
 
 @pytest.mark.parametrize("content", [None, "{}", "not json"])
