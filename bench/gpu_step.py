@@ -487,15 +487,18 @@ def static_cache(trainer) -> dict:
 
 
 def allocator_counts() -> dict:
-    """The CUDA allocator's reserved peak and its retries so far (each retry frees every cached block
-    and waits for the GPU: a step near the cap pays for them in time, not in an error)."""
+    """The CUDA allocator's reserved peak, its retries so far (each retry frees every cached block
+    and waits for the GPU: a step near the cap pays for them in time, not in an error), and its calls
+    to cudaMalloc and cudaFree so far (each one waits too: a cache whose blocks no longer fit a step's
+    requests makes more of them)."""
     import torch
 
     if not torch.cuda.is_available():
         return {}
     stats = torch.cuda.memory_stats()
     return {"memory/reserved_gb": round(torch.cuda.max_memory_reserved() / GB, 3),
-            "cuda/alloc_retries": stats.get("num_alloc_retries", 0), "cuda/ooms": stats.get("num_ooms", 0)}
+            "cuda/alloc_retries": stats.get("num_alloc_retries", 0), "cuda/ooms": stats.get("num_ooms", 0),
+            "cuda/device_allocs": stats.get("num_device_alloc"), "cuda/device_frees": stats.get("num_device_free")}
 
 
 def card_state() -> dict:
