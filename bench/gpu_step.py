@@ -228,7 +228,7 @@ def profile_update(trainer, rollout) -> dict:
         torch.cuda.synchronize()
         syncs = sum("synchroniz" in str(w.message) for w in caught)
         parts.optimizer.zero_grad(set_to_none=True)
-    # The adapters moved by one extra optimizer step: this trainer is not used for steps again.
+    # The adapters moved by extra optimizer steps: only `step_after_profiler` (timing, not learning) runs after.
     cpu_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     ranges = {}
     for label in RANGES:
