@@ -71,6 +71,14 @@ def fused(roles):
         unfuse_lora_layers(roles.peft)
 
 
+def _pefts_forward(roles):
+    """PEFT's own forward in every LoRA layer, where lora_ppo's default drops two of its passes and must
+    give its numbers bit for bit (`fused_lora.lean_lora_forward`)."""
+    from lora_ppo.fused_lora import pefts_forward
+
+    return pefts_forward(roles.peft)
+
+
 def _compiled():
     from lora_ppo.compiled_update import CompiledLayers
 
@@ -81,6 +89,7 @@ def _compiled():
 # thing from the default: the recipe's switch, or an update setting `auto` can choose.
 PATHS = {
     "default": lambda roles, s: (s, nullcontext()),
+    "pefts_forward": lambda roles, s: (s, _pefts_forward(roles)),
     "fused_lora": lambda roles, s: (s, fused(roles)),
     "adapter_autocast": lambda roles, s: (s, patch.object(roles, "autocast_dtype", _bfloat16_model(roles))),
     "compile_update": lambda roles, s: (dataclasses.replace(s, compiled_layers=_compiled()), nullcontext()),

@@ -130,9 +130,11 @@ class ModelConfig(Section):
     """
     fused_lora: bool = False
     """Compute each LoRA linear layer as its base layer's output plus the adapter's product added by one
-    matrix multiply-add in the compute dtype (`addmm`), instead of PEFT's float32 path: a copy of the base
-    output, a float32 copy of the input kept per projection for the backward, and a scale, cast and add over
-    the full output width. Fewer kernels and launches per layer, and no float32 copies of activations; the
+    matrix multiply-add in the compute dtype (`addmm`), instead of PEFT's float32 arithmetic (which every run
+    otherwise computes without PEFT's copy of the base output and, for a power-of-two scale, without its
+    multiply: the same numbers bit for bit): a float32 copy of the input kept per projection for the
+    backward, and a cast and an add over the full output width. Fewer kernels and launches per layer, and
+    no float32 copies of activations; the
     adapters' float32 weights stay the optimizer's master copies. Each training pass casts them to the compute
     dtype once for every layer, not at each layer's call, and holds those copies and their gradients until its
     backward ends (0.17 GB for the 8B recipe's policy). In bfloat16 the adapters' products carry bfloat16

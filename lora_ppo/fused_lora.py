@@ -1,4 +1,5 @@
-"""LoRA layers computed by one addmm in the compute dtype (`model.fused_lora`).
+"""How lora_ppo computes PEFT's LoRA linear layers: PEFT's float32 arithmetic without two of its
+passes (always), or one addmm in the compute dtype (`model.fused_lora`).
 
 PEFT computes a LoRA layer as `base(x).clone() + (lora_B(lora_A(x.float())) * scale).to(dtype)`:
 on a bfloat16 model with float32 adapters that is a copy of the base output, a float32 copy of
@@ -7,13 +8,19 @@ own), and a scale, a cast and an add over the full output width, forward and bac
 that elementwise work was 43% of the update's kernel time, and each of those operators is one
 more launch from Python in an update bound by the host (bench/README.md).
 
-Here the adapter's two small weights are cast to the input's dtype (r x width: nothing next to an
-activation) and the second matmul adds its product, scaled, to the base output in its epilogue:
-`addmm(base(x), x @ A.T, B.T, alpha=scale)`. Autograd differentiates it as written, so the
-gradients are those of this expression; the float32 weights stay the optimizer's master copies.
-In bfloat16 the adapter's product carries bfloat16 rounding, as with `model.adapter_autocast`,
-and is rounded once where PEFT rounds it three times. In float32 it is PEFT's result within
-rounding (tests/test_fused_lora.py).
+Every layer drops the copy (nothing modifies the base output in place) and, where the scale is a
+power of two (alpha = 2r, the default), multiplies B's weight (rank x width) by it instead of the
+product (tokens x width): a power of two scales every product and every sum exactly, so the layer's
+output and every gradient are PEFT's bit for bit (`lean_lora_forward`; the two passes' share of an
+update's kernels on a GPU: bench/README.md).
+
+With `model.fused_lora` the adapter's two small weights are cast to the input's dtype (r x width:
+nothing next to an activation) and the second matmul adds its product, scaled, to the base output in
+its epilogue: `addmm(base(x), x @ A.T, B.T, alpha=scale)` (`lora_addmm_forward`). Autograd
+differentiates it as written, so the gradients are those of this expression; the float32 weights
+stay the optimizer's master copies. In bfloat16 the adapter's product carries bfloat16 rounding, as
+with `model.adapter_autocast`, and is rounded once where PEFT rounds it three times. In float32 it is
+PEFT's result within rounding (tests/test_fused_lora.py).
 
 Unsloth goes further with hand-written autograd functions and Triton kernels per MLP and
 attention block; this keeps PEFT's modules, their state dicts and bitsandbytes' own 4-bit matmul
@@ -23,20 +30,76 @@ attention block; this keeps PEFT's modules, their state dicts and bitsandbytes' 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
+import math
 import types
 from collections import Counter
 from typing import Iterator, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-# The model's list of the layers `fuse_lora_layers` routed.
+# The model's list of the layers routed to `lora_addmm_forward` (`model.fused_lora`).
 FUSED_LAYERS = "_lora_ppo_fused_layers"
+# The model's list of every LoRA layer routed to either forward.
+ROUTED_LAYERS = "_lora_ppo_routed_layers"
 # A fused layer's attribute, inside `adapters_cast_once`: {adapter name: (down, up) in the compute dtype}.
 CAST_COPIES = "_lora_cast_copies"
+
+
+def lean_lora_forward(layer, x: torch.Tensor, *args, adapter_names: Optional[list[str]] = None,
+                      **kwargs) -> torch.Tensor:
+    """PEFT's forward of `layer`, bit for bit, without its copy of the base output (bitsandbytes' 4-bit
+    layers) and, where the scale is a power of two, without its multiply over the product: B's weight
+    is scaled instead (`_scaled_product`). Anything else PEFT's forward handles (per-row adapters,
+    adapters off or merged, DoRA and other variants, a bias on the adapter, autocast, which skips
+    PEFT's casts) goes to PEFT's forward."""
+    if args or kwargs or adapter_names is not None or layer.disable_adapters or layer.merged \
+            or torch.is_autocast_enabled():
+        return _pefts(layer, x, *args, adapter_names=adapter_names, **kwargs)
+    names = [name for name in layer.active_adapters if name in layer.lora_A]
+    if any(name in layer.lora_variant or layer.lora_B[name].bias is not None for name in names):
+        return _pefts(layer, x)
+    result = layer.base_layer(x)
+    dtype = result.dtype
+    # PEFT's 4-bit layers cast each adapter's product to the output's dtype before adding it; its
+    # plain linear layers add it in the promoted dtype and cast the sum once.
+    cast_each = _is_4bit(layer)
+    for name in names:
+        x = layer._cast_input_dtype(x, layer.lora_A[name].weight.dtype)
+        product = _scaled_product(layer, x, name)
+        result = result + (product.to(dtype) if cast_each else product)
+    return result if cast_each else result.to(dtype)
+
+
+def _scaled_product(layer, x: torch.Tensor, name: str) -> torch.Tensor:
+    """lora_B(lora_A(dropout(x))) * scale, as PEFT computes it. For a power-of-two scale, B's weight is
+    multiplied instead of the product: multiplying by a power of two is exact in floating point, so
+    every product and partial sum of the matmul, and of its backward, is PEFT's times the scale."""
+    hidden = layer.lora_A[name](layer.lora_dropout[name](x))
+    scale = layer.scaling[name]
+    if math.frexp(scale)[0] == 0.5:  # a power of two (0.5 x 2^k)
+        return F.linear(hidden, layer.lora_B[name].weight * scale)
+    return layer.lora_B[name](hidden) * scale
+
+
+def _is_4bit(layer) -> bool:
+    linear_4bit = _linear_4bit_class()
+    return linear_4bit is not None and isinstance(layer, linear_4bit)
+
+
+@functools.cache
+def _linear_4bit_class() -> Optional[type]:
+    """PEFT's LoRA layer on a bitsandbytes 4-bit base (looked up once: every layer's forward asks)."""
+    try:
+        from peft.tuners.lora.bnb import Linear4bit
+    except ImportError:  # PEFT without bitsandbytes
+        return None
+    return Linear4bit
 
 
 def lora_addmm_forward(layer, x: torch.Tensor, *args, adapter_names: Optional[list[str]] = None,
@@ -160,35 +223,41 @@ def _pefts(layer, x: torch.Tensor, *args, adapter_names=None, **kwargs) -> torch
     return type(layer).forward(layer, x, *args, **kwargs)
 
 
-def fuse_lora_layers(peft_model: torch.nn.Module) -> Counter:
+def route_lora_layers(peft_model: torch.nn.Module, fused: bool = False) -> Counter:
     """Route every LoRA linear layer of `peft_model` (on a plain or bitsandbytes 4-bit base) through
-    `lora_addmm_forward`; other LoRA layers (embeddings, 8-bit, expert parameters) keep PEFT's.
-    Returns how many layers of each kind were routed and kept, and logs it once."""
+    `lora_addmm_forward` (`fused`: `model.fused_lora`) or `lean_lora_forward`; other LoRA layers
+    (embeddings, 8-bit, expert parameters) keep PEFT's. Returns how many layers of each kind were
+    routed and kept; the fused routing logs it once."""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
 
-    kinds: list[type] = [LoraLinear]
-    try:
-        from peft.tuners.lora.bnb import Linear4bit
-        kinds.append(Linear4bit)
-    except ImportError:  # PEFT without bitsandbytes: no 4-bit layers to route
-        pass
+    kinds: list[type] = [LoraLinear, *filter(None, [_linear_4bit_class()])]
+    forward = lora_addmm_forward if fused else lean_lora_forward
     counts: Counter = Counter()
     routed = []
     for module in peft_model.modules():
         if not isinstance(module, LoraLayer):
             continue
         if type(module) in kinds:
-            module.forward = types.MethodType(lora_addmm_forward, module)  # shadows the class's forward
+            module.forward = types.MethodType(forward, module)  # shadows the class's forward
             routed.append(module)
         else:
             counts[f"PEFT's ({type(module).__name__})"] += 1
-    counts["fused"] = len(routed)
-    peft_model.__dict__[FUSED_LAYERS] = routed  # a plain list: not registered as submodules again
-    kept = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()) if kind != "fused")
-    log.info("model.fused_lora: %d LoRA layers add their adapters by one addmm in the compute dtype%s",
-             counts["fused"], f"; kept {kept}" if kept else "")
+    counts["fused" if fused else "lean"] = len(routed)
+    peft_model.__dict__[ROUTED_LAYERS] = routed  # plain lists: not registered as submodules again
+    if fused:
+        peft_model.__dict__[FUSED_LAYERS] = routed
+        kept = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()) if kind != "fused")
+        log.info("model.fused_lora: %d LoRA layers add their adapters by one addmm in the compute dtype%s",
+                 counts["fused"], f"; kept {kept}" if kept else "")
+    else:
+        peft_model.__dict__.pop(FUSED_LAYERS, None)
     return counts
+
+
+def fuse_lora_layers(peft_model: torch.nn.Module) -> Counter:
+    """Route every LoRA linear layer of `peft_model` through `lora_addmm_forward` (`route_lora_layers`)."""
+    return route_lora_layers(peft_model, fused=True)
 
 
 def fused_layers(peft_model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -198,6 +267,19 @@ def fused_layers(peft_model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def unfuse_lora_layers(peft_model: torch.nn.Module) -> None:
-    """PEFT's forward again on every layer `fuse_lora_layers` routed."""
-    for module in peft_model.__dict__.pop(FUSED_LAYERS, []):
+    """Every layer `fuse_lora_layers` routed back to the default, `lean_lora_forward`."""
+    if peft_model.__dict__.get(FUSED_LAYERS):
+        route_lora_layers(peft_model, fused=False)
+
+
+@contextlib.contextmanager
+def pefts_forward(peft_model: torch.nn.Module) -> Iterator[None]:
+    """Inside, every layer `route_lora_layers` routed runs PEFT's own forward, then the routing it had
+    (what the tests and bench/update_numerics.py compare lora_ppo's numbers with)."""
+    fused = bool(peft_model.__dict__.pop(FUSED_LAYERS, None))
+    for module in peft_model.__dict__.pop(ROUTED_LAYERS, []):
         del module.forward
+    try:
+        yield
+    finally:
+        route_lora_layers(peft_model, fused=fused)

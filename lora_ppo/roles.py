@@ -21,7 +21,7 @@ from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.logprobs import token_logprobs
 from lora_ppo.bnb_workarounds import eval_on_training_kernel
 from lora_ppo.compiled_update import CompiledLayers, layer_step
-from lora_ppo.fused_lora import adapters_cast_once, fuse_lora_layers, fused_layers
+from lora_ppo.fused_lora import adapters_cast_once, fused_layers, route_lora_layers
 from lora_ppo.library_notices import without_peft_rename_notice
 from lora_ppo.model_checks import (check_logit_path, check_packing, fused_expert_parameters, logit_path_error,
                                    logit_transform_of, probe_ids)
@@ -123,8 +123,9 @@ class Backbone:
         self.peft = peft_model
         # model.adapter_autocast: the dtype the adapters' matmuls run in (None: their own float32).
         self.autocast_dtype = numerics.autocast_dtype
-        if numerics.fused:  # model.fused_lora: after every adapter is added, so each LoRA layer exists
-            fuse_lora_layers(self.peft)
+        # PEFT's arithmetic less two passes, or model.fused_lora's: after every adapter is added, so
+        # each LoRA layer exists.
+        route_lora_layers(self.peft, fused=numerics.fused)
         # What saved adapters name as their base (adapter_config.json), so they load elsewhere:
         # the recipe's name (a builtin model's hub id), never a local cache folder.
         self.base_name = base_name

@@ -205,7 +205,7 @@ def test_update_numerics_measures_every_path_against_float32(tiny_config, tmp_pa
     otherwise round as it does (the compiled update, bit for bit in tests/test_compiled_update.py, is
     left out here: a minute of compiling)."""
     out = tmp_path / "numerics.json"
-    layouts = ["roles_together", "packing", "trim_padding_off", "checkpointing_off"]
+    layouts = ["pefts_forward", "roles_together", "packing", "trim_padding_off", "checkpointing_off"]
     paths = ["fused_lora", "adapter_autocast", *layouts]
     run_script("update_numerics.py", "--config", str(tiny_config), "--layers", "2", "--dtype", "bfloat16",
                "--rows", "4", "--prompt-tokens", "16", "--response-tokens", "16", "--rank", "4",
@@ -223,6 +223,10 @@ def test_update_numerics_measures_every_path_against_float32(tiny_config, tmp_pa
         assert all(ratio > 0 for ratio in measured[name]["bfloat16"]["vs_default"].values())
     for name in layouts:
         assert set(measured[name]["bfloat16"]["vs_default"].values()) == {1.0}, name
+    for dtype in ("float32", "bfloat16"):  # PEFT's own forward: lora_ppo's numbers, bit for bit
+        pefts, default = measured["pefts_forward"][dtype], measured["default"][dtype]
+        keys = ("logprob_mean_diff", "policy_grad_rel", "value_grad_rel", "policy_loss", "value_loss")
+        assert {k: pefts[k] for k in keys} == {k: default[k] for k in keys}
     assert "float32" not in measured["adapter_autocast"]
 
 

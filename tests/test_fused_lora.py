@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lora_ppo
 from lora_ppo.alarms import LOGPROB_TOLERANCE
 from lora_ppo.config import recipe_from_dict
-from lora_ppo.fused_lora import CAST_COPIES, fuse_lora_layers, unfuse_lora_layers
+from lora_ppo.fused_lora import CAST_COPIES, fuse_lora_layers, pefts_forward, unfuse_lora_layers
 from lora_ppo.quantization import AdapterNumerics
 from lora_ppo.roles import POLICY, REFERENCE, VALUE
 from lora_ppo.rollout import score_passes
@@ -24,8 +24,8 @@ from tests.conftest import forward_and_grads, prompt_and_random_response, tiny_r
 
 def both_ways(roles, tokenizer, role):
     """`forward_and_grads` with PEFT's forward, then with the fused one, on the same weights."""
-    unfuse_lora_layers(roles.peft)
-    peft = forward_and_grads(roles, tokenizer, role)
+    with pefts_forward(roles.peft):
+        peft = forward_and_grads(roles, tokenizer, role)
     fuse_lora_layers(roles.peft)
     try:
         return peft, forward_and_grads(roles, tokenizer, role)
@@ -114,8 +114,8 @@ def float32_saved_inside_lora_layers(roles, tokenizer) -> tuple[int, int]:
 
 def test_bfloat16_keeps_no_float32_copies_of_activations(make_roles, tiny_tokenizer):
     roles = make_roles(seed=0, scale=0.5, perturbed=(POLICY,), compute_dtype="bfloat16")
-    unfuse_lora_layers(roles.peft)
-    peft_saved, by_hand = float32_saved_inside_lora_layers(roles, tiny_tokenizer)
+    with pefts_forward(roles.peft):
+        peft_saved, by_hand = float32_saved_inside_lora_layers(roles, tiny_tokenizer)
     assert peft_saved == by_hand > 0  # what is counted is what PEFT's path keeps
     fuse_lora_layers(roles.peft)
     try:
@@ -259,8 +259,8 @@ def test_lora_dropout_draws_pefts_masks(tiny_model_dir, caplog):
 
     fused = dropped(0)
     assert not torch.equal(fused, dropped(1))  # dropout acts
-    unfuse_lora_layers(model.peft)
-    torch.testing.assert_close(fused, dropped(0), rtol=1e-5, atol=1e-5)
+    with pefts_forward(model.peft):
+        torch.testing.assert_close(fused, dropped(0), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
