@@ -289,16 +289,23 @@ def load_adapters(folder: Path, model: Backbone, names: tuple[str, ...]) -> None
 log = logging.getLogger(__name__)
 
 
-def open_run(recipe: Recipe | RewardRecipe, resume: Optional[str | Path],
-             check_taken: bool = True) -> tuple[RunDir, Optional[Path]]:
+def open_run(recipe: Recipe | RewardRecipe, resume: Optional[str | Path], check_taken: bool = True,
+             processes: int = 1) -> tuple[RunDir, Optional[Path]]:
     """The run folder of a new or resumed run, and the checkpoint to resume from: a new run
     refuses a folder another run wrote to (unless train.overwrite; `check_taken` False: the
-    process that does not write leaves it to the one that does), a resumed one checks its recipe."""
+    process that does not write leaves it to the one that does), a resumed one checks its recipe
+    and the number of `processes` that wrote the checkpoint, before the model loads."""
     run = RunDir(recipe.train.output_dir)
     if check_taken:
         run.check_writable()
     if resume is not None:
         folder = resolve_resume(run, resume, recipe)
+        try:
+            manifest = read_manifest(folder)
+        except (OSError, ValueError):
+            manifest = None  # unreadable: `load` says so (and `--resume auto` goes back past it)
+        if manifest is not None:
+            check_processes(folder, manifest, processes)
         if check_taken and not run.same_folder(run_of(folder, run)):
             run.refuse_if_taken(recipe.train.overwrite)  # continued in a new folder: as a new run's
         return run, folder

@@ -138,16 +138,13 @@ def _launch(cfg, num_processes: int, resume: Optional[str], command: list[str]) 
     """Check what can be checked here, then run `lora-ppo train <command>` in `num_processes`
     processes with accelerate's launcher (torchrun underneath), in this process, and exit as they
     did: 0, the first failed process's exit code (a signal: 1), or 130 after Ctrl-C."""
-    from lora_ppo.checkpoint import check_processes, open_run
+    from lora_ppo.checkpoint import open_run
     from lora_ppo.distributed import launch
-    from lora_ppo.run_dir import read_manifest
     from lora_ppo.trainer import check_splits
 
     try:
         check_splits(cfg, num_processes)
-        _, folder = open_run(cfg, resume)
-        if folder is not None:
-            check_processes(folder, read_manifest(folder), num_processes)
+        open_run(cfg, resume, processes=num_processes)
     except RecipeError as err:
         _fail(str(err))
     code, message = launch(["-m", "lora_ppo", "train", *command], num_processes)

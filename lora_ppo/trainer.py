@@ -74,7 +74,8 @@ class PPOTrainer:
         self.recipe_yaml = recipe_to_yaml(recipe)
         check_splits(recipe, self.world.size)
         self.progress = progress and self.world.is_main
-        self.run, self.resume_from = checkpoint.open_run(recipe, resume, check_taken=self.world.is_main)
+        self.run, self.resume_from = checkpoint.open_run(recipe, resume, check_taken=self.world.is_main,
+                                                         processes=self.world.size)
         check_installed(recipe.train.report_to)  # before minutes of loading
         self.parts = build(recipe, reward_fn)
         stage_embeddings_as_planned(self.roles.peft, recipe, self.world.size)

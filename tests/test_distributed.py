@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 from pathlib import Path
 
 import pytest
@@ -190,7 +191,7 @@ def test_a_killed_process_fails_the_run_and_its_last_checkpoint_resumes(tmp_path
 
     out = tmp_path / "run"
     path = write(tmp_path / "recipe.yaml", tiny_recipe_dict(
-        tiny_model_dir, out, rollout={"max_new_tokens": 12}, train={"steps": 8, "save_every": 1, "eval": False}))
+        tiny_model_dir, out, rollout={"max_new_tokens": 12}, train={"steps": 4, "save_every": 1, "eval": False}))
     hook, marker = tmp_path / "hook", tmp_path / "in-step-3"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(HOLD_RANK_1_IN_STEP_3, encoding="utf-8")
@@ -225,7 +226,7 @@ def test_a_killed_process_fails_the_run_and_its_last_checkpoint_resumes(tmp_path
     assert "Traceback" not in refused.stderr
     resumed = lora_ppo("train", str(path), "--resume", "auto", "--num-processes", "2")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert [m["step"] for m in metrics(out)] == list(range(1, 9))
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
 
 
 def test_a_batch_that_does_not_split_is_refused_before_launching(tmp_path, tiny_model_dir):
@@ -249,10 +250,9 @@ def test_train_reward_refuses_to_run_in_several_processes(monkeypatch, tmp_path)
     assert result.output.strip() == "error: train-reward runs in one process; it was launched in 2"
 
 
-def test_a_checkpoint_of_one_process_is_refused_before_launching_two(tmp_path, tiny_model_dir):
-    from typer.testing import CliRunner
-
-    from lora_ppo.cli import app
+def fake_run_with_checkpoint(tmp_path: Path, tiny_model_dir, processes: Optional[int]) -> tuple[Path, Path]:
+    """A run folder with a recipe and one complete checkpoint's manifest, written by `processes`
+    (None: the key left out, as one process writes it): the recipe's path and the checkpoint."""
     from lora_ppo.config import Recipe, recipe_to_yaml
 
     recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "run")
@@ -260,8 +260,37 @@ def test_a_checkpoint_of_one_process_is_refused_before_launching_two(tmp_path, t
     step = tmp_path / "run" / "checkpoints" / "step-1"
     step.mkdir(parents=True)
     (tmp_path / "run" / "recipe.yaml").write_text(recipe_to_yaml(Recipe(**recipe)), encoding="utf-8")
-    (step / "manifest.json").write_text(json.dumps({"format": 3, "step": 1}), encoding="utf-8")  # 1 process
+    manifest = {"format": 3, "step": 1, **({} if processes is None else {"processes": processes})}
+    (step / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    return path, step
+
+
+def test_a_checkpoint_of_one_process_is_refused_before_launching_two(tmp_path, tiny_model_dir):
+    from typer.testing import CliRunner
+
+    from lora_ppo.cli import app
+
+    path, step = fake_run_with_checkpoint(tmp_path, tiny_model_dir, None)
     result = CliRunner().invoke(app, ["train", str(path), "--resume", "auto", "--num-processes", "2"])
     assert result.exit_code == 2
     assert result.output.strip() == (f"error: --resume: checkpoint {step} was written by 1 process(es) and resumes "
                                      "exactly only with as many (--num-processes 1); this run has 2")
+
+
+def test_a_checkpoint_of_two_processes_is_refused_in_one_before_the_model_loads(tmp_path, tiny_model_dir,
+                                                                               monkeypatch):
+    """An 8B model takes minutes to load: the refusal comes first."""
+    from typer.testing import CliRunner
+
+    from lora_ppo import trainer
+    from lora_ppo.cli import app
+
+    def loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the checkpoint was refused")
+
+    monkeypatch.setattr(trainer, "build", loading)
+    path, step = fake_run_with_checkpoint(tmp_path, tiny_model_dir, 2)
+    result = CliRunner().invoke(app, ["train", str(path), "--resume", "auto"])
+    assert result.exit_code == 2
+    assert result.output.strip() == (f"error: --resume: checkpoint {step} was written by 2 process(es) and resumes "
+                                     "exactly only with as many (--num-processes 2); this run has 1")
