@@ -127,16 +127,16 @@ class AdapterTrainer:
         t0 = time.perf_counter()
         checkpoint.start_run_folder(self.run, self.recipe_yaml, self.resume_from, (self.state.metrics_lines, 0))
         self.before_training()
-        if self.state.eval_before is None:  # a resumed run keeps the evaluation its first part made
-            self.state.eval_before = self.evaluate()
-            self.write_samples(self.run.eval_before)
-        trackers = None
-        if self.recipe.train.report_to:
+        trackers, bar = None, None
+        if self.recipe.train.report_to:  # before the held-out evaluation: a tracker not logged in fails now
             trackers = Trackers(self.recipe.train.report_to, self.run.root, self.run.root.name)
             trackers.start(self.recipe.model_dump(mode="json"))
-        bar = tqdm(total=self.total_steps, initial=self.state.step, desc=self.label, disable=not self.progress,
-                   dynamic_ncols=True, file=sys.stderr)
         try:
+            if self.state.eval_before is None:  # a resumed run keeps the evaluation its first part made
+                self.state.eval_before = self.evaluate()
+                self.write_samples(self.run.eval_before)
+            bar = tqdm(total=self.total_steps, initial=self.state.step, desc=self.label, disable=not self.progress,
+                       dynamic_ncols=True, file=sys.stderr)
             with stop_on_signals() as stop:
                 while self.state.step < self.total_steps:
                     self._one_step(bar, trackers)
@@ -145,7 +145,8 @@ class AdapterTrainer:
                         print(f"interrupted at step {self.state.step}: checkpoint saved to {folder}", file=sys.stderr)
                         raise KeyboardInterrupt
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
             if trackers is not None:
                 trackers.finish()
         self.save_checkpoint(self.run.final)

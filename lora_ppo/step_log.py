@@ -23,7 +23,8 @@ TURN_LIMIT_WARN_FRAC = 0.5  # "most episodes" cut by rollout.max_turns at the fi
 
 
 class StepLog:
-    """The log of one run's steps, from `open` (after the run folder is ready) to `close`."""
+    """The log of one run's steps, from `start_trackers` and `open` (after the run folder is ready) to
+    `close`."""
 
     def __init__(self, recipe: Recipe, run: RunDir, progress: bool, side_metrics: tuple[str, ...], dtype: str):
         self.recipe, self.run, self.progress = recipe, run, progress
@@ -32,14 +33,18 @@ class StepLog:
         self.trackers: Optional[Trackers] = None
         self.bar = None
 
-    def open(self, state: TrainState) -> None:
-        """Start the trackers and the bar; a resumed run's alarms look back over its earlier steps."""
-        from tqdm.auto import tqdm
-
-        self.history = read_jsonl(self.run.metrics)[-HISTORY:]
+    def start_trackers(self) -> None:
+        """Start the trackers (before the held-out evaluation: one that cannot start, not logged in,
+        stops the run before minutes of evaluating)."""
         if self.recipe.train.report_to:
             self.trackers = Trackers(self.recipe.train.report_to, self.run.root, self.run.root.name)
             self.trackers.start(self.recipe.model_dump(mode="json"))
+
+    def open(self, state: TrainState) -> None:
+        """Start the bar; a resumed run's alarms look back over its earlier steps."""
+        from tqdm.auto import tqdm
+
+        self.history = read_jsonl(self.run.metrics)[-HISTORY:]
         self.bar = tqdm(total=self.recipe.train.steps, initial=state.step, desc="PPO", disable=not self.progress,
                         dynamic_ncols=True, file=sys.stderr)
 

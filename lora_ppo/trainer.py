@@ -124,12 +124,14 @@ class PPOTrainer:
         dropped = count_summary(self.parts.train_prompts)
         if dropped and main:
             log.warning("dropped prompts from %s: %s", r.data.source, dropped)
-        if state.eval_before is None:
-            # A resumed run reuses the evaluation its first part made, so its summary matches.
-            state.eval_before = self.evaluate(self.run.eval_before)
         if main:
-            self.step_log.open(state)
+            self.step_log.start_trackers()
         try:
+            if state.eval_before is None:
+                # A resumed run reuses the evaluation its first part made, so its summary matches.
+                state.eval_before = self.evaluate(self.run.eval_before)
+            if main:
+                self.step_log.open(state)
             last_rollout = None
             with stop_on_signals(announce=main) as stop:
                 while state.step < r.train.steps:

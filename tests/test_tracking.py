@@ -126,6 +126,37 @@ def test_a_tracker_not_installed_is_a_one_line_error(tmp_path, tiny_model_dir, m
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize("stage", ["train", "train-sft"])
+def test_a_tracker_that_cannot_start_stops_the_run_before_the_held_out_evaluation(stage, tmp_path, tiny_model_dir,
+                                                                                  monkeypatch):
+    """W&B not logged in: one line and exit 2 before the held-out evaluation, which on a large model
+    takes minutes (it came after it until 2026-11-29)."""
+    from accelerate.tracking import WandBTracker
+
+    from lora_ppo.sft.trainer import SFTTrainer
+    from lora_ppo.trainer import PPOTrainer
+    from tests.sft_helpers import demonstration_rows, sft_recipe_dict, write_jsonl
+
+    def not_logged_in(self):
+        raise RuntimeError("No API key configured. Use `wandb login` to log in.")
+
+    evaluated = []
+    monkeypatch.setattr(WandBTracker, "start", not_logged_in)
+    for trainer in (PPOTrainer, SFTTrainer):
+        monkeypatch.setattr(trainer, "evaluate", lambda self, *args: evaluated.append(type(self).__name__))
+    if stage == "train":
+        recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "run", train={"report_to": ["wandb"]})
+    else:
+        data = write_jsonl(tmp_path / "demos.jsonl", demonstration_rows(8))
+        recipe = sft_recipe_dict(tiny_model_dir, data, data, tmp_path / "run", report_to=["wandb"])
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    result = CliRunner().invoke(app, [stage, str(tmp_path / "r.yaml"), "--no-progress"])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines()[-1] == ("error: train.report_to: wandb did not start: No API key configured. "
+                                              "Use `wandb login` to log in.")
+    assert evaluated == []
+
+
 def test_unknown_tracker_names_the_choices(tmp_path, tiny_model_dir):
     recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "run", train={"report_to": ["mlflow"]})
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
