@@ -89,6 +89,7 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
     if not recipe.adapters.reference_enabled:
         log.warning("adapters.reference is 'none': no KL penalty; the policy may drift far from the base model")
     reward_adapter = None if reward_fn is not None else recipe.reward.adapter_path
+    RoleModel.adapter_starts(recipe.adapters, reward_adapter)  # the adapter folders too: a typo fails fast
     with quiet_loading():  # the Python API shows what the CLI shows: no loading bar or kernel notice
         roles = RoleModel(load_base_model(recipe.model), recipe.adapters, with_value=recipe.uses_critic,
                           reward_adapter=reward_adapter, base_name=portable_name(recipe.model.name),

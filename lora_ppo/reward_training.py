@@ -69,6 +69,7 @@ class RewardTrainer(AdapterTrainer):
         recipe = self.recipe
         # Data before weights: a bad dataset fails in seconds.
         self.train_pairs, self.eval_pairs = load_preference_sets(recipe.data, self.tokenizer, recipe.train.seed)
+        RewardModel.start_folder(recipe.adapter)  # and the adapter it starts from
         model = RewardModel(load_base_model(recipe.model), recipe.adapter, portable_name(recipe.model.name),
                             adapter_numerics(recipe.model))
         self.start_training(model, model.parameters(), self.train_pairs.pairs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Literal, Optional, Sequence, Union
 
@@ -287,6 +288,18 @@ class Backbone:
         head.load_state_dict({k: v.to(head.weight.dtype) for k, v in state.items()})
 
 
+@dataclass(frozen=True)
+class AdapterStarts:
+    """What each role of a `RoleModel` starts from: an adapter folder, or None for a fresh adapter
+    (the reference: the base model, adapters disabled)."""
+
+    policy: Optional[str]
+    value: Optional[str]
+    value_head: Optional[Path]  # the value head's weights, beside the value adapter's folder
+    reference: Optional[str]
+    reward: Optional[str]  # a reward adapter's folder (reward.kind: adapter)
+
+
 class RoleModel(Backbone):
     """One base model carrying every PPO role.
 
@@ -305,23 +318,21 @@ class RoleModel(Backbone):
         from peft import PeftModel, get_peft_model
 
         all_linear = linear_targets(base_model)
-        if reward_adapter:
-            reward_adapter = adapter_folder(reward_adapter, "reward.adapter", (REWARD,), REWARD_HEAD_FILE)
-        if adapters.policy.init_from:
-            start = adapter_folder(adapters.policy.init_from, "adapters.policy.init_from")
-            peft = PeftModel.from_pretrained(base_model, start, adapter_name=POLICY, is_trainable=True)
+        starts = self.adapter_starts(adapters, reward_adapter)
+        reward_adapter = starts.reward
+        if starts.policy:
+            peft = PeftModel.from_pretrained(base_model, starts.policy, adapter_name=POLICY, is_trainable=True)
         else:
             peft = get_peft_model(base_model, lora_config(adapters.policy, all_linear=all_linear), adapter_name=POLICY)
         self.has_value = with_value
-        value_from, value_head_from = self._value_start(adapters.value.init_from, reward_adapter)
+        value_from, value_head_from = starts.value, starts.value_head
         if with_value and value_from:
             peft.load_adapter(value_from, adapter_name=VALUE, is_trainable=True)
         elif with_value:
             peft.add_adapter(VALUE, lora_config(adapters.value, all_linear=all_linear))
         # The reference is either the bare base (adapters disabled) or a frozen adapter of its own,
         # e.g. the SFT adapter the policy started from: then the policy trains a copy of it.
-        reference = adapters.reference_adapter_path
-        self.reference_adapter: Optional[str] = adapter_folder(reference, "adapters.reference") if reference else None
+        self.reference_adapter: Optional[str] = starts.reference
         if self.reference_adapter:
             peft.load_adapter(self.reference_adapter, adapter_name=REFERENCE, is_trainable=False)
         self.reward_adapter = reward_adapter
@@ -374,6 +385,19 @@ class RoleModel(Backbone):
             for p in self.peft.parameters():
                 p.grad = None
         return True
+
+    @classmethod
+    def adapter_starts(cls, adapters: AdaptersConfig, reward_adapter: Optional[str]) -> AdapterStarts:
+        """The adapter folders the roles load, from the recipe's paths (RecipeError naming the field
+        when one holds no adapter). Only the file system is read: `parts.build` asks before the base
+        model's weights load, which takes minutes for a large model."""
+        reward = adapter_folder(reward_adapter, "reward.adapter", (REWARD,), REWARD_HEAD_FILE) if reward_adapter else None
+        policy = adapters.policy.init_from
+        policy = adapter_folder(policy, "adapters.policy.init_from") if policy else None
+        value, value_head = cls._value_start(adapters.value.init_from, reward)
+        reference = adapters.reference_adapter_path
+        reference = adapter_folder(reference, "adapters.reference") if reference else None
+        return AdapterStarts(policy, value, value_head, reference, reward)
 
     @staticmethod
     def _value_start(init_from: Optional[str], reward_adapter: Optional[str]) -> tuple[Optional[str], Optional[Path]]:
@@ -553,12 +577,21 @@ class SingleAdapterModel(Backbone):
     `train-sft`): fresh, or started from `settings.init_from` (an adapter folder, or a run or
     checkpoint folder holding one of the adapters `start_from`)."""
 
+    # The adapters of a run or checkpoint folder that `adapter.init_from` may name, the first found taken.
+    start_from: tuple[str, ...] = (POLICY,)
+
+    @classmethod
+    def start_folder(cls, settings: LoraSettings) -> Optional[str]:
+        """The adapter folder `settings.init_from` names (None: a fresh adapter); RecipeError when it
+        holds none. Only the file system is read: the stages ask before the base model's weights load."""
+        return adapter_folder(settings.init_from, "adapter.init_from", cls.start_from) if settings.init_from else None
+
     @without_peft_rename_notice
-    def __init__(self, base_model, settings: LoraSettings, adapter_name: str, start_from: Sequence[str],
-                 base_name: Optional[str] = None, dropout: float = 0.0, numerics: AdapterNumerics = AdapterNumerics()):
+    def __init__(self, base_model, settings: LoraSettings, adapter_name: str, base_name: Optional[str] = None,
+                 dropout: float = 0.0, numerics: AdapterNumerics = AdapterNumerics()):
         from peft import PeftModel, get_peft_model
 
-        self.start = adapter_folder(settings.init_from, "adapter.init_from", start_from) if settings.init_from else None
+        self.start = self.start_folder(settings)
         if self.start:
             peft = PeftModel.from_pretrained(base_model, self.start, adapter_name=adapter_name, is_trainable=True)
         else:
@@ -580,10 +613,11 @@ class RewardModel(SingleAdapterModel):
     """The backbone with one trainable reward adapter and its scalar head, for pairwise reward
     training (`lora-ppo train-reward`). Its saved folder is what `reward.kind: adapter` loads."""
 
+    start_from = (REWARD, POLICY)  # a reward adapter, or the policy (an SFT run's)
+
     def __init__(self, base_model, settings: RewardAdapterSettings, base_name: Optional[str] = None,
                  numerics: AdapterNumerics = AdapterNumerics()):
-        # A reward model may start from a reward adapter, or from the policy (an SFT run's).
-        super().__init__(base_model, settings, REWARD, (REWARD, POLICY), base_name, settings.dropout, numerics)
+        super().__init__(base_model, settings, REWARD, base_name, settings.dropout, numerics)
         head_file = Path(self.start) / REWARD_HEAD_FILE if self.start else None
         self.make_head(REWARD, head_file if head_file is not None and head_file.is_file() else None)
 

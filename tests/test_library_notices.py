@@ -30,7 +30,7 @@ def test_wrapping_the_model_with_peft_raises_no_deprecation_notice(tiny_model_di
         if stage == "ppo":
             RoleModel(base, AdaptersConfig(policy={"r": 4, "alpha": 8}, value={"r": 4, "alpha": 8}))
         elif stage == "sft":  # SFTModel's own wrapping is SingleAdapterModel's
-            SingleAdapterModel(base, LoraSettings(r=4, alpha=8), POLICY, (POLICY,))
+            SingleAdapterModel(base, LoraSettings(r=4, alpha=8), POLICY)
         else:
             RewardModel(base, RewardAdapterSettings(r=4, alpha=8))
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from lora_ppo.cli import app
 from lora_ppo.config import ModelConfig
 from lora_ppo.model import load_base_model
-from tests.conftest import write_recipe
+from tests.conftest import tiny_recipe_dict, write_recipe
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or torch.cuda.is_available(), reason="reads /proc/self/maps on CPU")
@@ -92,6 +92,48 @@ def test_prompt_and_response_longer_than_the_context_are_refused_before_loading(
     assert result.exit_code == 2
     assert result.stderr.strip() == ("error: rollout.max_new_tokens: prompts of up to 200 tokens "
                                      "(data.max_prompt_tokens) plus 100 new ones exceed the model's context of 256 tokens")
+
+
+@pytest.mark.parametrize("stage, field", [
+    ("train", "adapters.policy.init_from"), ("train", "adapters.value.init_from"), ("train", "adapters.reference"),
+    ("train", "reward.adapter"), ("train-sft", "adapter.init_from"), ("train-reward", "adapter.init_from")])
+def test_an_adapter_folder_that_holds_no_adapter_is_refused_before_the_model_loads(tmp_path, tiny_model_dir,
+                                                                                  monkeypatch, stage, field):
+    """A typo in an adapter's path: one line, before the weights (minutes for a large model) load."""
+    import yaml
+
+    from lora_ppo import parts, reward_training
+    from lora_ppo.sft import trainer as sft_trainer
+    from tests.sft_helpers import demonstration_rows, sft_recipe_dict, write_jsonl
+    from tests.test_reward_training import preference_rows, reward_recipe_dict
+
+    def loading(*args, **kwargs):
+        raise AssertionError("the base model loaded before the adapter folder was checked")
+
+    for module in (parts, sft_trainer, reward_training):
+        monkeypatch.setattr(module, "load_base_model", loading)
+    missing = tmp_path / "no-adapter-here"
+    missing.mkdir()
+    if stage == "train":
+        recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "run")
+        if field == "reward.adapter":
+            recipe["reward"] = {"kind": "adapter", "adapter": str(missing)}
+        else:
+            section, role, *key = field.split(".")
+            recipe[section][role] = {**recipe[section].get(role, {}), key[0]: str(missing)} if key else str(missing)
+    elif stage == "train-sft":
+        data = write_jsonl(tmp_path / "demos.jsonl", demonstration_rows(8))
+        recipe = sft_recipe_dict(tiny_model_dir, data, data, tmp_path / "run")
+        recipe["adapter"]["init_from"] = str(missing)
+    else:
+        data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(16))
+        recipe = reward_recipe_dict(tiny_model_dir, data, data, tmp_path / "run")
+        recipe["adapter"]["init_from"] = str(missing)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    result = CliRunner().invoke(app, [stage, str(tmp_path / "r.yaml"), "--no-progress"])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        f"error: {field}: {str(missing)!r} is not a PEFT adapter folder (no adapter_config.json)"]
 
 
 @pytest.mark.parametrize("quantization, dtype", [("4bit", "float32"), ("4bit", "bfloat16"), ("8bit", "float32")])

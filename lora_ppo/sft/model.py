@@ -21,7 +21,7 @@ class SFTModel(SingleAdapterModel):
 
     def __init__(self, base_model, settings: SFTAdapterSettings, base_name: Optional[str] = None,
                  numerics: AdapterNumerics = AdapterNumerics()):
-        super().__init__(base_model, settings, POLICY, (POLICY,), base_name, settings.dropout, numerics)
+        super().__init__(base_model, settings, POLICY, base_name, settings.dropout, numerics)
 
     def target_logprobs(self, batch: Batch) -> torch.Tensor:
         """log p(token | tokens before it in its row) of every target token, [N] float32 in the

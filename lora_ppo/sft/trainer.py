@@ -59,6 +59,7 @@ class SFTTrainer(AdapterTrainer):
         check_row_length(recipe.model, recipe.data.max_length, "data.max_length")
         # Data before weights: a bad dataset fails in seconds.
         self.train_rows, self.eval_rows = load_sft_sets(recipe.data, recipe.sft, self.tokenizer, recipe.train.seed)
+        SFTModel.start_folder(recipe.adapter)  # and the adapter it starts from
         model = SFTModel(load_base_model(recipe.model), recipe.adapter, portable_name(recipe.model.name),
                          adapter_numerics(recipe.model))
         if recipe.sft.packing:
