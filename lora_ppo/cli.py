@@ -13,7 +13,33 @@ import typer
 
 from lora_ppo.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, RecipeError, first_line, user_frames
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="RLHF with PPO on one 4-bit backbone.")
+
+class _Commands(typer.core.TyperGroup):
+    """The `lora-ppo` commands, whose usage errors (an unknown command or option, a value that does
+    not parse, a missing argument) are one line and exit 2, as every other bad input, where typer
+    draws a box under the usage."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode or not (sys.argv[1:] if args is None else args):  # no arguments: the help
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _CLICK_ERROR as err:  # not standalone, click's own errors come here
+            usage = isinstance(err, _USAGE_ERROR) and err.ctx is not None
+            typer.echo("error: " + first_line(err.format_message()) +
+                       (f" ({err.ctx.command_path} --help)" if usage else ""), err=True)
+            sys.exit(err.exit_code)
+        except typer.Abort:
+            typer.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)  # not standalone, an Exit's code comes back
+
+
+# typer's click (vendored in typer 0.2x, click itself before): BadParameter derives from its UsageError.
+_USAGE_ERROR = typer.BadParameter.__mro__[1]
+_CLICK_ERROR = _USAGE_ERROR.__mro__[1]
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="RLHF with PPO on one 4-bit backbone.",
+                  cls=_Commands)
 
 
 def _fail(message: str, code: int = EXIT_BAD_INPUT, frames: str = "") -> None:

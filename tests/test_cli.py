@@ -143,6 +143,26 @@ def test_version():
     assert result.exit_code == 0 and result.stdout.strip() == f"lora-ppo {__version__}"
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["trian", "r.yaml"], "error: No such command 'trian'. Did you mean 'train'? (lora-ppo --help)"),
+    (["train"], "error: Missing argument 'recipe'. (lora-ppo train --help)"),
+    (["train", "r.yaml", "--no-progres"],
+     "error: No such option: --no-progres (Possible options: --no-progress, --num-processes) (lora-ppo train --help)"),
+    (["estimate", "r.yaml", "--gpu-gb", "twelve"], "error: Invalid value for '--gpu-gb': "),
+])
+def test_a_command_line_that_does_not_parse_is_one_line_and_exit_2(args, expected):
+    """As every other bad input, where typer draws a box of five lines under the usage."""
+    result = runner.invoke(app, args, prog_name="lora-ppo")
+    assert result.exit_code == 2
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith(expected), result.stderr
+    assert result.stdout == ""
+
+
+def test_no_arguments_show_the_commands():
+    result = runner.invoke(app, [])
+    assert "train-sft" in result.stdout and "merge-and-export" in result.stdout
+
+
 def test_misspelt_override_suggests_the_field(tmp_path):
     result = runner.invoke(app, ["validate", str(REPO / "recipes" / "quickstart.yaml"), "train.stpes=3"])
     assert result.exit_code == 2
