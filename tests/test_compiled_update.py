@@ -43,29 +43,33 @@ def updated(roles, rollout, compiled, checkpointing: bool = True,
 
 
 @pytest.mark.parametrize("checkpointing, together, fused, packing",
-                         [(True, False, False, False), (False, False, False, False), (True, True, False, False),
-                          (True, False, True, False), (True, False, False, True)],
-                         ids=["checkpointing", "no-checkpointing", "roles-together", "fused-lora", "packing"])
+                         [((True, False), False, False, False), ((True,), True, False, False),
+                          ((True,), False, True, False), ((True,), False, False, True)],
+                         ids=["checkpointing-then-not", "roles-together", "fused-lora", "packing"])
 def test_a_compiled_bfloat16_update_is_eagers_bit_for_bit(make_roles, tiny_tokenizer, checkpointing, together, fused,
                                                          packing):
-    eager_roles, compiled_roles = bf16_roles(make_roles), bf16_roles(make_roles)
-    if fused:  # model.fused_lora: its layers compile too
-        fuse_lora_layers(eager_roles.peft)
-        fuse_lora_layers(compiled_roles.peft)
-    rollout = rollout_for_update(eager_roles, tiny_tokenizer)
-    eager_stats, eager_weights = updated(eager_roles, rollout, None, checkpointing, together, packing)
+    """Each layout of the update, compiled, against eager. Checkpointing is eager, around the compiled
+    layer: an update without it runs on the graphs compiled with it (`checkpointing` in turn, on the
+    same compiled layers)."""
     torch._dynamo.reset()  # graphs compiled by an earlier test would be reused, and not counted here
     compiled = CompiledLayers()
-    compiled_stats, compiled_weights = updated(compiled_roles, rollout, compiled, checkpointing, together, packing)
-    assert compiled.disabled is None
-    # One graph per pass (a role, or both together), the first layer's included, whatever the
-    # micro-batches' widths. The first micro-batch, trimmed, is 16 tokens wide, as wide as an attention
-    # head: Dynamo's duck shaping gave that width graphs of its own (8 here, where the first layer
-    # compiled apart too).
-    assert compiled.graphs == (1 if together else 2)
-    assert compiled_stats == eager_stats  # losses, ratios, entropy, grad norms, the logprob self-check
-    for eager, compiled_weight in zip(eager_weights, compiled_weights):
-        assert torch.equal(eager, compiled_weight)
+    for each in checkpointing:
+        eager_roles, compiled_roles = bf16_roles(make_roles), bf16_roles(make_roles)
+        if fused:  # model.fused_lora: its layers compile too
+            fuse_lora_layers(eager_roles.peft)
+            fuse_lora_layers(compiled_roles.peft)
+        rollout = rollout_for_update(eager_roles, tiny_tokenizer)
+        eager_stats, eager_weights = updated(eager_roles, rollout, None, each, together, packing)
+        compiled_stats, compiled_weights = updated(compiled_roles, rollout, compiled, each, together, packing)
+        assert compiled.disabled is None
+        # One graph per pass (a role, or both together), the first layer's included, whatever the
+        # micro-batches' widths. The first micro-batch, trimmed, is 16 tokens wide, as wide as an attention
+        # head: Dynamo's duck shaping gave that width graphs of its own (8 here, where the first layer
+        # compiled apart too).
+        assert compiled.graphs == (1 if together else 2)
+        assert compiled_stats == eager_stats  # losses, ratios, entropy, grad norms, the logprob self-check
+        for eager, compiled_weight in zip(eager_weights, compiled_weights):
+            assert torch.equal(eager, compiled_weight)
 
 
 def test_the_compiled_update_holds_no_more_memory_than_eagers(make_roles, tiny_tokenizer):
