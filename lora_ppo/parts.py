@@ -20,7 +20,7 @@ from lora_ppo.data import PromptRow, PromptSet, load_prompt_sets
 from lora_ppo.model import check_context, dequantized_once, load_base_model, load_tokenizer
 from lora_ppo.optimizers import adamw
 from lora_ppo.quantization import adapter_numerics, compute_dtype
-from lora_ppo.rewards import RewardSources, build_reward_sources, check_reward_columns
+from lora_ppo.rewards import RewardSources, build_reward_sources, check_classifiers, check_reward_columns
 from lora_ppo.evaluation import Evaluation, evaluate
 from lora_ppo.library_notices import quiet_loading
 from lora_ppo.roles import RoleModel
@@ -90,6 +90,8 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
         log.warning("adapters.reference is 'none': no KL penalty; the policy may drift far from the base model")
     reward_adapter = None if reward_fn is not None else recipe.reward.adapter_path
     RoleModel.adapter_starts(recipe.adapters, reward_adapter)  # the adapter folders too: a typo fails fast
+    if reward_fn is None:
+        check_classifiers(recipe.reward, recipe.model)  # and a reward classifier's name
     with quiet_loading():  # the Python API shows what the CLI shows: no loading bar or kernel notice
         roles = RoleModel(load_base_model(recipe.model), recipe.adapters, with_value=recipe.uses_critic,
                           reward_adapter=reward_adapter, base_name=portable_name(recipe.model.name),

@@ -214,6 +214,30 @@ def classifier_head_modules(name: str, trust_remote_code: bool = False) -> list[
     return modules_kept_unquantized(model)
 
 
+def _not_a_classifier(name: str, err: Exception) -> RecipeError:
+    return RecipeError(f"reward.model: cannot load a sequence classifier from {name!r}: {first_line(err)}")
+
+
+def check_classifiers(cfg: RewardConfig, policy_model: ModelConfig) -> None:
+    """Each classifier source's tokenizer and config, read before the policy's weights load, which
+    takes minutes for a large model: a wrong name fails in seconds, with the line loading it would
+    give (and, quantized, a model that is no sequence classifier: its head is found on the meta
+    device, as `ClassifierReward` finds it)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    trust = policy_model.trust_remote_code
+    for source in cfg.source_list():
+        if source.kind != "classifier":
+            continue
+        try:
+            AutoTokenizer.from_pretrained(source.model, trust_remote_code=trust)
+            AutoConfig.from_pretrained(source.model, trust_remote_code=trust)
+            if (source.quantization or policy_model.quantization) != "none":
+                classifier_head_modules(source.model, trust)
+        except (OSError, ValueError) as err:
+            raise _not_a_classifier(source.model, err) from None
+
+
 class ClassifierReward:
     """Score completions with a sequence classifier (a reward model) that has its own tokenizer.
     With a chat template, it scores the conversation (the dataset's prompt as the user turn(s), the
@@ -243,7 +267,7 @@ class ClassifierReward:
                 device_map=device_map(),
             )
         except (OSError, ValueError, SafetensorError) as err:
-            raise RecipeError(f"reward.model: cannot load a sequence classifier from {cfg.model!r}: {first_line(err)}") from None
+            raise _not_a_classifier(cfg.model, err) from None
         compute_in(self.model, compute_dtype(settings), cfg.model, "reward.dtype")
         # bitsandbytes' CPU inference repacking (AVX512-BF16 hosts) breaks on layers narrower than its
         # block size and rounds differently: the classifier stays on the kernel the policy uses.

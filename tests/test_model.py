@@ -96,10 +96,12 @@ def test_prompt_and_response_longer_than_the_context_are_refused_before_loading(
 
 @pytest.mark.parametrize("stage, field", [
     ("train", "adapters.policy.init_from"), ("train", "adapters.value.init_from"), ("train", "adapters.reference"),
-    ("train", "reward.adapter"), ("train-sft", "adapter.init_from"), ("train-reward", "adapter.init_from")])
+    ("train", "reward.adapter"), ("train", "reward.model"), ("train-sft", "adapter.init_from"),
+    ("train-reward", "adapter.init_from")])
 def test_an_adapter_folder_that_holds_no_adapter_is_refused_before_the_model_loads(tmp_path, tiny_model_dir,
                                                                                   monkeypatch, stage, field):
-    """A typo in an adapter's path: one line, before the weights (minutes for a large model) load."""
+    """A typo in an adapter's path (or a reward classifier's): one line, before the weights (minutes
+    for a large model) load."""
     import yaml
 
     from lora_ppo import parts, reward_training
@@ -118,6 +120,8 @@ def test_an_adapter_folder_that_holds_no_adapter_is_refused_before_the_model_loa
         recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "run")
         if field == "reward.adapter":
             recipe["reward"] = {"kind": "adapter", "adapter": str(missing)}
+        elif field == "reward.model":
+            recipe["reward"] = {"kind": "classifier", "model": str(missing)}
         else:
             section, role, *key = field.split(".")
             recipe[section][role] = {**recipe[section].get(role, {}), key[0]: str(missing)} if key else str(missing)
@@ -131,9 +135,10 @@ def test_an_adapter_folder_that_holds_no_adapter_is_refused_before_the_model_loa
         recipe["adapter"]["init_from"] = str(missing)
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     result = CliRunner().invoke(app, [stage, str(tmp_path / "r.yaml"), "--no-progress"])
-    assert result.exit_code == 2
-    assert result.stderr.splitlines() == [
-        f"error: {field}: {str(missing)!r} is not a PEFT adapter folder (no adapter_config.json)"]
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"error: {field}: cannot load a sequence classifier from {str(missing)!r}: "
+                                    if field == "reward.model" else
+                                    f"error: {field}: {str(missing)!r} is not a PEFT adapter folder (no adapter_config.json)")
 
 
 @pytest.mark.parametrize("quantization, dtype", [("4bit", "float32"), ("4bit", "bfloat16"), ("8bit", "float32")])
