@@ -319,15 +319,13 @@ class RoleModel(Backbone):
 
         all_linear = linear_targets(base_model)
         starts = self.adapter_starts(adapters, reward_adapter)
-        reward_adapter = starts.reward
         if starts.policy:
             peft = PeftModel.from_pretrained(base_model, starts.policy, adapter_name=POLICY, is_trainable=True)
         else:
             peft = get_peft_model(base_model, lora_config(adapters.policy, all_linear=all_linear), adapter_name=POLICY)
         self.has_value = with_value
-        value_from, value_head_from = starts.value, starts.value_head
-        if with_value and value_from:
-            peft.load_adapter(value_from, adapter_name=VALUE, is_trainable=True)
+        if with_value and starts.value:
+            peft.load_adapter(starts.value, adapter_name=VALUE, is_trainable=True)
         elif with_value:
             peft.add_adapter(VALUE, lora_config(adapters.value, all_linear=all_linear))
         # The reference is either the bare base (adapters disabled) or a frozen adapter of its own,
@@ -335,9 +333,9 @@ class RoleModel(Backbone):
         self.reference_adapter: Optional[str] = starts.reference
         if self.reference_adapter:
             peft.load_adapter(self.reference_adapter, adapter_name=REFERENCE, is_trainable=False)
-        self.reward_adapter = reward_adapter
-        if reward_adapter:
-            peft.load_adapter(reward_adapter, adapter_name=REWARD, is_trainable=False)
+        self.reward_adapter = starts.reward
+        if self.reward_adapter:
+            peft.load_adapter(self.reward_adapter, adapter_name=REWARD, is_trainable=False)
         super().__init__(peft, base_name, numerics)
         # ppo.trim_padding: the scoring and update micro-batches cut to the columns their rows use.
         self.trim_padding = trim_padding
@@ -345,9 +343,9 @@ class RoleModel(Backbone):
         self.packing = packing
         if packing:
             self.check_packing("ppo.packing")
-        self.value_head: Optional[nn.Linear] = self.make_head(VALUE, value_head_from) if with_value else None
-        if reward_adapter:
-            self.make_head(REWARD, Path(reward_adapter) / REWARD_HEAD_FILE, trainable=False)
+        self.value_head: Optional[nn.Linear] = self.make_head(VALUE, starts.value_head) if with_value else None
+        if self.reward_adapter:
+            self.make_head(REWARD, Path(self.reward_adapter) / REWARD_HEAD_FILE, trainable=False)
 
         self._params = {name: self.adapter_params(name) for name in (POLICY, VALUE, REFERENCE, REWARD)}
         self._switch = AdapterSwitch.of(peft)  # None: PEFT's own switches (lora_ppo/adapter_switch.py)
