@@ -231,9 +231,10 @@ def check_classifiers(cfg: RewardConfig, policy_model: ModelConfig) -> None:
             continue
         try:
             AutoTokenizer.from_pretrained(source.model, trust_remote_code=trust)
-            AutoConfig.from_pretrained(source.model, trust_remote_code=trust)
             if (source.quantization or policy_model.quantization) != "none":
-                classifier_head_modules(source.model, trust)
+                classifier_head_modules(source.model, trust)  # reads the config too
+            else:
+                AutoConfig.from_pretrained(source.model, trust_remote_code=trust)
         except (OSError, ValueError) as err:
             raise _not_a_classifier(source.model, err) from None
 
