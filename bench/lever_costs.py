@@ -124,7 +124,7 @@ def main() -> None:
     import torch
 
     import lora_ppo
-    from lora_ppo.estimate import load_shape
+    from lora_ppo.model_shape import load_shape
     from lora_ppo.quantization import compute_dtype
 
     recipe = lora_ppo.load_recipe(args.recipe, [f"model.name={args.config}"])

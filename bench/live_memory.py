@@ -49,9 +49,10 @@ def measure(folder: Path, dtype: str, rows_list: list[int], prompt: int, respons
     import torch
 
     import lora_ppo
-    from lora_ppo.estimate import load_shape, score_bytes, update_bytes
+    from lora_ppo.estimate import score_bytes, update_bytes
     from lora_ppo.compiled_update import CompiledLayers
     from lora_ppo.memory import peak_live_cpu_bytes
+    from lora_ppo.model_shape import load_shape
     from lora_ppo.rollout import Rollout, score_passes
     from lora_ppo.update import UpdateSettings, compute_advantages, ppo_update
 

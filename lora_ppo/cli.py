@@ -347,11 +347,12 @@ def _estimate_sft(cfg, device: str, gpu_gb: Optional[float], as_json: bool, num_
     import json
 
     from lora_ppo import estimate as est_mod
+    from lora_ppo.model_shape import load_shape
 
     if num_processes != 1:
         _fail("--num-processes: train-sft runs in one process")
     try:
-        est = est_mod.estimate_sft(est_mod.load_shape(cfg.model.name, cfg.model.trust_remote_code), cfg, device, gpu_gb)
+        est = est_mod.estimate_sft(load_shape(cfg.model.name, cfg.model.trust_remote_code), cfg, device, gpu_gb)
     except RecipeError as err:
         _fail(str(err))
     typer.echo(json.dumps(est_mod.as_json(est)) if as_json else est_mod.format_sft_estimate(est, cfg, device))

@@ -15,9 +15,9 @@ from lora_ppo.config import AUTO, Recipe, field_value
 from lora_ppo.devices import device, device_type
 from lora_ppo.distributed import World
 from lora_ppo.errors import RecipeError
-from lora_ppo.estimate import (GB, RUNTIME_BYTES, ModelShape, choose_auto_sizes, estimate, faster_update_budget,
-                               recipe_shapes)
+from lora_ppo.estimate import GB, RUNTIME_BYTES, choose_auto_sizes, estimate, faster_update_budget, recipe_shapes
 from lora_ppo.model import CpuEmbedding, free_memory_bytes
+from lora_ppo.model_shape import ModelShape
 from lora_ppo.run_dir import RunDir, find_run_root
 
 log = logging.getLogger(__name__)

@@ -16,11 +16,12 @@ from lora_ppo import estimate as est
 from lora_ppo.cli import app
 from lora_ppo.config import recipe_from_dict
 from lora_ppo.errors import RecipeError
+from lora_ppo.model_shape import ModelShape, load_shape
 from tests.conftest import tiny_recipe_dict
 
 runner = CliRunner()
 GB = 1e9
-LLAMA_8B = est.ModelShape(4096, 14336, 32, 32, 8, 128, 128256, False)
+LLAMA_8B = ModelShape(4096, 14336, 32, 32, 8, 128, 128256, False)
 AUTO = {"ppo": {"grad_accum_steps": "auto", "num_minibatches": 2, "num_epochs": 2},
         "rollout": {"forward_batch_size": "auto", "batch_size": 16, "max_new_tokens": 256},
         "model": {"gradient_checkpointing": "auto"}, "data": {"max_prompt_tokens": 256}}
@@ -67,7 +68,7 @@ def test_a_larger_budget_never_gets_a_smaller_micro_batch_or_scoring_batch():
 
 
 def test_checkpointing_goes_off_when_the_update_fits_without_it():
-    tiny = est.ModelShape(64, 128, 2, 4, 2, 16, 320, True)
+    tiny = ModelShape(64, 128, 2, 4, 2, 16, 320, True)
     planned, choices = est.choose_auto_sizes(tiny, _recipe(), "cuda", 4.0)
     assert planned.model.gradient_checkpointing is False and planned.ppo.grad_accum_steps == 1
     assert "fits without it at the same micro-batch" in str(choices[0])
@@ -136,7 +137,7 @@ def test_the_embeddings_go_to_cpu_memory_where_the_plan_fits_only_so():
 
 
 def test_the_embeddings_stay_where_they_are_for_tied_models_and_on_cpu():
-    tied = est.ModelShape(4096, 14336, 32, 32, 8, 128, 128256, True)
+    tied = ModelShape(4096, 14336, 32, 32, 8, 128, 128256, True)
     planned, choices = est.choose_auto_sizes(tied, _recipe(**OFFLOAD_AUTO), "cuda", 12)
     assert planned.model.offload_embeddings is False and "ties them to the LM head" in choices[0].reason
     planned, choices = est.choose_auto_sizes(LLAMA_8B, _recipe(**OFFLOAD_AUTO), "cpu", 12)
@@ -159,7 +160,7 @@ def test_estimate_shows_the_choices(tmp_path):
     recipe = recipe_from_dict(yaml.safe_load(open("recipes/single_gpu_8b.yaml")),
                               ["model.name=bench/model_configs/llama-3.1-8b", "ppo.grad_accum_steps=auto",
                                "rollout.forward_batch_size=auto"])
-    planned, _ = est.choose_auto_sizes(est.load_shape(recipe.model.name), recipe, "cuda", 12.0)
+    planned, _ = est.choose_auto_sizes(load_shape(recipe.model.name), recipe, "cuda", 12.0)
     assert "auto sizes for 12 GB:" in result.stdout
     assert f"  ppo.grad_accum_steps={planned.ppo.grad_accum_steps} (micro-batches of {planned.micro_batch_size} rows" \
         in result.stdout
@@ -175,7 +176,7 @@ def test_a_run_records_its_choice_and_a_resume_keeps_it(tmp_path, tiny_model_dir
                             rollout={"forward_batch_size": "auto"},
                             model={"gradient_checkpointing": "auto", "offload_embeddings": "auto"})
     recipe = recipe_from_dict(data)
-    expected, _ = est.choose_auto_sizes(est.load_shape(recipe.model.name), recipe, "cpu", 4.0)
+    expected, _ = est.choose_auto_sizes(load_shape(recipe.model.name), recipe, "cpu", 4.0)
     with caplog.at_level(logging.INFO, logger="lora_ppo"):
         lora_ppo.PPOTrainer(recipe, progress=False).train()
     saved = yaml.safe_load((out / "recipe.yaml").read_text())
@@ -257,7 +258,7 @@ def test_a_dequantized_copy_takes_what_the_sizes_leave_of_the_plan(budget_gb):
 
 
 def test_the_whole_copy_where_it_takes_half_the_room_or_fits_beside_the_plan():
-    small = est.ModelShape(896, 4864, 24, 14, 2, 64, 151936, True)  # Qwen2.5-0.5B's shape
+    small = ModelShape(896, 4864, 24, 14, 2, 64, 151936, True)  # Qwen2.5-0.5B's shape
     whole = small.linear_params * 2  # bfloat16
     planned, choices = est.choose_auto_sizes(small, _recipe(), "cuda", 24)
     assert (planned.model.dequantize_per_step, planned.model.dequantize_budget_gb) == (True, None)

@@ -55,7 +55,7 @@ def test_the_lever_cost_bench_times_the_adapters_a_run_trains(tmp_path, tiny_mod
     from lever_costs import adapter_tensors
 
     import lora_ppo
-    from lora_ppo.estimate import load_shape
+    from lora_ppo.model_shape import load_shape
     from tests.conftest import tiny_recipe_dict
 
     recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run"))

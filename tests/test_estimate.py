@@ -16,13 +16,14 @@ from lora_ppo import estimate as est
 from lora_ppo.cli import app
 from lora_ppo.config import recipe_from_dict
 from lora_ppo.errors import RecipeError
+from lora_ppo.model_shape import ModelShape
 from tests.architectures import ARCHITECTURES, configs
 from tests.conftest import tiny_recipe_dict
 
 runner = CliRunner()
 
 # hidden 64, intermediate 128, 2 layers, 4 heads of 16, 2 KV heads, vocabulary 320, tied.
-TINY = est.ModelShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=320,
+TINY = ModelShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=320,
                       tied_embeddings=True)
 
 
@@ -202,7 +203,7 @@ def test_dequantize_auto_holds_the_copy_only_where_it_takes_half_the_room_or_les
     assert tiny.phases["update"] - est.estimate(TINY, _recipe(model={"dequantize_per_step": False}), device="cuda",
                                                 budget_gb=1.0).phases["update"] == pytest.approx(147456 - 16384)
     assert not est.estimate(TINY, _recipe(), device="cuda").dequantize_per_step
-    big = est.ModelShape(4096, 14336, 32, 32, 8, 128, 128256, False)  # Llama-3.1-8B
+    big = ModelShape(4096, 14336, 32, 32, 8, 128, 128256, False)  # Llama-3.1-8B
     assert not est.estimate(big, _recipe(), device="cuda", budget_gb=24).dequantize_per_step
     assert not est.estimate(TINY, _recipe(model={"quantization": "8bit"}), device="cuda", budget_gb=1.0).dequantize_per_step
 
@@ -214,8 +215,8 @@ def test_nothing_fits_a_budget_below_the_resident_memory():
 def test_big_vocabulary_costs_one_chunk_not_the_whole_sequence():
     """Peak memory for the update grows with the vocabulary by one logits chunk only: 5 fp32
     copies x 64 positions x 150000 more entries x 4 bytes = 192 MB, whatever the 512 new tokens."""
-    small = est.ModelShape(**{**TINY.__dict__, "vocab": 1000})
-    large = est.ModelShape(**{**TINY.__dict__, "vocab": 151_000})
+    small = ModelShape(**{**TINY.__dict__, "vocab": 1000})
+    large = ModelShape(**{**TINY.__dict__, "vocab": 151_000})
     r = _recipe(rollout={"max_new_tokens": 512, "batch_size": 8})
     extra = est.update_bytes(large, r, 2, 8) - est.update_bytes(small, r, 2, 8)
     assert extra == pytest.approx(5 * 64 * 150_000 * 4)
@@ -348,7 +349,7 @@ def test_parameter_count_matches_the_model_transformers_builds(name):
     (tied embeddings once), within 5%."""
     config = _config(name)
     real = sum(p.numel() for p in _meta_model(config).parameters())
-    assert est.ModelShape.from_config(config).total_params == pytest.approx(real, rel=0.05)
+    assert ModelShape.from_config(config).total_params == pytest.approx(real, rel=0.05)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "falcon", "qwen2", "qwen3_moe", "qwen2_moe"])
@@ -366,7 +367,7 @@ def test_quantized_split_matches_a_real_4bit_load(name, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=nf4, device_map="cpu")
     quantized = sum(m.weight.quant_state.shape.numel() for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
     experts = sum(p.numel() for p in model.parameters() if p.ndim == 3)
-    shape = est.ModelShape.from_config(config)
+    shape = ModelShape.from_config(config)
     assert shape.linear_params == quantized
     assert shape.unquantized_parts().get("moe_experts", 0) == experts
     assert (quantized == 0) == (name == "falcon") and (experts > 0) == name.endswith("_moe")
@@ -388,7 +389,7 @@ def test_lora_parameters_match_peft(name):
     with torch.device("meta"):
         peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
     real = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
-    assert est.ModelShape.from_config(config).lora_params(4, "all-linear") == real
+    assert ModelShape.from_config(config).lora_params(4, "all-linear") == real
 
 
 def test_lora_on_fused_experts_holds_one_pair_per_expert():
@@ -402,7 +403,7 @@ def test_lora_on_fused_experts_holds_one_pair_per_expert():
             r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
     real = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
-    shape = est.ModelShape.from_config(config)
+    shape = ModelShape.from_config(config)
     experts = 2 * 4 * 4 * ((64 + 64) + (64 + 32))
     assert shape.lora_params(4, "all-linear", ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]) == real
     assert real - shape.lora_params(4, "all-linear") == experts
@@ -445,7 +446,7 @@ def test_an_architecture_it_cannot_count_is_one_line_naming_it(tmp_path):
     from transformers import BertConfig
 
     with pytest.raises(RecipeError, match="cannot count the parameters of model type 'bert'"):
-        est.ModelShape.from_config(BertConfig())
+        ModelShape.from_config(BertConfig())
     folder = tmp_path / "t5"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 64}))
@@ -461,7 +462,7 @@ def test_an_unlisted_dense_rmsnorm_decoder_is_counted_as_llama_and_says_so():
 
     config = GemmaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    shape = est.ModelShape.from_config(config)
+    shape = ModelShape.from_config(config)
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM
 
@@ -470,7 +471,7 @@ def test_an_unlisted_dense_rmsnorm_decoder_is_counted_as_llama_and_says_so():
     # An unlisted MoE is never guessed at: its experts could be most of the model.
     moe = GemmaConfig(**{**config.to_dict(), "num_experts": 8})
     with pytest.raises(RecipeError, match="model type 'gemma'"):
-        est.ModelShape.from_config(moe)
+        ModelShape.from_config(moe)
 
 
 def test_an_episode_budget_is_counted_as_the_sequence_after_the_prompt():

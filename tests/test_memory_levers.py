@@ -13,6 +13,7 @@ from lora_ppo import optimizers
 from lora_ppo.config import ModelConfig, recipe_from_dict
 from lora_ppo.errors import RecipeError
 from lora_ppo.model import CpuEmbedding, embeddings_on_device, load_base_model
+from lora_ppo.model_shape import ModelShape
 from tests.conftest import deterministic_metrics, tiny_recipe_dict
 
 
@@ -205,7 +206,7 @@ def test_resume_is_exact_with_the_levers_on(tmp_path, tiny_untied_model_dir, lev
 # ---- what the estimate counts -----------------------------------------------------------------
 
 # hidden 64, intermediate 128, 2 layers, vocabulary 320, an LM head of its own.
-UNTIED = est.ModelShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=320,
+UNTIED = ModelShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=320,
                         tied_embeddings=False)
 
 
@@ -256,7 +257,7 @@ def test_generation_stages_the_table_only_where_its_peak_stays_under_the_others(
 def test_8bit_moments_by_hand_for_a_large_adapter():
     """Llama-3.1-8B, r=16 on all linear layers: every LoRA tensor has more than 4,096 elements,
     each moment 1 byte a weight plus an fp32 absmax per 256 and a 256-entry fp32 code."""
-    llama = est.ModelShape(4096, 14336, 32, 32, 8, 128, 128256, False)
+    llama = ModelShape(4096, 14336, 32, 32, 8, 128, 128256, False)
     recipe = recipe_from_dict({"ppo": {"optimizer_state": "8bit"}})
     tensors = est.trainable_tensors(llama, recipe)
     expected = sum(count * (2 * n + 2 * 4 * -(-n // 256) + 2 * 1024) if n >= 4096 else count * 8 * n

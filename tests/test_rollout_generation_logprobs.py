@@ -98,6 +98,7 @@ def test_top_k_and_top_p_sampling_still_record_full_vocabulary_logprobs(roles, t
 def test_auto_records_logprobs_where_the_model_computes_in_float32():
     from lora_ppo import estimate as est
     from lora_ppo.config import recipe_from_dict
+    from lora_ppo.model_shape import ModelShape
 
     auto = recipe_from_dict({})
     assert auto.rollout.logprobs_from_generation == "auto"
@@ -106,7 +107,7 @@ def test_auto_records_logprobs_where_the_model_computes_in_float32():
     assert not off.logprobs_from_generation_on(float32=True)
     # The estimate decides it the same way: in fp32 (cpu) the policy is not scored again.
     assert auto.scored_roles(float32=True) == auto.scored_roles(float32=False) - 1
-    shape = est.ModelShape(64, 128, 2, 4, 2, 16, 320, True)
+    shape = ModelShape(64, 128, 2, 4, 2, 16, 320, True)
     assert est.score_bytes(shape, auto, 4, 8) < est.score_bytes(shape, off, 4, 8)
 
 
