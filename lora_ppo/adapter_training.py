@@ -29,7 +29,7 @@ from lora_ppo.roles import Backbone
 from lora_ppo.run_dir import append_jsonl
 from lora_ppo.signals import stop_on_signals
 from lora_ppo.state import AdapterTrainState
-from lora_ppo.tracking import Trackers, check_installed
+from lora_ppo.tracking import Trackers, check_installed, start_trackers
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +127,8 @@ class AdapterTrainer:
         t0 = time.perf_counter()
         checkpoint.start_run_folder(self.run, self.recipe_yaml, self.resume_from, (self.state.metrics_lines, 0))
         self.before_training()
-        trackers, bar = None, None
-        if self.recipe.train.report_to:  # before the held-out evaluation: a tracker not logged in fails now
-            trackers = Trackers(self.recipe.train.report_to, self.run.root, self.run.root.name)
-            trackers.start(self.recipe.model_dump(mode="json"))
+        bar = None
+        trackers = start_trackers(self.recipe.train.report_to, self.run.root, self.recipe.model_dump(mode="json"))
         try:
             if self.state.eval_before is None:  # a resumed run keeps the evaluation its first part made
                 self.state.eval_before = self.evaluate()

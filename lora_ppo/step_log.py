@@ -13,7 +13,7 @@ from lora_ppo.config import Recipe
 from lora_ppo.rollout import Rollout
 from lora_ppo.run_dir import RunDir, append_jsonl, read_jsonl
 from lora_ppo.state import TrainState
-from lora_ppo.tracking import Trackers
+from lora_ppo.tracking import Trackers, start_trackers
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,8 @@ class StepLog:
         self.bar = None
 
     def start_trackers(self) -> None:
-        """Start the trackers (before the held-out evaluation: one that cannot start, not logged in,
-        stops the run before minutes of evaluating)."""
-        if self.recipe.train.report_to:
-            self.trackers = Trackers(self.recipe.train.report_to, self.run.root, self.run.root.name)
-            self.trackers.start(self.recipe.model_dump(mode="json"))
+        """Start the trackers, before the held-out evaluation (`tracking.start_trackers`)."""
+        self.trackers = start_trackers(self.recipe.train.report_to, self.run.root, self.recipe.model_dump(mode="json"))
 
     def open(self, state: TrainState) -> None:
         """Start the bar; a resumed run's alarms look back over its earlier steps."""

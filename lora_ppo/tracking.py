@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from lora_ppo.errors import RecipeError, first_line
 
@@ -32,6 +32,17 @@ def flat_config(data: Any, prefix: str = "") -> dict[str, Any]:
             out.update(flat_config(value, f"{prefix}.{key}" if prefix else str(key)))
         return out
     return {prefix: data if isinstance(data, (bool, int, float, str)) or data is None else str(data)}
+
+
+def start_trackers(names: Sequence[str], run_dir: Path, config: dict[str, Any]) -> Optional["Trackers"]:
+    """The trackers `names` of the run in `run_dir`, started with `config` (None when there are none).
+    Called before the held-out evaluation: one that cannot start (not logged in) stops the run
+    before minutes of evaluating."""
+    if not names:
+        return None
+    trackers = Trackers(names, run_dir, Path(run_dir).name)
+    trackers.start(config)
+    return trackers
 
 
 class Trackers:
