@@ -5,7 +5,7 @@ repository, and report the mutants no test notices. The working tree is never ed
     python bench/mutation.py --target lora_ppo/atomic.py       # one file, about 10 min on 2 cores
     python bench/mutation.py --target lora_ppo/roles.py:position_ids_for,last_real_index --list
     python bench/mutation.py --target lora_ppo/update.py --max-mutants 70 --json /tmp/update.json
-    python bench/mutation.py --update-results                  # every default target (about 100 min)
+    python bench/mutation.py --update-results                  # every default target (about 125 min)
 
 A target is `path` or `path:name,name`, where a name is a function, method or class, and
 `name@text` keeps only the lines of `name` that contain `text`. Known-equivalent mutants are
@@ -83,13 +83,14 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
     "lora_ppo/verifiable.py": (["tests/test_verifiable.py"], []),
     "lora_ppo/padding.py": (["tests/test_trim_padding.py", "tests/test_packing.py"], []),
     "lora_ppo/packing.py": (["tests/test_packing.py", "tests/test_sft_model.py"], []),
+    "lora_ppo/fused_lora.py": (["tests/test_lean_lora.py", "tests/test_fused_lora.py"], []),
     # The SIGKILL test kills a whole training run at a marker: minutes, and it tests resuming.
     "lora_ppo/atomic.py": (["tests/test_atomic.py", "tests/test_edge_cases.py", "tests/test_checkpoint.py"],
                            ["-k", "not sigkill"]),
 }
 
-# The numerical code issue #32 asks about (trainer, rollout and roles only in part), and the layouts
-# of trimmed and packed micro-batches (issue 41).
+# The numerical code issue #32 asks about (trainer, rollout and roles only in part), the layouts
+# of trimmed and packed micro-batches (issue 41), and the LoRA layers' forwards (every pass runs one).
 DEFAULT_TARGETS = [
     "lora_ppo/atomic.py",
     "lora_ppo/verifiable.py",
@@ -102,6 +103,7 @@ DEFAULT_TARGETS = [
     "collect_rollout@missing_eos_penalty",
     "lora_ppo/padding.py",
     "lora_ppo/packing.py",
+    "lora_ppo/fused_lora.py:lean_lora_forward,_scaled_product,lora_addmm_forward,_with_adapters,_runs",
 ]
 
 # Calls that only report: mutating them changes what is said, never what is computed.

@@ -303,6 +303,25 @@ def test_rows_of_roles_in_any_order_get_their_own_adapters(float32_roles, grad):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
 
 
+def test_a_decode_step_adds_the_adapter_to_every_row(float32_roles):
+    """Generation's decode step: one new token for each of several rows ([rows, 1, in], more rows than
+    tokens), without autograd (the in-place path). Every row is its base output plus the adapter's
+    scaled product, computed by hand, not the first row alone."""
+    layer = next(m for m in float32_roles.peft.modules() if hasattr(m, "lora_A") and POLICY in m.lora_A)
+    x = torch.randn(4, 1, layer.in_features, generator=torch.Generator().manual_seed(1))
+    fuse_lora_layers(float32_roles.peft)
+    try:
+        with torch.no_grad(), float32_roles.as_role(POLICY):
+            fused = layer(x)
+    finally:
+        unfuse_lora_layers(float32_roles.peft)
+    with torch.no_grad():
+        base = layer.base_layer(x)
+        by_hand = base + layer.scaling[POLICY] * (x @ layer.lora_A[POLICY].weight.t() @ layer.lora_B[POLICY].weight.t())
+    assert not torch.allclose(by_hand[1:], base[1:]), "the adapter must change the rows for the check to mean anything"
+    torch.testing.assert_close(fused, by_hand, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stacked_scoring_gives_each_roles_own_forward(make_roles, tiny_tokenizer, dtype):
     """Scoring every role in one stacked forward (PEFT's per-row adapter names) runs each block of rows
