@@ -84,13 +84,15 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
     "lora_ppo/padding.py": (["tests/test_trim_padding.py", "tests/test_packing.py"], []),
     "lora_ppo/packing.py": (["tests/test_packing.py", "tests/test_sft_model.py"], []),
     "lora_ppo/fused_lora.py": (["tests/test_lean_lora.py", "tests/test_fused_lora.py"], []),
+    "lora_ppo/adapter_switch.py": (["tests/test_roles.py", "tests/test_scoring_together.py"], []),
     # The SIGKILL test kills a whole training run at a marker: minutes, and it tests resuming.
     "lora_ppo/atomic.py": (["tests/test_atomic.py", "tests/test_edge_cases.py", "tests/test_checkpoint.py"],
                            ["-k", "not sigkill"]),
 }
 
 # The numerical code issue #32 asks about (trainer, rollout and roles only in part), the layouts
-# of trimmed and packed micro-batches (issue 41), and the LoRA layers' forwards (every pass runs one).
+# of trimmed and packed micro-batches (issue 41), the LoRA layers' forwards (every pass runs one) and
+# the role switches that choose their adapter.
 DEFAULT_TARGETS = [
     "lora_ppo/atomic.py",
     "lora_ppo/verifiable.py",
@@ -104,6 +106,7 @@ DEFAULT_TARGETS = [
     "lora_ppo/padding.py",
     "lora_ppo/packing.py",
     "lora_ppo/fused_lora.py:lean_lora_forward,_scaled_product,lora_addmm_forward,_with_adapters,_runs",
+    "lora_ppo/adapter_switch.py",
 ]
 
 # Calls that only report: mutating them changes what is said, never what is computed.

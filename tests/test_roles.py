@@ -192,3 +192,22 @@ def test_adapter_switch_leaves_modules_to_save_to_peft(tiny_untied_model_dir):
 
     assert AdapterSwitch.of(peft_model()) is not None
     assert AdapterSwitch.of(peft_model(modules_to_save=["lm_head"])) is None
+
+
+@pytest.mark.parametrize("attribute", ["_active_adapter", "_disable_adapters"])
+def test_adapter_switch_leaves_a_peft_without_either_attribute_it_sets_to_peft(tiny_untied_model_dir, monkeypatch,
+                                                                               attribute):
+    # A PEFT whose LoRA layers lack one of the two attributes the switch writes (a later release
+    # renaming it) switches through PEFT's own calls, not through a write its forward never reads.
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from lora_ppo.adapter_switch import AdapterSwitch
+
+    base = load_base_model(ModelConfig(name=str(tiny_untied_model_dir), quantization="none"))
+    model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"]))
+    monkeypatch.delattr(BaseTunerLayer, attribute)
+    for layer in model.modules():
+        if isinstance(layer, BaseTunerLayer):
+            vars(layer).pop(attribute, None)
+    assert AdapterSwitch.of(model) is None
