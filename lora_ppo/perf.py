@@ -25,7 +25,7 @@ TERA = 1e12
 # substring of torch.cuda.get_device_name(); first match wins, so longer names come first.
 # A card that is not listed gets no share, only its TFLOP/s.
 PEAK_BF16_TFLOPS = (
-    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("GH200", 989.0), ("H200", 989.0),
     ("A100", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0),
 )
 
