@@ -86,6 +86,7 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
     "lora_ppo/fused_lora.py": (["tests/test_lean_lora.py", "tests/test_fused_lora.py"], []),
     "lora_ppo/adapter_switch.py": (["tests/test_roles.py", "tests/test_scoring_together.py"], []),
     "lora_ppo/perf.py": (["tests/test_perf.py"], []),
+    "lora_ppo/alarms.py": (["tests/test_alarms.py"], ["-k", "not documented"]),  # the copy has no docs/
     # The SIGKILL test kills a whole training run at a marker: minutes, and it tests resuming.
     "lora_ppo/atomic.py": (["tests/test_atomic.py", "tests/test_edge_cases.py", "tests/test_checkpoint.py"],
                            ["-k", "not sigkill"]),

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from lora_ppo.alarms import ALARMS, LOGPROB_TOLERANCE, AlarmSettings, check_alarms, first_step_logprob_error
+from lora_ppo.alarms import (ALARMS, LOGPROB_TOLERANCE, AlarmSettings, _slope, check_alarms,
+                             first_step_logprob_error)
 
 SETTINGS = AlarmSettings(max_new_tokens=20, target_kl=None, side_metrics=("textblob",))
 
@@ -59,6 +60,19 @@ def test_entropy_low_from_the_first_step_is_not_said_to_have_fallen():
     assert "from" not in started_low.message.split(":")[0]
     (fell,) = check_alarms(with_values("policy/entropy", [1.2, 0.8, 0.04]), SETTINGS)
     assert "entropy fell to 0.040 nats per token (from 1.200)" in fell.message
+
+
+def test_entropy_collapse_counts_a_fall_below_a_tenth_of_the_start():
+    # Above the 0.05-nat floor all along: a fall to under a tenth of the first step's entropy is the
+    # alarm, a fall to an eighth is not.
+    assert "entropy_collapse" in names(with_values("policy/entropy", [2.0, 1.0, 0.15]))
+    assert "entropy_collapse" not in names(with_values("policy/entropy", [2.0, 1.0, 0.25]))
+
+
+def test_the_reward_gaming_trend_is_a_least_squares_slope():
+    assert _slope([1.0, 3.0, 5.0, 7.0]) == pytest.approx(2.0)
+    assert _slope([2.0, 0.0, 4.0]) == pytest.approx(1.0)  # (-1 * 0 + 0 * -2 + 1 * 2) / 2
+    assert _slope([5.0]) == 0.0  # one point: no trend
 
 
 def test_alarms_need_a_trend_not_a_single_value():
