@@ -316,7 +316,7 @@ def load_shape(name: str, trust_remote_code: bool = False) -> ModelShape:
     return ModelShape.from_config(config)
 
 
-def classifier_shape(name: str, trust_remote_code: bool) -> Optional[ModelShape]:
+def classifier_shape(name: str, trust_remote_code: bool) -> ModelShape:
     """Reward classifiers are often encoders (BERT-like): count their parameters the same way."""
     from transformers import AutoConfig
 
