@@ -5,7 +5,7 @@ repository, and report the mutants no test notices. The working tree is never ed
     python bench/mutation.py --target lora_ppo/atomic.py       # one file, about 10 min on 2 cores
     python bench/mutation.py --target lora_ppo/roles.py:position_ids_for,last_real_index --list
     python bench/mutation.py --target lora_ppo/update.py --max-mutants 70 --json /tmp/update.json
-    python bench/mutation.py --update-results                  # every default target (about 185 min)
+    python bench/mutation.py --update-results                  # every default target (about 230 min)
 
 A target is `path` or `path:name,name`, where a name is a function, method or class, and
 `name@text` keeps only the lines of `name` that contain `text`. Known-equivalent mutants are
@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS_MD = REPO / "bench" / "mutation_results.md"
 
 # What the temp copy holds: enough to import the package and run its tests, nothing else.
-COPY_PREFIXES = ("lora_ppo/", "tests/", "recipes/")
+COPY_PREFIXES = ("lora_ppo/", "tests/", "recipes/", "bench/model_configs/")  # the configs: real shapes for estimates
 COPY_FILES = ("pyproject.toml",)
 COPY_BASENAMES = ("conftest.py",)
 
@@ -87,6 +87,9 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
     "lora_ppo/adapter_switch.py": (["tests/test_roles.py", "tests/test_scoring_together.py"], []),
     "lora_ppo/perf.py": (["tests/test_perf.py"], []),
     "lora_ppo/alarms.py": (["tests/test_alarms.py"], ["-k", "not documented"]),  # the copy has no docs/
+    "lora_ppo/estimate.py": (["tests/test_auto_sizes.py", "tests/test_estimate.py"], []),
+    "lora_ppo/sft/batches.py": (["tests/test_sft_model.py"], []),
+    "lora_ppo/sft/rows.py": (["tests/test_sft_rows.py"], []),
     # The SIGKILL test kills a whole training run at a marker: minutes, and it tests resuming.
     "lora_ppo/atomic.py": (["tests/test_atomic.py", "tests/test_edge_cases.py", "tests/test_checkpoint.py"],
                            ["-k", "not sigkill"]),
@@ -94,8 +97,9 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
 
 # The numerical code issue #32 asks about (trainer, rollout and roles only in part), the layouts
 # of trimmed and packed micro-batches (issue 41), the LoRA layers' forwards (every pass runs one), the
-# role switches that choose their adapter, the perf/* throughput a run reports (issue 41), and the
-# alarms a run raises.
+# role switches that choose their adapter, the perf/* throughput a run reports (issue 41), the
+# alarms a run raises, and SFT's rows and batches (which tokens the loss predicts). The auto sizes'
+# choices in estimate.py are a target too, not a default one (312 mutants at about 20 s each).
 DEFAULT_TARGETS = [
     "lora_ppo/atomic.py",
     "lora_ppo/verifiable.py",
@@ -112,6 +116,8 @@ DEFAULT_TARGETS = [
     "lora_ppo/adapter_switch.py",
     "lora_ppo/perf.py",
     "lora_ppo/alarms.py",
+    "lora_ppo/sft/batches.py",
+    "lora_ppo/sft/rows.py",
 ]
 
 # Calls that only report: mutating them changes what is said, never what is computed.

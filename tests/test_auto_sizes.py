@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from lora_ppo import estimate as est
 from lora_ppo.cli import app
-from lora_ppo.config import recipe_from_dict
+from lora_ppo.config import field_value, recipe_from_dict
 from lora_ppo.errors import RecipeError
 from lora_ppo.model_shape import ModelShape, load_shape
 from tests.conftest import tiny_recipe_dict
@@ -58,6 +58,55 @@ def test_auto_sizes_fit_the_budget_and_one_size_larger_does_not(budget_gb):
         assert _peaks(LLAMA_8B, planned.with_values({"ppo.grad_accum_steps": fewer[-1]}), budget_gb)[1] > plan
     # 8B: without checkpointing a 512-token row's activations alone are gigabytes.
     assert planned.model.gradient_checkpointing is True
+
+
+def test_micro_batches_of_one_row_are_chosen_where_only_they_fit():
+    """10.5 GB for the 8B shape: one row fits the plan with checkpointing, two do not. The choice
+    says it fits (it does, by the estimate), not that even one row is too much."""
+    planned, choices = est.choose_auto_sizes(LLAMA_8B, _recipe(), "cuda", 10.5)
+    plan = est.AUTO_PLAN_SHARE * 10.5 * GB
+    assert planned.micro_batch_size == 1 and planned.ppo.grad_accum_steps == 8
+    assert _peaks(LLAMA_8B, planned, 10.5)[1] <= plan
+    assert _peaks(LLAMA_8B, planned.with_values({"ppo.grad_accum_steps": 4}), 10.5)[1] > plan
+    assert "micro-batches of 1 row, the largest whose update fits 10.5 GB" in str(choices[1])
+    assert str(choices[0]).endswith("with it 1 row)")
+
+
+def test_the_leanest_is_said_only_where_nothing_fits():
+    """8 GB for the 8B shape: nothing fits the plan, and each choice says so against the planned
+    share; 10 GB: one scoring row fits, said as a fit; no budget: the leanest, for want of one."""
+    _, tight = est.choose_auto_sizes(LLAMA_8B, _recipe(), "cuda", 8)
+    assert tight[0].reason == "no micro-batch fits the 7.2 GB planned of 8 GB: the leanest"
+    assert tight[1].reason.startswith("even micro-batches of 1 row need ")
+    assert tight[1].reason.endswith(" GB, more than the 7.2 GB planned of 8 GB: the leanest")
+    assert tight[2].reason == "even one row's scoring does not fit the 7.2 GB planned of 8 GB: the leanest"
+    planned, one_row = est.choose_auto_sizes(LLAMA_8B, _recipe(), "cuda", 10)
+    assert planned.rollout.forward_batch_size == 1 and _peaks(LLAMA_8B, planned, 10)[0] <= est.AUTO_PLAN_SHARE * 10 * GB
+    assert one_row[2].reason.startswith("the most rows whose scoring fits 10 GB")
+    _, unbounded = est.choose_auto_sizes(LLAMA_8B, _recipe(), "cuda", None)
+    assert [c.reason for c in unbounded[:3]] == ["no budget given: the leanest",
+                                                 "no budget given: the leanest, micro-batches of 1 row",
+                                                 "no budget given: the leanest"]
+
+
+@pytest.mark.parametrize("budget_gb", [4, 12, 16, 32, 48])  # each reason for the dequantized copy, in turn
+def test_each_choice_said_is_the_value_the_run_gets(budget_gb):
+    planned, choices = est.choose_auto_sizes(LLAMA_8B, _recipe(model={"dequantize_per_step": "auto"}), "cuda",
+                                             budget_gb)
+    assert {c.field: c.value for c in choices} == {c.field: field_value(planned, c.field) for c in choices}
+
+
+def test_the_users_cap_on_the_copy_is_the_copy_auto_weighs():
+    """16 GB for the 8B shape: the whole 13.96 GB copy takes more than half the room beyond the
+    weights, a copy capped at 2 GB (model.dequantize_budget_gb) does not: on, as a run decides with
+    that cap (model.dequantized_once), and the user's 2 GB kept rather than what the plan leaves."""
+    capped = _recipe(model={"dequantize_per_step": "auto", "dequantize_budget_gb": 2.0})
+    planned, choices = est.choose_auto_sizes(LLAMA_8B, capped, "cuda", 16)
+    assert (planned.model.dequantize_per_step, planned.model.dequantize_budget_gb) == (True, 2.0)
+    assert str(choices[-1]) == ("model.dequantize_per_step=true (the 2.00 GB copy takes at most 50% of the room "
+                                "beyond the weights)")
+    uncapped, _ = est.choose_auto_sizes(LLAMA_8B, _recipe(model={"dequantize_per_step": "auto"}), "cuda", 16)
+    assert uncapped.model.dequantize_budget_gb < 2.0  # the plan's leftover: the cap decided above
 
 
 def test_a_larger_budget_never_gets_a_smaller_micro_batch_or_scoring_batch():

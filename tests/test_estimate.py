@@ -167,6 +167,22 @@ def test_compiled_generation_holds_a_static_kv_cache_in_every_phase():
     assert est.estimate(TINY, recipe("auto", steps=300), device="cuda").static_kv_cache == 0
 
 
+def test_a_batch_whose_static_cache_leaves_no_update_room_is_passed_over():
+    """The 8B shape at 22 GB, compiled generation, no checkpointing: 128 rows generate within the
+    budget, but their static KV cache (held through the update) leaves no micro-batch room; the
+    suggestion is the largest batch that fits every phase, and it validates and fits."""
+    llama_8b = ModelShape(4096, 14336, 32, 32, 8, 128, 128256, False)
+    r = recipe_from_dict({"adapters": {"policy": {"r": 16}, "value": {"r": 16}}, "model": {"gradient_checkpointing": False},
+                          "rollout": {"compile": True, "max_new_tokens": 256}, "data": {"max_prompt_tokens": 256}})
+    e = est.estimate(llama_8b, r, device="cuda", budget_gb=22.0)
+    room, act = 22e9 - sum(e.components.values()), 2
+    assert est.generate_bytes(llama_8b, r, act, 128) <= room  # 128 rows generate
+    assert est.static_kv_cache_bytes(llama_8b, r, act, 128, "cuda") + est.update_bytes(llama_8b, r, act, 1) > room
+    assert e.fitting["rollout.batch_size"] == 64
+    fitted = recipe_from_dict(r.model_dump(mode="json"), [f"{k}={v}" for k, v in e.fitting.items()])
+    assert est.estimate(llama_8b, fitted, device="cuda", budget_gb=22.0).fits
+
+
 @pytest.mark.parametrize("sections", [
     {},
     {"rollout": {"batch_size": 12, "samples_per_prompt": 3}, "ppo": {"num_minibatches": 2}},

@@ -84,6 +84,15 @@ def test_packed_and_padded_batches_give_the_same_loss_and_gradients(trainer_for)
     assert any(g.abs().sum() > 0 for g in padded[1])
 
 
+def test_a_training_step_with_packing_gives_the_padded_steps_loss(trainer_for):
+    """sft.packing through the trainer's own batches (moved to its device), against the same step padded."""
+    padded, packed = trainer_for(True), trainer_for(True, packing=True)
+    assert packed.batch(packed.train_rows.rows[:4]).attention_mask is None
+    assert torch.equal(padded.batch(padded.train_rows.rows[:1]).attention_mask,
+                       torch.ones(1, len(padded.train_rows.rows[0].ids), dtype=torch.long))
+    assert packed.train_step()["sft/loss"] == pytest.approx(padded.train_step()["sft/loss"], rel=1e-5, abs=1e-6)
+
+
 def test_packing_is_refused_where_attention_crosses_rows(trainer_for, monkeypatch):
     """transformers parts packed rows by their positions; a model whose attention did not would let
     each row see the one before it, and the load-time probe refuses it."""

@@ -176,10 +176,13 @@ def assistant_spans(tokenizer, messages: Messages, text: str) -> list[tuple[int,
             continue
         before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
         through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        if not (text.startswith(before) and text.startswith(through) and len(through) > len(before)):
+        if not (text.startswith(before) and text.startswith(through)):
             raise RecipeError("data: the chat template renders earlier turns differently once later ones follow, "
                               "so its assistant tokens cannot be found; give it {% generation %} markers or set "
                               "sft.completion_only: false")
+        if len(through) <= len(before):
+            raise RecipeError("data: the chat template writes nothing for an assistant turn, so there is nothing "
+                              "to train on; give it one that writes them, or {% generation %} markers")
         end = len(through)
         at = through.find(message["content"], len(before))
         after = at + len(message["content"]) if at >= 0 else len(before)
