@@ -9,6 +9,7 @@ from lora_ppo.alarms import (ALARMS, LOGPROB_TOLERANCE, AlarmSettings, _slope, c
                              first_step_logprob_error)
 
 SETTINGS = AlarmSettings(max_new_tokens=20, target_kl=None, side_metrics=("textblob",))
+BF16, FP16 = AlarmSettings.for_dtype("bfloat16", 20), AlarmSettings.for_dtype("float16", 20)
 
 
 def healthy(steps: int = 8) -> list[dict]:
@@ -109,17 +110,16 @@ def test_logprob_mismatch_follows_the_compute_dtype():
     # bf16 recomputation noise (1e-3 per token) is no alarm there, and is one in float32.
     history = with_values("check/logprob_mean_diff", [1e-3, 1.5e-3, 5e-3])
     assert "logprob_mismatch" in names(history)
-    assert "logprob_mismatch" not in names(history, AlarmSettings(20, logprob_tolerance=LOGPROB_TOLERANCE["bfloat16"]))
+    assert "logprob_mismatch" not in names(history, BF16)
 
 
 def test_logprob_mismatch_under_a_compiled_update_says_to_turn_it_off():
     """What an H200 measured with ppo.compile_update (0.040 nats per token in bfloat16): the alarm names
     the setting, not the scoring switches it names otherwise."""
-    bf16 = AlarmSettings(20, logprob_tolerance=LOGPROB_TOLERANCE["bfloat16"])
     history = with_values("check/logprob_mean_diff", [0.0, 0.0398])
-    (plain,) = [a for a in check_alarms(history, bf16) if a.name == "logprob_mismatch"]
+    (plain,) = [a for a in check_alarms(history, BF16) if a.name == "logprob_mismatch"]
     history[-1]["update/compiled_graphs"] = 2.0
-    (compiled,) = [a for a in check_alarms(history, bf16) if a.name == "logprob_mismatch"]
+    (compiled,) = [a for a in check_alarms(history, BF16) if a.name == "logprob_mismatch"]
     assert "ppo.compile_update is on" in compiled.message and "score_roles_together" not in compiled.message
     assert "ppo.compile_update" not in plain.message and "score_roles_together" in plain.message
 
@@ -128,6 +128,8 @@ def test_the_first_step_stops_only_far_past_the_limit():
     limit = LOGPROB_TOLERANCE["float32"]
     assert first_step_logprob_error({}, limit) is None  # no update ran (guard): nothing to judge
     assert first_step_logprob_error({"check/logprob_mean_diff": 5 * limit}, limit) is None  # an alarm only
+    assert first_step_logprob_error({"check/logprob_mean_diff": 10 * limit}, limit) is None  # ten times: not past
+    assert first_step_logprob_error({"check/logprob_mean_diff": 15 * limit}, limit) is not None
     error = first_step_logprob_error({"check/logprob_mean_diff": 0.3, "check/logprob_max_diff": 2.0}, limit)
     assert error is not None and "0.3 nats per token" in error and "largest 2" in error and "\n" not in error
 
@@ -136,15 +138,11 @@ def test_sampling_mismatch_follows_the_compute_dtype():
     # bf16's KV-cached decoding rounds ~0.045 nats a token off a full forward on the embedded model
     # (docs/monitoring.md): that is not an alarm in bf16; the H100's compiled 4-bit decode of a
     # random 8B read 3.5 (bench/README.md), which is.
-    bf16 = AlarmSettings.for_dtype("bfloat16", 20)
-    assert (bf16.logprob_tolerance, bf16.sampling_gap_limit) == (2e-2, 0.5)
-    assert "sampling_mismatch" not in names(with_values("check/generation_logprob_diff", [0.045, 0.05]), bf16)
-    assert names(with_values("check/generation_logprob_diff", [0.045, 3.5]), bf16) == ["sampling_mismatch"]
+    assert (BF16.logprob_tolerance, BF16.sampling_gap_limit) == (2e-2, 0.5)
+    assert "sampling_mismatch" not in names(with_values("check/generation_logprob_diff", [0.045, 0.05]), BF16)
+    assert names(with_values("check/generation_logprob_diff", [0.045, 3.5]), BF16) == ["sampling_mismatch"]
     assert "sampling_mismatch" in names(with_values("check/generation_logprob_diff", [0.045, 0.05]),
                                         AlarmSettings.for_dtype("float32", 20))
-
-
-BF16, FP16 = AlarmSettings.for_dtype("bfloat16", 20), AlarmSettings.for_dtype("float16", 20)
 
 
 @pytest.mark.parametrize("alarm, key, values, settings, fires", [
@@ -194,12 +192,6 @@ BF16, FP16 = AlarmSettings.for_dtype("bfloat16", 20), AlarmSettings.for_dtype("f
 def test_each_threshold_is_where_the_docs_put_it(alarm, key, values, settings, fires):
     raised = names(with_values(key, values), settings)
     assert (alarm in raised) is fires, (key, values, raised)
-
-
-def test_the_first_step_stops_at_ten_times_the_limit():
-    limit = LOGPROB_TOLERANCE["float32"]
-    assert first_step_logprob_error({"check/logprob_mean_diff": 10 * limit}, limit) is None
-    assert first_step_logprob_error({"check/logprob_mean_diff": 15 * limit}, limit) is not None
 
 
 def test_alarm_messages_read_the_newest_step():

@@ -179,19 +179,21 @@ def test_role_switches_set_what_peft_sets(roles, tokenizer):
     assert not any(m.disable_adapters for m in layers)
 
 
+def plain_peft_model(model_dir, **lora):
+    """The tiny model unquantized with one LoRA adapter on q_proj (PEFT's own wrapping, no roles)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = load_base_model(ModelConfig(name=str(model_dir), quantization="none"))
+    return get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], **lora))
+
+
 def test_adapter_switch_leaves_modules_to_save_to_peft(tiny_untied_model_dir):
     # PEFT switches a `modules_to_save` copy (or trainable tokens) by a module walk of its own:
     # with one in the model, the roles switch through PEFT.
-    from peft import LoraConfig, get_peft_model
-
     from lora_ppo.adapter_switch import AdapterSwitch
 
-    def peft_model(**extra):
-        base = load_base_model(ModelConfig(name=str(tiny_untied_model_dir), quantization="none"))
-        return get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], **extra))
-
-    assert AdapterSwitch.of(peft_model()) is not None
-    assert AdapterSwitch.of(peft_model(modules_to_save=["lm_head"])) is None
+    assert AdapterSwitch.of(plain_peft_model(tiny_untied_model_dir)) is not None
+    assert AdapterSwitch.of(plain_peft_model(tiny_untied_model_dir, modules_to_save=["lm_head"])) is None
 
 
 @pytest.mark.parametrize("attribute", ["_active_adapter", "_disable_adapters"])
@@ -199,13 +201,11 @@ def test_adapter_switch_leaves_a_peft_without_either_attribute_it_sets_to_peft(t
                                                                                attribute):
     # A PEFT whose LoRA layers lack one of the two attributes the switch writes (a later release
     # renaming it) switches through PEFT's own calls, not through a write its forward never reads.
-    from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     from lora_ppo.adapter_switch import AdapterSwitch
 
-    base = load_base_model(ModelConfig(name=str(tiny_untied_model_dir), quantization="none"))
-    model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"]))
+    model = plain_peft_model(tiny_untied_model_dir)
     monkeypatch.delattr(BaseTunerLayer, attribute)
     for layer in model.modules():
         if isinstance(layer, BaseTunerLayer):

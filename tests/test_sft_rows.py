@@ -34,10 +34,15 @@ CONVERSATION = [
 
 @pytest.fixture(params=["chatml", "marked"])
 def template_tokenizer(request, tiny_tokenizer):
-    tokenizer = copy.deepcopy(tiny_tokenizer)
-    if request.param == "marked":
-        tokenizer.chat_template = MARKED_TEMPLATE
-    return tokenizer
+    return altered(tiny_tokenizer, **({"chat_template": MARKED_TEMPLATE} if request.param == "marked" else {}))
+
+
+def altered(tokenizer, **attributes):
+    """A copy of `tokenizer` with these attributes set (another chat template, no stop token)."""
+    changed = copy.deepcopy(tokenizer)
+    for name, value in attributes.items():
+        setattr(changed, name, value)
+    return changed
 
 
 def template_ids(tokenizer, messages, **options) -> tuple[int, ...]:
@@ -135,8 +140,7 @@ def test_every_kept_row_has_a_target_after_its_first_token(tiny_tokenizer):
     target would be its first token has nothing to train and is dropped, never a 0-token step."""
     cfg = SFTDataConfig(max_length=32)
     # A tokenizer without an end-of-sequence token: a one-token text is its first token alone.
-    no_eos = copy.deepcopy(tiny_tokenizer)
-    no_eos.eos_token = None
+    no_eos = altered(tiny_tokenizer, eos_token=None)
     one_token = tiny_tokenizer.convert_ids_to_tokens(tiny_tokenizer("a")["input_ids"])[0]
     texts = prepare_sft_rows([{"text": one_token}, {"text": "The film."}], ["text"], cfg, SFTConfig(), no_eos, "d")
     assert [row.ids[0] for row in texts.rows] == [no_eos("The film.")["input_ids"][0]]
@@ -190,11 +194,10 @@ def bos_tokenizer(tiny_tokenizer):
     way): tokenizing a rendered conversation with special tokens would give two."""
     from tokenizers import processors
 
-    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer = altered(tiny_tokenizer, chat_template="{{ bos_token }}" + tiny_tokenizer.chat_template)
     bos = tokenizer.bos_token
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.bos_token_id)])
-    tokenizer.chat_template = "{{ bos_token }}" + tokenizer.chat_template
     assert tokenizer("film")["input_ids"][0] == tokenizer.bos_token_id  # the fixture does what it says
     return tokenizer
 
@@ -226,9 +229,8 @@ def test_a_conversational_completion_is_trained_from_where_the_prompt_ends(templ
     trained, even an assistant turn closing the prompt, or an assistant header the template marks."""
     row = tokenize(template_tokenizer, {"prompt": CONVERSATION[:3], "completion": [CONVERSATION[4]]})
     assert trained_text(template_tokenizer, row) == "Lovely music.<|im_end|>"
-    header_marked = copy.deepcopy(template_tokenizer)
-    header_marked.chat_template = MARKED_TEMPLATE.replace("<|im_start|>bot: {% generation %}",
-                                                          "{% generation %}<|im_start|>bot: ")
+    header_marked = altered(template_tokenizer, chat_template=MARKED_TEMPLATE.replace(
+        "<|im_start|>bot: {% generation %}", "{% generation %}<|im_start|>bot: "))
     row = tokenize(header_marked, {"prompt": CONVERSATION[:4], "completion": [CONVERSATION[4]]})
     assert trained_text(header_marked, row) == "Lovely music.<|im_end|>"
 
@@ -237,12 +239,9 @@ def test_assistant_turns_are_found_without_a_stop_token_in_the_template(tiny_tok
     """A template that ends turns with a blank line, not the tokenizer's stop token (a base model's
     own format), and a tokenizer without a stop token at all: each assistant turn is what it adds,
     never the user turn after it."""
-    plain = copy.deepcopy(tiny_tokenizer)
-    plain.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
-                           "{% if add_generation_prompt %}assistant: {% endif %}")
-    no_eos = copy.deepcopy(tiny_tokenizer)
-    no_eos.eos_token = None
-    for tokenizer in (plain, no_eos):
+    plain = altered(tiny_tokenizer, chat_template="{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n"
+                                                  "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    for tokenizer in (plain, altered(tiny_tokenizer, eos_token=None)):
         trained = trained_text(tokenizer, tokenize(tokenizer, {"messages": CONVERSATION}))
         assert "Wonderful acting." in trained and "Lovely music." in trained, trained
         assert not any(m["content"] in trained for m in CONVERSATION if m["role"] != "assistant"), trained
@@ -268,11 +267,9 @@ def test_long_answers_are_trained_whole_and_alone(template_tokenizer):
      "<|im_end|>\\n{% endif %}{% endfor %}", "writes nothing for an assistant turn"),
 ])
 def test_a_template_whose_assistant_turns_cannot_be_found_is_refused(tiny_tokenizer, template, message):
-    tokenizer = copy.deepcopy(tiny_tokenizer)
-    tokenizer.chat_template = template
     with pytest.raises(RecipeError, match=f"^data: the chat template {message}"):
         prepare_sft_rows([{"messages": CONVERSATION}], ["messages"], SFTDataConfig(max_length=256), SFTConfig(),
-                         tokenizer, "d")
+                         altered(tiny_tokenizer, chat_template=template), "d")
 
 
 def test_held_out_demonstrations_come_from_their_own_source_split_and_config(tiny_tokenizer):
@@ -291,8 +288,9 @@ def test_held_out_demonstrations_come_from_their_own_source_split_and_config(tin
 
 
 def test_without_a_held_out_source_the_seed_draws_the_held_out_rows(tmp_path, tiny_tokenizer):
-    data = write_jsonl(tmp_path / "d.jsonl", demonstration_rows(20))
-    prompts = [row["prompt"] for row in demonstration_rows(20)]
+    rows = demonstration_rows(20)
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    prompts = [row["prompt"] for row in rows]
     for seed in (0, 1):
         train, held_out = load_sft_sets(SFTDataConfig(source=str(data), eval_size=3, max_length=64), SFTConfig(),
                                         tiny_tokenizer, seed)
