@@ -90,16 +90,29 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
     "lora_ppo/estimate.py": (["tests/test_auto_sizes.py", "tests/test_estimate.py"], []),
     "lora_ppo/sft/batches.py": (["tests/test_sft_model.py"], []),
     "lora_ppo/sft/rows.py": (["tests/test_sft_rows.py"], []),
+    "lora_ppo/rewards.py": (["tests/test_reward_imports.py", "tests/test_rewards.py", "tests/test_recipes.py",
+                             "tests/test_trainer_guards.py",
+                             "tests/test_python_api.py::test_python_reward_callable_overrides_recipe",
+                             "tests/test_python_api.py::test_a_python_reward_is_what_the_run_records"], []),
+    "lora_ppo/optimizers.py": (["tests/test_optimizers.py", "tests/test_checkpoint_files.py", "tests/test_memory_levers.py"],
+                               []),
+    "lora_ppo/sizing.py": (["tests/test_auto_sizes.py", "tests/test_memory_levers.py"], []),
     # The SIGKILL test kills a whole training run at a marker: minutes, and it tests resuming.
     "lora_ppo/atomic.py": (["tests/test_atomic.py", "tests/test_edge_cases.py", "tests/test_checkpoint.py"],
                            ["-k", "not sigkill"]),
+    "lora_ppo/checkpoint.py": (["tests/test_checkpoint_files.py", "tests/test_run_dir.py", "tests/test_edge_cases.py",
+                                "tests/test_distributed.py::test_a_checkpoint_of_one_process_is_refused_before_launching_two",
+                                "tests/test_distributed.py::test_a_checkpoint_of_two_processes_is_refused_in_one_before_the_model_loads",
+                                "tests/test_checkpoint.py"], ["-k", "not sigkill"]),
 }
 
 # The numerical code issue #32 asks about (trainer, rollout and roles only in part), the layouts
 # of trimmed and packed micro-batches (issue 41), the LoRA layers' forwards (every pass runs one), the
 # role switches that choose their adapter, the perf/* throughput a run reports (issue 41), the
-# alarms a run raises, and SFT's rows and batches (which tokens the loss predicts). The auto sizes'
-# choices in estimate.py are a target too, not a default one (312 mutants at about 20 s each).
+# alarms a run raises, and SFT's rows and batches (which tokens the loss predicts). Targets too, not
+# default ones: the auto sizes' choices in estimate.py (312 mutants at about 20 s each), the reward
+# sources (rewards.py, about 65 min) and the checkpoints (checkpoint.py, about 140 min: a survivor
+# runs resumed training runs).
 DEFAULT_TARGETS = [
     "lora_ppo/atomic.py",
     "lora_ppo/verifiable.py",

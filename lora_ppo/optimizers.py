@@ -53,8 +53,8 @@ class CpuAdamW(torch.optim.Optimizer):
     def step(self, closure=None):  # noqa: D102 - torch's signature
         if closure is not None:
             raise ValueError("CpuAdamW does not take a closure")
-        for group, host_group, copies in zip(self.param_groups, self.host.param_groups, self.copies):
-            host_group.update({k: v for k, v in group.items() if k != "params"})  # what a schedule changed
+        self._share_settings()
+        for group, copies in zip(self.param_groups, self.copies):
             for param, copy in zip(group["params"], copies):
                 # The weight is copied too, not only kept here: loading adapters (resume, init)
                 # writes the device weights.
@@ -68,7 +68,13 @@ class CpuAdamW(torch.optim.Optimizer):
                     copy.grad = None
         return None
 
+    def _share_settings(self) -> None:
+        """Give the host groups what a schedule set in the device groups (the learning rate)."""
+        for group, host_group in zip(self.param_groups, self.host.param_groups):
+            host_group.update({k: v for k, v in group.items() if k != "params"})
+
     def state_dict(self) -> dict[str, Any]:
+        self._share_settings()  # updates skipped since the last step still moved the schedule
         return self.host.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -246,6 +246,12 @@ def test_a_run_records_its_choice_and_a_resume_keeps_it(tmp_path, tiny_model_dir
     assert trainer.recipe.model.dequantize_per_step is True  # 0.001 GB would leave no room for it
     trainer.train()
     assert yaml.safe_load((out / "recipe.yaml").read_text())["ppo"]["grad_accum_steps"] == 1
+    # A resume that sets the copy itself keeps what it says: only `auto` takes the recorded plan.
+    from lora_ppo.distributed import World
+    from lora_ppo.sizing import with_auto_sizes
+
+    explicit = recipe_from_dict(data, ["train.steps=3", "model.dequantize_per_step=false"])
+    assert with_auto_sizes(explicit, "auto", World()).model.dequantize_per_step is False
 
 
 def test_the_plan_names_the_budget_from_which_the_update_runs_in_larger_micro_batches(monkeypatch, caplog):
@@ -316,3 +322,37 @@ def test_the_whole_copy_where_it_takes_half_the_room_or_fits_beside_the_plan():
     # A model that is not 4-bit has nothing to dequantize: the run decides (off).
     planned, choices = est.choose_auto_sizes(small, _recipe(model={"quantization": "none"}), "cuda", 24)
     assert planned.model.dequantize_per_step == "auto" and choices[-1].field != "model.dequantize_per_step"
+
+
+def test_a_data_parallel_run_plans_for_the_least_free_memory_of_its_processes(monkeypatch, caplog):
+    """Two processes, one with 13 GB free and one with 11 GB: each plans for 11 GB and the 0.6 GB
+    the process itself takes on a GPU (CUDA's context and allocator, counted by the estimate):
+    11.6 GB, on both, so both choose the same sizes."""
+    import lora_ppo
+    from lora_ppo import sizing
+    from lora_ppo.distributed import World
+
+    class TwoProcesses(World):
+        def gather(self, obj):
+            return [13_000_000_000, 11_000_000_000]
+
+    monkeypatch.setattr(sizing, "device_type", lambda: "cuda")
+    monkeypatch.setattr(sizing, "free_memory_bytes", lambda device: 0)  # each process's own, gathered above
+    user = lora_ppo.load_recipe("recipes/single_gpu_8b.yaml", ["model.name=bench/model_configs/llama-3.1-8b"])
+    with caplog.at_level(logging.INFO, logger="lora_ppo.sizing"):
+        sizing.with_auto_sizes(user, None, TwoProcesses(rank=0, size=2))
+    assert "auto sizes for 11.6 GB, free on the device now: " in caplog.text
+
+
+def test_a_resume_from_a_checkpoint_outside_any_run_plans_anew(tmp_path, tiny_model_dir):
+    """A checkpoint copied away from its run folder has no recipe.yaml to take recorded sizes from:
+    the plan chooses them (resolve_resume then says what the checkpoint lacks)."""
+    from lora_ppo.distributed import World
+    from lora_ppo.sizing import with_auto_sizes
+
+    recipe = recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run",
+                                               train={"memory_budget_gb": 4.0}, ppo={"grad_accum_steps": "auto"}))
+    lonely = tmp_path / "copied" / "step-3"
+    lonely.mkdir(parents=True)
+    assert with_auto_sizes(recipe, lonely, World()).ppo.grad_accum_steps == \
+        est.choose_auto_sizes(load_shape(recipe.model.name), recipe, "cpu", 4.0)[0].ppo.grad_accum_steps

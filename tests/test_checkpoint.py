@@ -364,6 +364,24 @@ def test_resume_auto_goes_back_past_a_checkpoint_it_cannot_read(tmp_path, tiny_m
     assert lines[0].startswith(f"error: --resume: checkpoint {run / 'checkpoints' / 'step-3'} cannot be loaded: ")
 
 
+def test_a_cut_short_final_gives_way_to_a_checkpoint_of_its_own_step(tmp_path, tiny_model_dir, caplog):
+    """A checkpoint of final/'s own step beside it (here a copy, as a user keeps one): when final/
+    cannot be read, --resume auto takes that one, as new as final/, not step-1, and says so once."""
+    import logging
+
+    recipe, trainer = _one_step_trainer(tmp_path / "run", tiny_model_dir, steps=2, save_every=1)
+    trainer.train()
+    run = tmp_path / "run"
+    shutil.copytree(run / "final", run / "checkpoints" / "step-2")
+    (run / "final" / "optimizer.pt").write_bytes(b"cut short")
+    with caplog.at_level(logging.WARNING, logger="lora_ppo.checkpoint"):
+        resumed = lora_ppo.PPOTrainer(recipe, progress=False, resume="auto")
+    assert resumed.resume_from == run / "checkpoints" / "step-2" and resumed.steps_done == 2
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"checkpoint {run / 'final'} cannot be loaded: ")
+    assert warning.endswith(f"; --resume auto goes back to {run / 'checkpoints' / 'step-2'}")
+
+
 def test_samples_are_written_at_the_end_and_a_continued_run_drops_them(tmp_path, tiny_model_dir):
     """train.sample_every 2 over 3 steps: samples at step 2 and at the end (3). Continued to 4
     steps from final/, the run samples as one that never stopped at 3: steps 2 and 4."""

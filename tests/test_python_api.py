@@ -3,6 +3,7 @@ reloads with plain PEFT and reproduces the trained model's logits."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import lora_ppo
@@ -43,16 +44,22 @@ def test_python_api_trains_and_saved_adapter_reproduces_logits(tmp_path, tiny_mo
 
 
 def test_python_reward_callable_overrides_recipe(tmp_path, tiny_model_dir):
-    calls = []
+    """The function's scores are the run's, as it returns them: weight 1, not normalised."""
+    import json
+
+    given = []
 
     def reward(prompts, completions):
-        calls.append(len(completions))
-        return [float(len(c)) for c in completions]
+        given.append([float(len(c)) for c in completions])
+        return given[-1]
 
     recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run"),
                                        ["train.steps=1", "train.eval=false"])
     lora_ppo.PPOTrainer(recipe, reward_fn=reward, progress=False).train()
-    assert calls == [4]
+    assert [len(scores) for scores in given] == [4]
+    [metrics] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    mean = sum(given[0]) / 4
+    assert metrics["objective/scores"] == pytest.approx(mean) and metrics["objective/shaped_scores"] == pytest.approx(mean)
 
 
 def test_a_python_reward_is_what_the_run_records(tmp_path, tiny_model_dir):

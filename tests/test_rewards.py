@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 import sys
+from typing import Optional
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from lora_ppo.rewards import (
     build_side_metrics,
     score_completions,
 )
+from tests.reward_fns import count_letter_e
 
 
 def test_vader_prefers_positive_text():
@@ -62,16 +64,21 @@ def test_score_completions_checks_what_comes_back():
         score_completions(nan_reward, RewardBatch(["a", "b"], ["c", "d"]))
 
 
-def test_classifier_reward_uses_its_own_tokenizer(tiny_classifier_dir):
+def plain_forward_scores(folder: Path, texts: list[str], label: int) -> list[float]:
+    """Each text alone through the saved classifier and its own tokenizer: logit `label`."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder)
+    with torch.no_grad():
+        return [model(**tok(text, return_tensors="pt")).logits[0, label].item() for text in texts]
+
+
+def test_classifier_reward_uses_its_own_tokenizer(tiny_classifier_dir):
     fn = build_reward(RewardConfig(kind="classifier", model=str(tiny_classifier_dir), quantization="none"))
     prompts, completions = ["the film", "a film"], [" good great", " bad"]
     scores = score_completions(fn, RewardBatch(prompts, completions))
-    tok = AutoTokenizer.from_pretrained(tiny_classifier_dir)
-    model = AutoModelForSequenceClassification.from_pretrained(tiny_classifier_dir)
-    with torch.no_grad():
-        expected = [model(**tok(p + c, return_tensors="pt")).logits[0, 1].item() for p, c in zip(prompts, completions)]
+    expected = plain_forward_scores(tiny_classifier_dir, [p + c for p, c in zip(prompts, completions)], label=1)
     assert scores == pytest.approx(expected, abs=1e-5)
 
 
@@ -149,6 +156,27 @@ def test_a_function_that_needs_a_missing_column_is_refused_before_training():
     mixed = RewardConfig(sources=[{"kind": "vader"}, {"kind": "function", "function": "tests.reward_fns:needs_solution"}])
     with pytest.raises(RecipeError, match="needs column 'solution'"):
         check_reward_columns(mixed, [], "d")
+    from tests.reward_fns import needs_solution  # given from Python, in place of the recipe's vader
+
+    with pytest.raises(RecipeError, match="needs_solution needs column 'solution'"):
+        check_reward_columns(RewardConfig(kind="vader"), ["answer"], "d", reward_fn=needs_solution)
+    with pytest.raises(RecipeError, match="^reward.kind: python: this run trained on a Python reward object "
+                                          r"\(local\) given as PPOTrainer"):
+        check_reward_columns(RewardConfig(kind="python", name="local"), [], "d")
+
+
+def test_side_metrics_are_scored_beside_a_reward_given_from_python():
+    """`reward.also_log` still scores with a Python reward function; only the function is optimised
+    (its scores: two e's in each text)."""
+    from lora_ppo.rewards import build_reward_sources
+
+    cfg = RewardConfig(kind="exact_match", answer_column="answer", also_log=["textblob", "vader"])
+    sources = build_reward_sources(cfg, ModelConfig(), reward_fn=count_letter_e)
+    texts = ["a wonderful, great film", "a terrible, awful film"]
+    said = sources.score(RewardBatch(["", ""], texts))
+    assert said.total == [2.0, 2.0] and list(said.by_source) == ["count_letter_e"]
+    textblob, vader = build_reward(RewardConfig(kind="textblob")), build_reward(RewardConfig(kind="vader"))
+    assert said.side == {"textblob": textblob(["", ""], texts), "vader": vader(["", ""], texts)}
 
 
 def test_math_answer_and_exact_match_rewards(tiny_tokenizer):
@@ -159,6 +187,42 @@ def test_math_answer_and_exact_match_rewards(tiny_tokenizer):
     assert score_completions(bonus, RewardBatch.from_rows(rows, ["#### 0", "\\boxed{7}", "2"])) == [1.1, 0.1, 1.0]
     exact = build_reward(RewardConfig(kind="exact_match", answer_column="answer"))
     assert score_completions(exact, RewardBatch.from_rows(rows, [" 0 ", "1.0", "2"])) == [1.0, 0.0, 1.0]
+    conversations = _rows(tiny_tokenizer, conversation=True)  # completions are one-message lists
+    assert score_completions(exact, RewardBatch.from_rows(conversations, [" 0 ", "1.0", "2"])) == [1.0, 0.0, 1.0]
+    assert score_completions(math, RewardBatch.from_rows(conversations, ["It is 0.", "#### 10", "2"])) == [1, 0, 1]
+
+
+def test_a_batch_of_one_row_keeps_its_columns(tiny_tokenizer):
+    batch = RewardBatch.from_rows(_rows(tiny_tokenizer, n=1), ["a"])
+    assert batch.columns == {"answer": ["0"], "source": ["test"]}
+
+
+def test_kind_none_scores_every_completion_zero():
+    """`reward.kind: none`: an environment gives the rewards, the recipe's source adds nothing."""
+    fn = build_reward(RewardConfig(kind="none"))
+    assert score_completions(fn, RewardBatch(["a", "b", "c"], ["d", "e", "f"])) == [0.0, 0.0, 0.0]
+
+
+def test_a_reward_adapter_scores_every_row_once_in_micro_batches():
+    """The reward adapter reads the policy's own tokens, `batch_size` rows at a time; a batch of
+    text alone (no tokens) is refused with the source named."""
+    from lora_ppo.rewards import AdapterReward
+
+    sizes = []
+
+    def score_sequences(input_ids, attention_mask):  # tells ids from mask, and each row from the others
+        sizes.append(input_ids.shape[0])
+        return (input_ids * attention_mask).sum(dim=1).float() + 100 * attention_mask.sum(dim=1)
+
+    ids = torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]])
+    mask = torch.tensor([[1, 1], [0, 1], [1, 1], [1, 0], [1, 1]])
+    adapter = AdapterReward(score_sequences, batch_size=2)
+    batch = RewardBatch(["p"] * 5, ["c"] * 5, model_input=(ids, mask))
+    assert score_completions(adapter, batch) == [203.0, 104.0, 211.0, 107.0, 219.0]  # 1+2+200, 4+100, ...
+    assert sizes == [2, 2, 1]
+    with pytest.raises(RewardError, match="^reward function adapter raised RuntimeError: a reward adapter "
+                                          "scores tokens, and this batch holds only text$"):
+        score_completions(adapter, RewardBatch(["p"], ["c"]))
 
 
 @pytest.mark.parametrize("conversation", [False, True])
@@ -304,13 +368,18 @@ def test_a_classifier_saved_in_4bit_scores_in_the_recipes_dtype(tiny_classifier_
 CLASSIFIER_WORDS = ["[PAD]", "[UNK]", "good", "bad", "film", "a", "the", "great", "awful"]
 
 
-def _save_classifier(folder: Path, model) -> Path:
-    """Save `model` with a word-level tokenizer over CLASSIFIER_WORDS ([PAD] is 0) beside it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def _save_classifier(folder: Path, model, first_token: Optional[str] = None) -> Path:
+    """Save `model` with a word-level tokenizer over CLASSIFIER_WORDS ([PAD] is 0) beside it;
+    `first_token`: a special token after them, which the tokenizer puts before every text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(CLASSIFIER_WORDS)}, unk_token="[UNK]"))
+    words = CLASSIFIER_WORDS + ([first_token] if first_token else [])
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if first_token:
+        tok.post_processor = processors.TemplateProcessing(single=f"{first_token} $A",
+                                                           special_tokens=[(first_token, len(words) - 1)])
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(folder)
     model.save_pretrained(folder)
     return folder
@@ -388,3 +457,176 @@ def test_the_head_is_every_top_level_module_outside_the_base_model(arch, expecte
     # Nothing of the base model beyond what transformers keeps by default (here: nothing).
     base = model.base_model_prefix
     assert not any(name == base or name.startswith(base + ".") for name in kept)
+
+
+def test_classifier_scores_the_label_asked_for_in_batches_of_its_size(tiny_classifier_dir):
+    """`reward.label: 0` scores the first logit; `batch_size` 2 over three completions scores each
+    as it scores alone; a label past the last logit is refused when the classifier loads."""
+    fn = build_reward(RewardConfig(kind="classifier", model=str(tiny_classifier_dir), quantization="none",
+                                   label=0, batch_size=2))
+    prompts, completions = ["the film", "a film", "the"], [" good great", " bad", " awful film a good"]
+    scores = score_completions(fn, RewardBatch(prompts, completions))
+    expected = plain_forward_scores(tiny_classifier_dir, [p + c for p, c in zip(prompts, completions)], label=0)
+    assert scores == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(RecipeError, match="^reward.label: 2 is out of range for a classifier with 2 labels$"):
+        build_reward(RewardConfig(kind="classifier", model=str(tiny_classifier_dir), quantization="none", label=2))
+
+
+def test_a_classifier_without_a_template_reads_the_special_tokens_its_tokenizer_adds(tmp_path):
+    """Plain text gets what the classifier's tokenizer puts before any text (the [CLS] its head was
+    trained to read); only a chat template, which writes its own, goes without."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(CLASSIFIER_WORDS) + 1, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, num_labels=2,
+                         pad_token_id=0)
+    folder = _save_classifier(tmp_path / "rm", LlamaForSequenceClassification(config), first_token="[CLS]")
+    tok = AutoTokenizer.from_pretrained(folder)
+    cls = tok.convert_tokens_to_ids("[CLS]")
+    assert tok("the film")["input_ids"][0] == cls  # the case under test
+    fn = build_reward(RewardConfig(kind="classifier", model=str(folder), quantization="none"))
+    [score] = score_completions(fn, RewardBatch(["the film"], [" good"]))
+    with torch.no_grad():
+        expected = fn.model(**tok("the film good", return_tensors="pt")).logits[0, 1].item()
+        without = fn.model(**tok("the film good", return_tensors="pt", add_special_tokens=False)).logits[0, 1].item()
+    assert score == pytest.approx(expected, abs=1e-5) and score != pytest.approx(without, abs=1e-5)
+
+
+def test_a_classifier_named_wrong_is_refused_before_the_policy_loads(tmp_path, tiny_classifier_dir):
+    """`check_classifiers` reads the tokenizer, and the config (quantized: the head, found on the meta
+    device, so a model that is no sequence classifier fails here, not after minutes of loading)."""
+    import shutil
+
+    from transformers import AutoTokenizer, ViTConfig
+
+    from lora_ppo.rewards import check_classifiers
+
+    def check(folder, quantization):
+        check_classifiers(RewardConfig(kind="classifier", model=str(folder), quantization=quantization),
+                          ModelConfig(quantization="4bit"))
+
+    refused = "^reward.model: cannot load a sequence classifier from '{}': "
+    weights_only = tmp_path / "weights-only"
+    weights_only.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_classifier_dir / name, weights_only / name)
+    with pytest.raises(RecipeError, match=refused.format(weights_only)):
+        check(weights_only, "none")
+    tokenizer_only = tmp_path / "tokenizer-only"
+    AutoTokenizer.from_pretrained(tiny_classifier_dir).save_pretrained(tokenizer_only)
+    with pytest.raises(RecipeError, match=refused.format(tokenizer_only)):
+        check(tokenizer_only, "none")
+    image_model = tmp_path / "image-model"  # a config no sequence-classification class takes
+    AutoTokenizer.from_pretrained(tiny_classifier_dir).save_pretrained(image_model)
+    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(
+        image_model)
+    check(image_model, "none")  # unquantized, the config alone is read: loading it says what is wrong
+    with pytest.raises(RecipeError, match=refused.format(image_model)):
+        check(image_model, None)  # the policy's 4-bit: the head is looked for
+    check(tiny_classifier_dir, None)
+
+
+def test_each_source_gets_the_policys_settings_and_the_adapter_its_scorer(tiny_classifier_dir):
+    """A classifier source without settings of its own loads as the policy does (here unquantized,
+    against the 4-bit default); an adapter source scores with the backbone's scorer."""
+    import bitsandbytes as bnb
+
+    from lora_ppo.rewards import build_reward_sources
+
+    cfg = RewardConfig(sources=[{"kind": "classifier", "model": str(tiny_classifier_dir)},
+                                {"kind": "adapter", "adapter": str(tiny_classifier_dir)}])
+    ids, mask = torch.tensor([[4, 5], [6, 7]]), torch.ones(2, 2, dtype=torch.long)
+    sources = build_reward_sources(cfg, ModelConfig(quantization="none"),
+                                   adapter_scorer=lambda input_ids, attention_mask: input_ids[:, -1].float())
+    classifier, adapter = (s.fn for s in sources.sources)
+    assert not any(isinstance(m, bnb.nn.Linear4bit) for m in classifier.model.modules())
+    assert score_completions(adapter, RewardBatch(["p", "q"], ["c", "d"], model_input=(ids, mask))) == [5.0, 7.0]
+
+
+def test_the_user_code_clock_counts_the_outermost_call_of_the_main_thread_only():
+    """A stop request gives up on a step stuck in user code: the clock says what runs and since
+    when: the outermost call (a tool called inside a reward keeps the reward's start), never a
+    call from another thread (a timed call's worker), and a tool's call counts by default."""
+    import threading
+
+    from lora_ppo.rewards import USER_CODE, run_within
+
+    assert USER_CODE.since is None
+    with USER_CODE.running("reward function judge"):
+        started = USER_CODE.since
+        with USER_CODE.running("tool search"):
+            assert (USER_CODE.what, USER_CODE.since) == ("reward function judge", started)
+        assert (USER_CODE.what, USER_CODE.since) == ("reward function judge", started)
+    assert (USER_CODE.what, USER_CODE.since) == ("", None)
+
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(run_within(lambda: USER_CODE.since, None, "tool t")))
+    worker.start()
+    worker.join()
+    assert seen == [None]
+    assert run_within(lambda: USER_CODE.what, None, "tool search") == "tool search"
+    assert run_within(lambda: USER_CODE.what, None, "a lexicon", user_code=False) == ""
+
+
+def test_a_function_without_a_readable_signature_is_called_with_prompts_then_completions():
+    """Some callables (C extensions) have no signature to read: called as fn(prompts, completions),
+    and nothing is asked of the data's columns."""
+    from lora_ppo.rewards import check_reward_columns
+
+    class Compiled:
+        __signature__ = "unreadable"  # inspect.signature raises TypeError, as for many C callables
+
+        def __call__(self, prompts, completions):
+            return [float(len(p)) for p in prompts]
+
+    assert score_completions(Compiled(), RewardBatch(["a", "bbb"], ["cc", "d"])) == [1.0, 3.0]
+    check_reward_columns(RewardConfig(kind="vader"), [], "d", reward_fn=Compiled())
+
+
+def test_a_timed_reward_returns_its_scores_and_only_user_functions_count_as_user_code():
+    """With reward.timeout_s a function that returns in time gives its scores; the clock counts a
+    recipe's function, never the package's own sources (a lexicon, a classifier, an adapter)."""
+    from lora_ppo.rewards import USER_CODE
+
+    def users(prompts, completions):
+        return [float(USER_CODE.what == "reward function users")] * len(completions)
+
+    def packaged(prompts, completions):
+        return [float(USER_CODE.since is None)] * len(completions)
+
+    packaged.__module__ = "lora_ppo.rewards"
+    batch = RewardBatch(["a", "b"], ["c", "d"])
+    assert score_completions(users, batch, timeout_s=60.0) == [1.0, 1.0]
+    assert score_completions(users, batch) == [1.0, 1.0]
+    assert score_completions(packaged, batch) == [1.0, 1.0]
+
+
+def test_a_timed_reward_is_waited_for():
+    """The function returns only once the caller waits on it (seen in the main thread's stack),
+    so what is tested is the wait, not how fast either thread runs."""
+    import threading
+
+    main, done = threading.main_thread().ident, threading.Event()
+    caller_waits = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            frame = sys._current_frames().get(main)
+            while frame is not None:
+                if frame.f_code.co_name == "join" and frame.f_code.co_filename == threading.__file__:
+                    caller_waits.set()
+                    return
+                frame = frame.f_back
+            done.wait(0.001)
+
+    def returns_once_waited_for(prompts, completions):
+        caller_waits.wait()
+        return [1.0] * len(completions)
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        assert score_completions(returns_once_waited_for, RewardBatch(["a"], ["b"]), timeout_s=600.0) == [1.0]
+    finally:
+        done.set()
+        caller_waits.set()
