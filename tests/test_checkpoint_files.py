@@ -11,6 +11,7 @@ import json
 import platform
 import random
 from collections import namedtuple
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -33,7 +34,8 @@ def roles(make_roles):
     return make_roles(seed=3)
 
 
-def trainables(roles, generator: torch.Generator = None, optimizer_state: str = "device") -> checkpoint.Trainables:
+def trainables(roles, generator: Optional[torch.Generator] = None,
+               optimizer_state: str = "device") -> checkpoint.Trainables:
     optimizer = adamw([{"params": roles.policy_parameters() + roles.value_parameters(), "lr": 1e-3}],
                       optimizer_state, 1e-8)
     return checkpoint.Trainables(roles, (POLICY, VALUE), optimizer, None, generator or torch.Generator())
@@ -60,7 +62,17 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed)
 
 
-def test_each_process_of_a_run_resumes_its_own_random_streams(roles, tmp_path):
+@pytest.fixture
+def own_random_streams():
+    """The process's random streams as they were before the test, after it."""
+    saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    yield
+    torch.set_rng_state(saved[0])
+    random.setstate(saved[1])
+    np.random.set_state(saved[2])
+
+
+def test_each_process_of_a_run_resumes_its_own_random_streams(roles, tmp_path, own_random_streams):
     streams = []
     for rank in range(3):  # process r drew from seed 100 + r; its minibatch generator from 200 + r
         seed_everything(100 + rank)
