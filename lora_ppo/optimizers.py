@@ -45,8 +45,7 @@ class CpuAdamW(torch.optim.Optimizer):
             [torch.empty(p.shape, dtype=torch.float32, pin_memory=pin) for p in group["params"]]
             for group in self.param_groups
         ]
-        host_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": copies}
-                       for group, copies in zip(self.param_groups, self.copies)]
+        host_groups = [{**_settings(group), "params": copies} for group, copies in zip(self.param_groups, self.copies)]
         self.host = torch.optim.AdamW(host_groups)
 
     @torch.no_grad()
@@ -71,7 +70,7 @@ class CpuAdamW(torch.optim.Optimizer):
     def _share_settings(self) -> None:
         """Give the host groups what a schedule set in the device groups (the learning rate)."""
         for group, host_group in zip(self.param_groups, self.host.param_groups):
-            host_group.update({k: v for k, v in group.items() if k != "params"})
+            host_group.update(_settings(group))
 
     def state_dict(self) -> dict[str, Any]:
         self._share_settings()  # updates skipped since the last step still moved the schedule
@@ -80,4 +79,9 @@ class CpuAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.host.load_state_dict(state_dict)
         for group, host_group in zip(self.param_groups, self.host.param_groups):
-            group.update({k: v for k, v in host_group.items() if k != "params"})
+            group.update(_settings(host_group))
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings (lr, betas, ...), without its params."""
+    return {k: v for k, v in group.items() if k != "params"}

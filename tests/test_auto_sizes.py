@@ -15,8 +15,10 @@ from typer.testing import CliRunner
 from lora_ppo import estimate as est
 from lora_ppo.cli import app
 from lora_ppo.config import field_value, recipe_from_dict
+from lora_ppo.distributed import World
 from lora_ppo.errors import RecipeError
 from lora_ppo.model_shape import ModelShape, load_shape
+from lora_ppo.sizing import with_auto_sizes
 from tests.conftest import tiny_recipe_dict
 
 runner = CliRunner()
@@ -247,9 +249,6 @@ def test_a_run_records_its_choice_and_a_resume_keeps_it(tmp_path, tiny_model_dir
     trainer.train()
     assert yaml.safe_load((out / "recipe.yaml").read_text())["ppo"]["grad_accum_steps"] == 1
     # A resume that sets the copy itself keeps what it says: only `auto` takes the recorded plan.
-    from lora_ppo.distributed import World
-    from lora_ppo.sizing import with_auto_sizes
-
     explicit = recipe_from_dict(data, ["train.steps=3", "model.dequantize_per_step=false"])
     assert with_auto_sizes(explicit, "auto", World()).model.dequantize_per_step is False
 
@@ -330,7 +329,6 @@ def test_a_data_parallel_run_plans_for_the_least_free_memory_of_its_processes(mo
     11.6 GB, on both, so both choose the same sizes."""
     import lora_ppo
     from lora_ppo import sizing
-    from lora_ppo.distributed import World
 
     class TwoProcesses(World):
         def gather(self, obj):
@@ -347,9 +345,6 @@ def test_a_data_parallel_run_plans_for_the_least_free_memory_of_its_processes(mo
 def test_a_resume_from_a_checkpoint_outside_any_run_plans_anew(tmp_path, tiny_model_dir):
     """A checkpoint copied away from its run folder has no recipe.yaml to take recorded sizes from:
     the plan chooses them (resolve_resume then says what the checkpoint lacks)."""
-    from lora_ppo.distributed import World
-    from lora_ppo.sizing import with_auto_sizes
-
     recipe = recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run",
                                                train={"memory_budget_gb": 4.0}, ppo={"grad_accum_steps": "auto"}))
     lonely = tmp_path / "copied" / "step-3"

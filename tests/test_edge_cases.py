@@ -18,10 +18,10 @@ from lora_ppo.cli import app
 from lora_ppo.config import RewardRecipe, recipe_from_dict, recipe_to_yaml
 from lora_ppo.errors import RecipeError
 from lora_ppo.ppo_math import WHITEN_EPS, group_advantages, masked_var, masked_whiten
-from lora_ppo.roles import POLICY, VALUE
 from lora_ppo.run_dir import RECIPE_FILE
 from lora_ppo.state import TrainState
 from tests.conftest import tiny_recipe_dict
+from tests.test_checkpoint_files import trainables
 
 NAN = float("nan")
 TOL = dict(atol=1e-6, rtol=1e-5)
@@ -76,11 +76,6 @@ def test_rloo_group_with_zero_spread_gets_zero_advantage():
 
 
 # ---- checkpoints that do not fit, and a failed publish ----------------------------------------
-
-
-def trainables(roles) -> checkpoint.Trainables:
-    optimizer = torch.optim.AdamW(roles.policy_parameters() + roles.value_parameters(), lr=1e-3)
-    return checkpoint.Trainables(roles, (POLICY, VALUE), optimizer, None, torch.Generator().manual_seed(0))
 
 
 @pytest.fixture(scope="module")
