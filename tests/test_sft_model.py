@@ -105,6 +105,26 @@ def test_packing_is_refused_where_attention_crosses_rows(trainer_for, monkeypatc
         trainer.model.check_packing("sft.packing")
 
 
+def test_target_logprobs_are_one_per_target_token_in_order(tiny_model_dir):
+    """[N]: log p(token t | tokens before it) of each target token, as a plain forward gives it."""
+    from lora_ppo.config import ModelConfig
+    from lora_ppo.model import load_base_model
+    from lora_ppo.sft.batches import Batch
+    from lora_ppo.sft.model import SFTModel
+
+    model = SFTModel(load_base_model(ModelConfig(name=str(tiny_model_dir))), SFTAdapterSettings(r=4))
+    perturb_lora_b(model, "policy", seed=1, scale=0.3)
+    ids = torch.tensor([[5, 9, 17, 33, 60, 7]])
+    targets = torch.tensor([[False, False, True, True, False, True]])  # tokens 2, 3 and 5
+    batch = Batch(ids, torch.arange(6).unsqueeze(0), torch.ones_like(ids), targets)
+    with torch.no_grad():
+        got = model.target_logprobs(batch)
+        logp = torch.log_softmax(model.peft(input_ids=ids).logits[0].double(), dim=-1)  # [T, V]
+    expected = torch.stack([logp[t - 1, ids[0, t]] for t in (2, 3, 5)]).float()
+    assert got.shape == (3,)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_dropout_acts_in_training_steps_only(tiny_model_dir):
     from lora_ppo.config import ModelConfig
     from lora_ppo.model import load_base_model

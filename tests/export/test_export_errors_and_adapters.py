@@ -36,12 +36,22 @@ def _one_error_line(result, code: int, expected: str) -> None:
 def test_adapter_only_copies_the_peft_folder(trained_run, tmp_path, adapter, expected):
     report = merge_and_export(trained_run, tmp_path / adapter, adapter=adapter, adapter_only=True)
     assert report.kind == "adapter" and report.parity is None
+    assert report.files == tuple(sorted(expected | {"README.md"}))
     source = trained_run / "final" / adapter
     assert {p.name for p in (tmp_path / adapter).iterdir()} == expected | {"README.md"}
     for name in expected:
         assert (tmp_path / adapter / name).read_bytes() == (source / name).read_bytes()
     card = (tmp_path / adapter / "README.md").read_text()
     assert "library_name: peft" in card and "PeftModel.from_pretrained" in card
+
+
+def test_adapter_only_copies_no_hidden_file_and_no_folder(run_copy, tmp_path):
+    policy = run_copy / "final" / "policy"
+    (policy / ".DS_Store").write_bytes(b"\0")  # what a file browser leaves behind
+    (policy / "notes").mkdir()
+    report = merge_and_export(run_copy, tmp_path / "policy", adapter_only=True)
+    assert report.files == ("README.md", "adapter_config.json", "adapter_model.safetensors")
+    assert sorted(p.name for p in (tmp_path / "policy").iterdir()) == list(report.files)
 
 
 def test_adapter_only_policy_loads_with_peft(trained_run, tiny_model_dir, tmp_path):
@@ -84,6 +94,41 @@ def test_corrupt_adapter_config_and_missing_value_head(run_copy, tmp_path):
     (run_copy / "final" / "policy" / "adapter_config.json").write_text("{not json")
     with pytest.raises(RecipeError, match="corrupt checkpoint: .*adapter_config.json cannot be read"):
         merge_and_export(run_copy, tmp_path / "out")
+
+
+@pytest.mark.parametrize("config", [None, [{"peft_type": "LORA"}], {"r": 4}], ids=["missing", "a list", "no peft_type"])
+def test_an_adapter_config_that_is_no_peft_config_is_refused(run_copy, tmp_path, config):
+    path = run_copy / "final" / "policy" / "adapter_config.json"
+    if config is None:
+        path.unlink()
+    else:
+        path.write_text(json.dumps(config))
+    with pytest.raises(RecipeError, match="corrupt checkpoint: .*policy has no valid adapter_config.json"):
+        merge_and_export(run_copy, tmp_path / "out", adapter_only=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_without_a_policy_says_what_it_is(run_copy, tmp_path):
+    final = run_copy / "final"
+    (final / "policy").rename(final / "reward")  # what a reward-model run (train-reward) saves in place of a policy
+    with pytest.raises(RecipeError, match="is a reward-model run's .* export it with --adapter reward --adapter-only"):
+        merge_and_export(run_copy, tmp_path / "out")
+    shutil.rmtree(final / "reward")
+    with pytest.raises(RecipeError, match="corrupt checkpoint: .* has no policy/ adapter folder$"):
+        merge_and_export(run_copy, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_on_unquantized_weights_has_no_dequantized_base(run_copy, tmp_path):
+    recipe = run_copy / "recipe.yaml"
+    recipe.write_text(recipe.read_text().replace("quantization: 4bit", "quantization: none", 1))
+    with pytest.raises(RecipeError, match="base=dequantized: this run trained on unquantized weights"):
+        merge_and_export(run_copy, tmp_path / "refused", base="dequantized")
+    assert not (tmp_path / "refused").exists()
+    # Only a merge needs a base: an adapter copy ignores it, and the original base is there to merge into.
+    assert merge_and_export(run_copy, tmp_path / "copy", base="dequantized", adapter_only=True).kind == "adapter"
+    report = merge_and_export(run_copy, tmp_path / "merged", base="original")
+    assert report.kind == "merged" and report.parity.passed
 
 
 def test_folder_without_manifest_is_refused(run_copy, tmp_path):

@@ -177,3 +177,19 @@ def test_bf16_export_passes_at_bf16_tolerance(trained_run, tmp_path):
     state = safetensors_state(tmp_path / "bf16" / "model.safetensors")
     assert {t.dtype for t in state.values()} == {torch.bfloat16}
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_cli_prints_both_parity_reports_of_a_bf16_export_then_where_it_went(trained_run, tmp_path):
+    from typer.testing import CliRunner
+
+    from lora_ppo.cli import app
+
+    out = tmp_path / "bf16"
+    result = CliRunner().invoke(app, ["merge-and-export", str(trained_run), "--out", str(out), "--dtype", "bf16"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    reports = [ln for ln in lines if ln.startswith("parity: ")]
+    # The merge checked in fp32 before the cast, then the bf16 files as written.
+    assert len(reports) == 2 and "merged fp32 weights (before the cast)" in reports[0]
+    assert "exported bf16 model" in reports[1] and lines.count("  passed") == 2
+    assert lines[-1] == f"exported the policy adapter merged into the original base (bf16) to {out}"

@@ -23,6 +23,10 @@ def test_limits_follow_the_coarser_dtype():
     assert tolerance_for(torch.float32, torch.bfloat16) == TOLERANCES[torch.bfloat16]
     assert tolerance_for(torch.float16, torch.float32) == TOLERANCES[torch.float16]
     assert tolerance_for(torch.float16, torch.bfloat16) == TOLERANCES[torch.bfloat16]
+    # The order of the two does not matter.
+    assert tolerance_for(torch.float32, torch.float16) == TOLERANCES[torch.float16]
+    assert tolerance_for(torch.bfloat16, torch.float16) == TOLERANCES[torch.bfloat16]
+    assert tolerance_for(torch.bfloat16, torch.float32) == TOLERANCES[torch.bfloat16]
 
 
 @pytest.mark.parametrize("changes, phrase", [
