@@ -5,7 +5,7 @@ repository, and report the mutants no test notices. The working tree is never ed
     python bench/mutation.py --target lora_ppo/atomic.py       # one file, about 10 min on 2 cores
     python bench/mutation.py --target lora_ppo/roles.py:position_ids_for,last_real_index --list
     python bench/mutation.py --target lora_ppo/update.py --max-mutants 70 --json /tmp/update.json
-    python bench/mutation.py --update-results                  # every default target (about 240 min)
+    python bench/mutation.py --update-results                  # every default target (about 250 min)
 
 A target is `path` or `path:name,name`, where a name is a function, method or class, and
 `name@text` keeps only the lines of `name` that contain `text`. Known-equivalent mutants are
@@ -112,13 +112,17 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
     "lora_ppo/model_card.py": (["tests/export/test_model_card.py", "tests/export/test_merge.py",
                                 "tests/export/test_export_errors_and_adapters.py"], []),
     "lora_ppo/sft/model.py": (["tests/test_sft_model.py"], []),
+    "lora_ppo/evaluation.py": (["tests/test_evaluation.py", "tests/test_agent_episodes_scripted.py"], []),
+    "lora_ppo/run_dir.py": (["tests/test_run_dir.py", "tests/test_checkpoint_files.py",
+                             "tests/export/test_export_errors_and_adapters.py"], []),
+    "lora_ppo/agents/tools.py": (["tests/test_agent_tools.py", "tests/test_agent_episodes_scripted.py"], []),
 }
 
 # The numerical code issue #32 asks about (trainer, rollout and roles only in part), the layouts
 # of trimmed and packed micro-batches (issue 41), the LoRA layers' forwards (every pass runs one), the
 # role switches that choose their adapter, the perf/* throughput a run reports (issue 41), the
-# alarms a run raises, and SFT's rows, batches and target logprobs (which tokens the loss predicts,
-# and how). Targets too, not default ones: the auto sizes' choices in estimate.py (312 mutants at
+# alarms a run raises, SFT's rows, batches and target logprobs (which tokens the loss predicts, and
+# how), and the held-out evaluation's means and standard errors. Targets too, not default ones: the auto sizes' choices in estimate.py (312 mutants at
 # about 20 s each), the reward sources (rewards.py, about 65 min), the checkpoints (checkpoint.py,
 # about 140 min: a survivor runs resumed training runs), and merge-and-export (export.py,
 # parity.py, model_card.py: about 45, 40 and 10 min).
@@ -141,6 +145,7 @@ DEFAULT_TARGETS = [
     "lora_ppo/sft/batches.py",
     "lora_ppo/sft/rows.py",
     "lora_ppo/sft/model.py",
+    "lora_ppo/evaluation.py",
 ]
 
 # Calls that only report: mutating them changes what is said, never what is computed.
