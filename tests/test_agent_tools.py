@@ -4,16 +4,21 @@ tokenizer's own response_template), tools run with every failure turned into tex
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from lora_ppo.agents.tools import (
     ToolCall,
+    cut_short,
     load_tools,
     parse_tool_calls,
     run_tool,
+    template_renders_tools,
     tool_message,
     tool_schemas,
+    tools_system_message,
+    with_system_text,
 )
 from lora_ppo.errors import RecipeError
 
@@ -155,6 +160,59 @@ def test_arguments_that_are_not_an_object_carry_the_error():
 def test_broken_json_after_the_python_tag_is_a_call_carrying_the_error():
     (call,) = parse_tool_calls('<|python_tag|>{"name": "weather", "parameters": ')
     assert call.name == "weather" and call.arguments["__error__"].startswith("the tool call is not valid JSON")
+
+
+def test_a_broken_mistral_list_names_the_tool_it_meant():
+    (call,) = parse_tool_calls('[TOOL_CALLS] [{"name": "weather", "arguments": {"city": ')
+    assert call.name == "weather"
+    assert call.arguments["__error__"].startswith("the [TOOL_CALLS] list is not valid JSON (")
+
+
+def test_a_call_that_is_no_object_or_has_unreadable_arguments_carries_the_error():
+    assert parse_tool_calls('[TOOL_CALLS] ["weather"]') == [
+        ToolCall("", {"__error__": 'a tool call is a JSON object with a "name" and its "arguments"'})]
+    (call,) = parse_tool_calls('<tool_call>{"name": "add", "arguments": "{a: 1"}</tool_call>')
+    assert call.name == "add" and call.arguments["__error__"].startswith('"arguments" is text that is not valid JSON (')
+
+
+BROKEN = ToolCall("add", {"__error__": "the tool call is not valid JSON (Expecting value)"})
+CUT = ToolCall("add", {"__error__": "the tool call was cut off by the token limit (rollout.max_new_tokens: 24) "
+                                    "before it ended"})
+
+
+@pytest.mark.parametrize("calls, expected", [
+    ([], []),
+    ([PARIS], [PARIS]),  # the turn ended on a readable call: nothing was cut
+    ([BROKEN, PARIS], [BROKEN, PARIS]),
+    ([PARIS, BROKEN], [PARIS, CUT]),  # only the last call can have been cut
+    ([BROKEN, BROKEN], [BROKEN, CUT]),
+])
+def test_a_turn_cut_by_the_token_limit_blames_the_limit_for_its_last_unreadable_call(calls, expected):
+    assert cut_short(calls, "rollout.max_new_tokens: 24") == expected
+
+
+def test_a_template_that_fails_on_tools_does_not_render_them():
+    def apply_chat_template(messages, tools=None, **_):
+        if tools is not None:
+            raise ValueError("this template takes no tools")  # as a jinja raise_exception does
+        return "<|user|>What can you do?"
+
+    assert not template_renders_tools(SimpleNamespace(apply_chat_template=apply_chat_template), [{"name": "add"}])
+
+
+def test_the_tools_system_message_keeps_text_as_written():
+    text = tools_system_message([{"name": "météo", "description": "La température à Paris"}])
+    assert '{"name": "météo", "description": "La température à Paris"}' in text.splitlines()
+
+
+def test_the_tools_text_closes_the_system_message_or_comes_first_as_its_own():
+    user = {"role": "user", "content": "Hi"}
+    system = {"role": "system", "content": "Be brief.", "name": "rules"}
+    assert with_system_text([system, user, {"role": "assistant", "content": "Hello"}], "TOOLS") == [
+        {"role": "system", "content": "Be brief.\n\nTOOLS", "name": "rules"}, user,
+        {"role": "assistant", "content": "Hello"}]
+    assert with_system_text([user], "TOOLS") == [{"role": "system", "content": "TOOLS"}, user]
+    assert with_system_text([], "TOOLS") == [{"role": "system", "content": "TOOLS"}]
 
 
 # ---- parsing: the tokenizer's own response_template -------------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lora_ppo.errors import RecipeError
 from lora_ppo.run_dir import (
     MANIFEST_FILE,
     RunDir,
@@ -68,6 +69,60 @@ def test_moving_a_run_aside_keeps_everything_and_picks_a_free_name(tmp_path):
     run.start("recipe\n")
     second = run.move_aside()
     assert second != first and second.exists() and first.exists()
+
+
+def test_runs_moved_aside_in_the_same_second_are_numbered_from_2(tmp_path, monkeypatch):
+    from lora_ppo import run_dir
+
+    monkeypatch.setattr(run_dir.time, "strftime", lambda fmt: "20261129-120000")
+    run = RunDir(tmp_path / "quickstart")
+    names = []
+    for step in range(3):
+        run.start("recipe\n")
+        append_jsonl(run.metrics, {"step": step})
+        names.append(run.move_aside().name)
+    assert names == ["quickstart.old-20261129-120000", "quickstart.old-20261129-120000-2",
+                     "quickstart.old-20261129-120000-3"]
+    assert [read_jsonl(tmp_path / name / "metrics.jsonl") for name in names] == [[{"step": 0}], [{"step": 1}], [{"step": 2}]]
+
+
+@pytest.mark.parametrize("written", ["recipe.yaml", "metrics.jsonl"])
+def test_a_run_stopped_before_its_first_checkpoint_is_moved_aside_by_the_next(tmp_path, written):
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    (run.root / written).write_text("left by a run that stopped\n")
+    assert run.holds_run() and not run.has_checkpoint()
+    moved = run.open("new recipe\n")
+    assert moved is not None and (moved / written).read_text() == "left by a run that stopped\n"
+    assert sorted(p.name for p in run.root.iterdir()) == ["recipe.yaml"]
+    assert RunDir(tmp_path / "empty").open("recipe\n") is None
+
+
+@pytest.mark.parametrize("resumed_from", ["nothing named", "the same folder"])
+def test_a_run_resumed_in_its_own_folder_trims_its_lines_in_place(tmp_path, resumed_from):
+    run = RunDir(tmp_path / "run")
+    run.start("old recipe\n")
+    for step in range(1, 4):
+        append_jsonl(run.metrics, {"step": step})
+    same = RunDir(tmp_path / "sub" / ".." / "run") if resumed_from == "the same folder" else None
+    assert run.open("new recipe\n", resume_lines=(2, 0), resumed_run=same) is None
+    assert read_jsonl(run.metrics) == [{"step": 1}, {"step": 2}] and run.recipe.read_text() == "new recipe\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing moved aside
+
+
+def test_the_write_test_leaves_no_file_behind(tmp_path, monkeypatch):
+    run = RunDir(tmp_path / "new" / "run")
+    run.check_writable()
+    assert list(tmp_path.iterdir()) == []
+
+    def fills_the_disk(self, data):  # the file is made, then the write fails
+        Path.touch(self)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", fills_the_disk)
+    with pytest.raises(RecipeError, match="cannot write in .*: No space left on device"):
+        run.check_writable()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_output_dir_that_cannot_be_written_is_refused_before_anything_loads(tmp_path, tiny_model_dir, monkeypatch):
@@ -143,3 +198,47 @@ def test_a_disk_that_fills_up_under_the_runs_logs_is_one_line(tmp_path, tiny_mod
         assert last.startswith(f"error: cannot write {disk / 'run'}") and last.endswith(
             ": No space left on device; no checkpoint was saved yet (run again once the folder can be written)")
         assert "Traceback" not in result.output
+
+
+def test_a_checkpoint_resumed_in_a_new_folder_starts_there_with_the_lines_up_to_it(tmp_path):
+    old = RunDir(tmp_path / "old")
+    old.start("old recipe\n")
+    for step in range(1, 4):
+        append_jsonl(old.metrics, {"step": step})
+    for step in (1, 3):
+        append_jsonl(old.samples, {"step": step})
+    for prompt in ("a", "b"):
+        append_jsonl(old.eval_before, {"prompt": prompt})
+    new = RunDir(tmp_path / "runs" / "2026" / "continued")  # parents that do not exist yet
+
+    assert new.open("new recipe\n", resume_lines=(2, 1), resumed_run=old) is None
+    assert new.recipe.read_text() == "new recipe\n"
+    assert read_jsonl(new.metrics) == [{"step": 1}, {"step": 2}] and read_jsonl(new.samples) == [{"step": 1}]
+    assert read_jsonl(new.eval_before) == [{"prompt": "a"}, {"prompt": "b"}]  # the held-out records, whole
+    assert len(read_jsonl(old.metrics)) == 3 and old.recipe.read_text() == "old recipe\n"  # the old run untouched
+
+
+def test_resuming_makes_a_missing_folder_and_needs_no_summary(tmp_path):
+    run = RunDir(tmp_path / "a" / "b")
+    run.resume("recipe\n", metrics_lines=0, samples_lines=0)
+    assert run.recipe.read_text() == "recipe\n" and not run.summary.exists()
+
+
+def test_a_checkpoints_summary_is_the_runs_and_none_before_the_run_ends(tmp_path):
+    from lora_ppo.run_dir import find_checkpoint
+
+    run = RunDir(tmp_path / "run")
+    run.start("recipe\n")
+    checkpoint = find_checkpoint(_checkpoint(run.step_checkpoint(1)))
+    assert checkpoint.step == 1 and checkpoint.summary() is None
+    run.write_summary({"steps": 4, "heldout_score_after": 0.5})
+    assert checkpoint.summary() == {"steps": 4, "heldout_score_after": 0.5}
+
+
+def test_write_jsonl_replaces_a_file_with_one_record_per_line(tmp_path):
+    from lora_ppo.run_dir import write_jsonl
+
+    path = tmp_path / "eval_after.jsonl"
+    path.write_text('{"old": true}\n')
+    write_jsonl(path, [{"prompt": "a", "score": 1.5}, {"prompt": "b", "score": -2}])
+    assert path.read_text() == '{"prompt": "a", "score": 1.5}\n{"prompt": "b", "score": -2}\n'
