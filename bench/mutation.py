@@ -122,11 +122,11 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
 # of trimmed and packed micro-batches (issue 41), the LoRA layers' forwards (every pass runs one), the
 # role switches that choose their adapter, the perf/* throughput a run reports (issue 41), the
 # alarms a run raises, SFT's rows, batches and target logprobs (which tokens the loss predicts, and
-# how), and the held-out evaluation's means and standard errors. Targets too, not default ones: the auto sizes' choices in estimate.py (312 mutants at
-# about 20 s each), the reward sources (rewards.py, about 65 min), the checkpoints (checkpoint.py,
-# about 140 min: a survivor runs resumed training runs), merge-and-export (export.py, parity.py,
-# model_card.py: about 45, 40 and 10 min), the run folder (run_dir.py, about 20 min) and the
-# agents' tools (agents/tools.py, about 11 min).
+# how), and the held-out evaluation's means and standard errors. Targets too, not default ones: the
+# auto sizes' choices in estimate.py (312 mutants at about 20 s each), the reward sources
+# (rewards.py, about 65 min), the checkpoints (checkpoint.py, about 140 min: a survivor runs resumed
+# training runs), merge-and-export (export.py, parity.py, model_card.py: about 45, 40 and 10 min),
+# the run folder (run_dir.py, about 20 min) and the agents' tools (agents/tools.py, about 11 min).
 DEFAULT_TARGETS = [
     "lora_ppo/atomic.py",
     "lora_ppo/verifiable.py",

@@ -16,6 +16,8 @@ from lora_ppo.data import PromptRow
 from lora_ppo.evaluation import Evaluation, distinct_n, evaluate, format_evaluation, per_prompt_means
 from lora_ppo.rewards import RewardSources, WeightedSource
 from lora_ppo.rollout import Samples, left_pad
+from tests.conftest import prompt_rows
+from tests.test_agent_episodes_scripted import ScriptedPolicy, again_settings
 
 PAD = 0
 
@@ -64,6 +66,11 @@ def _mean_and_se(values: list[float], n_prompts: int) -> tuple[float, float]:
     return statistics.fmean(means), statistics.stdev(means) / math.sqrt(n_prompts)
 
 
+def _distinct_by_hand(sequences: list[list[int]], n: int) -> float:
+    grams = [tuple(seq[i:i + n]) for seq in sequences for i in range(len(seq) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
 def test_each_metric_is_the_mean_of_the_prompts_means_with_its_standard_error():
     sampler = RandomTokens(batch_size=4)  # 6 completions: batches of 4 and 2
     rewards = RewardSources([WeightedSource("count", _count, 1.0), WeightedSource("sevenths", _sevenths, 2.0)],
@@ -80,8 +87,8 @@ def test_each_metric_is_the_mean_of_the_prompts_means_with_its_standard_error():
     for name, values in expected.items():
         mean, se = _mean_and_se(values, 3)
         assert scores[name] == pytest.approx(mean, rel=1e-12) and scores[f"{name}_se"] == pytest.approx(se, rel=1e-9)
-    assert scores["distinct_1"] == pytest.approx(distinct_by_hand(written, 1))
-    assert scores["distinct_2"] == pytest.approx(distinct_by_hand(written, 2))
+    assert scores["distinct_1"] == pytest.approx(_distinct_by_hand(written, 1))
+    assert scores["distinct_2"] == pytest.approx(_distinct_by_hand(written, 2))
     assert set(scores) == {*(k for name in expected for k in (name, f"{name}_se")), "distinct_1", "distinct_2"}
 
     # One record per completion, in order: prompt k // 2 and sample k % 2, with its own scores.
@@ -93,15 +100,7 @@ def test_each_metric_is_the_mean_of_the_prompts_means_with_its_standard_error():
             {name: expected[name][k] for name in ("score", "count", "sevenths", "first")})
 
 
-def distinct_by_hand(sequences: list[list[int]], n: int) -> float:
-    grams = [tuple(seq[i:i + n]) for seq in sequences for i in range(len(seq) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else 0.0
-
-
 def test_an_episodes_score_is_its_last_turn_scored_plus_the_environments_rewards(tiny_tokenizer):
-    from tests.conftest import prompt_rows
-    from tests.test_agent_episodes_scripted import ScriptedPolicy, again_settings
-
     turns = ["Hello there, I think it is four.", "Fine, five."]
     last_turn = tiny_tokenizer(turns[1], add_special_tokens=False)["input_ids"] + [tiny_tokenizer.eos_token_id]
 
@@ -143,7 +142,6 @@ def test_the_seed_decides_the_completions_and_the_callers_stream_is_untouched():
 
 
 def test_the_kl_is_each_responses_sum_of_policy_minus_reference_logprobs(make_roles, tiny_tokenizer):
-    from tests.conftest import prompt_rows
 
     roles = make_roles(perturbed=("policy",))
     sampler = RandomTokens(batch_size=4, roles=roles, temperature=0.7)

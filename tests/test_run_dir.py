@@ -13,9 +13,11 @@ from lora_ppo.run_dir import (
     MANIFEST_FILE,
     RunDir,
     append_jsonl,
+    find_checkpoint,
     find_run_root,
     is_checkpoint,
     read_jsonl,
+    write_jsonl,
 )
 
 
@@ -225,8 +227,6 @@ def test_resuming_makes_a_missing_folder_and_needs_no_summary(tmp_path):
 
 
 def test_a_checkpoints_summary_is_the_runs_and_none_before_the_run_ends(tmp_path):
-    from lora_ppo.run_dir import find_checkpoint
-
     run = RunDir(tmp_path / "run")
     run.start("recipe\n")
     checkpoint = find_checkpoint(_checkpoint(run.step_checkpoint(1)))
@@ -236,8 +236,6 @@ def test_a_checkpoints_summary_is_the_runs_and_none_before_the_run_ends(tmp_path
 
 
 def test_write_jsonl_replaces_a_file_with_one_record_per_line(tmp_path):
-    from lora_ppo.run_dir import write_jsonl
-
     path = tmp_path / "eval_after.jsonl"
     path.write_text('{"old": true}\n')
     write_jsonl(path, [{"prompt": "a", "score": 1.5}, {"prompt": "b", "score": -2}])
