@@ -29,6 +29,10 @@ from lora_ppo.roles import POLICY, Role
 from lora_ppo.rollout import (Rollout, Sampler, join_prompt_response, left_pad, masked_rows, row_seeds,
                               score_and_reward)
 
+# Stands for an assistant message's text when reading what the template writes after it.
+TURN_MARKER = "LORA_PPO_TURN_TEXT"
+
+
 @dataclass(frozen=True)
 class EpisodeSettings:
     """The recipe's episode limits and what the policy talks to."""
@@ -142,13 +146,20 @@ class ChatRenderer:
         if not after.startswith(before):
             raise EpisodeError("the chat template renders earlier turns differently once messages follow them; "
                                "multi-turn episodes need a template that only appends")
-        content = history[-1]["content"]
-        at = before.rfind(content) if content else -1
-        tail = before[at + len(content):] if at >= 0 else ""
+        tail = self._end_of_turn(history)
         written = self.tokenizer.decode(action_ids[-1:]) if action_ids else ""
         if written and tail.startswith(written):
             tail = tail[len(written):]  # the action's own stop token already closed the turn
         return self.encode(tail + after[len(before):])
+
+    def _end_of_turn(self, history: Messages) -> str:
+        """What the template writes after the last assistant message's text, read from a rendering
+        with a marker in place of the text: the template may strip or rewrite the text, and an
+        empty turn (the policy stopped at once) has no text to find."""
+        marked = history[:-1] + [{**history[-1], "content": TURN_MARKER}]
+        rendered = self.render(marked, add_generation_prompt=False)
+        at = rendered.rfind(TURN_MARKER)
+        return rendered[at + len(TURN_MARKER):] if at >= 0 else ""
 
 
 def transcript_text(messages: Messages) -> str:

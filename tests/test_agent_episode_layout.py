@@ -1,0 +1,226 @@
+"""An episode's tokens, written out by hand: what the chat template puts between turns (after a
+stopped, an empty or a cut turn, with a template that trims the text, with a tokenizer that adds
+a BOS token), the budget cutting each row's last turn to its own tokens left, an observation with
+no room after it, the flags and rewards the limits leave, and whose format the tool calls are
+read in. The policy is scripted (tests/test_agent_episodes_scripted.py), so every token is known."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import processors
+
+from lora_ppo.agents.environment import Observation
+from lora_ppo.agents.episodes import EpisodeSettings, run_episodes
+from lora_ppo.config import RolloutConfig
+from lora_ppo.parts import episode_settings
+from tests.conftest import CHAT_TEMPLATE, prompt_rows
+from tests.test_agent_episodes_scripted import ADD_CALL, ScriptedPolicy, again_settings
+from tests.test_agent_tools import QWEN_TEMPLATE, RESPONSE_TEMPLATE
+
+PROMPT = "What is 2 plus 3?"
+AGAIN = "<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"  # the template's user turn and header
+
+
+class Reply:
+    """Answers every turn with the row's `reply` column (so rows get observations of their own
+    lengths) and never ends the episode: only the limits do."""
+
+    def __init__(self, reply: str):
+        self.reply = reply
+
+    def step(self, message):
+        return Observation([{"role": "user", "content": self.reply}])
+
+
+def ids_of(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def copy_of(tokenizer):
+    copy = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    copy.pad_token, copy.padding_side = tokenizer.pad_token, "left"
+    return copy
+
+
+def trimming(tokenizer):
+    copy = copy_of(tokenizer)
+    copy.chat_template = CHAT_TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] | trim }}")
+    return copy
+
+
+def adding_bos(tokenizer):
+    """Like Llama's tokenizers: a plain call puts the BOS token first."""
+    copy = copy_of(tokenizer)
+    copy._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{copy.bos_token} $A", special_tokens=[(copy.bos_token, copy.bos_token_id)])
+    assert copy("x")["input_ids"][0] == copy.bos_token_id
+    return copy
+
+
+# ---- what the template writes between turns --------------------------------------------------
+
+
+@pytest.mark.parametrize("first_turn, stopped, max_new_tokens, tokenizer_of, between", [
+    # the action's own stop token (<|im_end|>) closed the turn: the rest of the template's end of turn
+    ("Four.", True, 400, None, "\n" + AGAIN),
+    # the policy stopped at once: an empty message, still followed by the template's "\n"
+    ("", True, 400, None, "\n" + AGAIN),
+    # cut by max_new_tokens: the whole end-of-turn marker is the template's
+    ("Four and more words here", False, 3, None, "<|im_end|>\n" + AGAIN),
+    # the template trims the text it writes (as Llama 3's does): the end of turn is found all the same
+    (" Four. ", True, 400, trimming, "\n" + AGAIN),
+    (" Four and more words here", False, 3, trimming, "<|im_end|>\n" + AGAIN),
+    # observations are encoded without the BOS token a plain call would add
+    ("Four.", True, 400, adding_bos, "\n" + AGAIN),
+], ids=["stopped", "empty-turn", "cut", "trimming-template", "trimming-template-cut", "bos-tokenizer"])
+def test_the_tokens_between_turns_are_what_the_template_writes_between_them(
+        tiny_tokenizer, first_turn, stopped, max_new_tokens, tokenizer_of, between):
+    tokenizer = tokenizer_of(tiny_tokenizer) if tokenizer_of else tiny_tokenizer
+    eos = tokenizer.eos_token_id
+    rows = prompt_rows(tokenizer, [PROMPT], chat_template=True, turns=[2])
+    policy = ScriptedPolicy(tokenizer, [first_turn, "Five."], [stopped, True], max_new_tokens=max_new_tokens)
+    batch = run_episodes(policy, rows, again_settings(max_turns=2, max_episode_tokens=None))
+
+    first = ids_of(tokenizer, first_turn)[:max_new_tokens] + [eos] * stopped
+    second = ids_of(tokenizer, "Five.")[:max_new_tokens]
+    second += [eos] * (len(second) < max_new_tokens)
+    observation = ids_of(tokenizer, between)
+    assert batch.queries()[0] == list(rows[0].ids)
+    assert batch.completion_ids()[0] == first + observation + second
+    assert batch.action_mask()[0] == [True] * len(first) + [False] * len(observation) + [True] * len(second)
+    assert tokenizer.decode(observation) == between  # no BOS, nothing the template does not write
+    assert batch.transcripts[0] == [
+        {"role": "user", "content": PROMPT},
+        {"role": "assistant", "content": tokenizer.decode(first, skip_special_tokens=True)},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": tokenizer.decode(second, skip_special_tokens=True)}]
+    assert batch.last_turn_ids == [second] and batch.completions == [tokenizer.decode(second, skip_special_tokens=True)]
+    assert batch.metrics["episode/observation_tokens"] == len(observation)
+
+
+# ---- the episode budget ------------------------------------------------------------------------
+
+
+def reply_rows(tokenizer, replies):
+    return prompt_rows(tokenizer, [PROMPT] * len(replies), chat_template=True, reply=replies)
+
+
+def reply_settings(budget: int) -> EpisodeSettings:
+    return EpisodeSettings(max_turns=4, max_episode_tokens=budget, environment=Reply,
+                           environment_name="tests.test_agent_episode_layout:Reply")
+
+
+LONG_TURN = "I think it is four, or maybe five, I cannot say which of the two it is."
+
+
+def test_the_budget_cuts_each_rows_last_turn_to_its_own_tokens_left(tiny_tokenizer):
+    """Two rows whose observations differ in length: the turn after them is sampled for the row
+    with more room, and the other row's copy is cut to its own tokens left; both end at exactly
+    the budget, truncated, not stopped."""
+    eos = tiny_tokenizer.eos_token_id
+    replies = ["ok", "a much longer answer than the other one"]
+    observations = [ids_of(tiny_tokenizer, f"\n<|im_start|>user\n{r}<|im_end|>\n<|im_start|>assistant\n")
+                    for r in replies]
+    first = ids_of(tiny_tokenizer, "Four.") + [eos]
+    budget = len(first) + len(observations[1]) + 2  # row 1 has 2 tokens left for its second turn
+    left = [budget - len(first) - len(o) for o in observations]
+    assert left[1] == 2 < left[0] < len(ids_of(tiny_tokenizer, LONG_TURN))
+
+    policy = ScriptedPolicy(tiny_tokenizer, ["Four.", LONG_TURN, "never sampled"], [True, True, True], max_new_tokens=40)
+    batch = run_episodes(policy, reply_rows(tiny_tokenizer, replies), reply_settings(budget))
+
+    second = ids_of(tiny_tokenizer, LONG_TURN)
+    for i in range(2):
+        assert batch.completion_ids()[i] == first + observations[i] + second[: left[i]]
+        assert len(batch.completion_ids()[i]) == budget
+        assert batch.action_mask()[i] == [True] * len(first) + [False] * len(observations[i]) + [True] * left[i]
+        assert batch.last_turn_ids[i] == second[: left[i]]
+    assert policy.turn == 2  # no third turn: the budget is spent
+    assert batch.stopped.tolist() == [False, False]
+    assert batch.metrics["episode/truncated_frac"] == 1.0 and batch.metrics["episode/turn_limit_frac"] == 0.0
+    assert batch.metrics["episode/turns"] == 2.0
+    assert batch.metrics["episode/observation_tokens"] == (len(observations[0]) + len(observations[1])) / 2
+
+
+def test_an_observation_that_leaves_no_room_for_a_turn_ends_the_episode_before_it(tiny_tokenizer):
+    """Row 1's observation would fill the budget: it is not added, and row 1 ends after its first
+    turn; row 0's shorter one fits, and its second turn gets the tokens left."""
+    eos = tiny_tokenizer.eos_token_id
+    replies = ["ok", "a much longer answer than the other one"]
+    observations = [ids_of(tiny_tokenizer, f"\n<|im_start|>user\n{r}<|im_end|>\n<|im_start|>assistant\n")
+                    for r in replies]
+    first = ids_of(tiny_tokenizer, "Four.") + [eos]
+    budget = len(first) + len(observations[1])
+    policy = ScriptedPolicy(tiny_tokenizer, ["Four.", LONG_TURN], [True, True], max_new_tokens=40)
+    batch = run_episodes(policy, reply_rows(tiny_tokenizer, replies), reply_settings(budget))
+
+    left = budget - len(first) - len(observations[0])
+    assert batch.completion_ids()[0] == first + observations[0] + ids_of(tiny_tokenizer, LONG_TURN)[:left]
+    assert batch.completion_ids()[1] == first
+    assert batch.transcripts[1] == [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "Four."}]
+    assert batch.metrics["episode/turns"] == (2 + 1) / 2 and batch.metrics["episode/truncated_frac"] == 1.0
+    # row 1's last turn ended with its stop token, but the budget ended the episode
+    assert batch.stopped.tolist() == [False, False]
+
+
+# ---- what ends an episode, and the rewards on its turns ---------------------------------------
+
+
+def test_an_episode_the_environment_ends_is_neither_truncated_nor_cut_by_the_turn_limit(tiny_tokenizer):
+    eos = tiny_tokenizer.eos_token_id
+    rows = prompt_rows(tiny_tokenizer, [PROMPT], chat_template=True, turns=[2])
+    batch = run_episodes(ScriptedPolicy(tiny_tokenizer, ["Four.", "Five."], [True, True]), rows,
+                         again_settings(max_turns=3, max_episode_tokens=None))
+    first, second = ids_of(tiny_tokenizer, "Four.") + [eos], ids_of(tiny_tokenizer, "Five.") + [eos]
+    observation = ids_of(tiny_tokenizer, "\n" + AGAIN)
+    assert batch.metrics == {"episode/turns": 2.0, "episode/truncated_frac": 0.0, "episode/turn_limit_frac": 0.0,
+                             "episode/observation_tokens": float(len(observation)), "episode/env_reward": 1.0}
+    assert batch.stopped.tolist() == [True]
+    # each turn's 0.5 on its last action token (its stop token), nothing elsewhere
+    rewards = [0.0] * (len(first) + len(observation) + len(second))
+    rewards[len(first) - 1] = rewards[-1] = 0.5
+    assert batch.turn_rewards[0].tolist() == rewards
+    assert batch.env_rewards() == [1.0]
+
+
+def test_the_turn_limit_keeps_the_last_turns_reward_and_counts_the_episode_as_cut(tiny_tokenizer):
+    """The environment wants three turns and the recipe allows two: the second turn's reward is
+    kept, no observation follows it, and the episode is truncated by the turn limit, not stopped,
+    though its last turn ended with the stop token."""
+    eos = tiny_tokenizer.eos_token_id
+    rows = prompt_rows(tiny_tokenizer, [PROMPT], chat_template=True, turns=[3])
+    batch = run_episodes(ScriptedPolicy(tiny_tokenizer, ["Four.", "Five."], [True, True]), rows,
+                         again_settings(max_turns=2, max_episode_tokens=None))
+    first, second = ids_of(tiny_tokenizer, "Four.") + [eos], ids_of(tiny_tokenizer, "Five.") + [eos]
+    assert batch.completion_ids()[0] == first + ids_of(tiny_tokenizer, "\n" + AGAIN) + second
+    assert batch.metrics["episode/turn_limit_frac"] == 1.0 and batch.metrics["episode/truncated_frac"] == 1.0
+    assert batch.metrics["episode/env_reward"] == 1.0 and batch.stopped.tolist() == [False]
+
+
+# ---- whose format the tool calls are read in ----------------------------------------------------
+
+TEMPLATE_ADD_CALL = '<call>{"name": "add", "arguments": {"a": 2, "b": "3"}}</call>'
+
+
+def test_calls_are_read_by_the_tokenizers_response_template_when_the_template_writes_the_tools(tiny_tokenizer):
+    """A template that renders `tools=` and a response_template in a format no fallback reads:
+    the call is read by the response_template (which casts "3" to the schema's integer)."""
+    tokenizer = copy_of(tiny_tokenizer)
+    tokenizer.chat_template, tokenizer.response_template = QWEN_TEMPLATE, RESPONSE_TEMPLATE
+    settings = episode_settings(RolloutConfig(tools=["tests.agent_envs:add"], max_turns=2), tokenizer)
+    assert settings.tools_in_system is None
+    batch = run_episodes(ScriptedPolicy(tokenizer, [TEMPLATE_ADD_CALL, "It is 5."], [True, True]),
+                         prompt_rows(tokenizer, [PROMPT], chat_template=True), settings)
+    assert batch.transcripts[0][2] == {"role": "tool", "name": "add", "content": "5"}
+
+
+def test_calls_are_read_in_the_format_our_system_message_asks_for_whatever_the_tokenizers_own(tiny_tokenizer):
+    """The template ignores `tools=`, so the system message asks for <tool_call> JSON: that is the
+    format read, though the tokenizer's response_template reads another."""
+    tokenizer = copy_of(tiny_tokenizer)
+    tokenizer.response_template = RESPONSE_TEMPLATE
+    settings = episode_settings(RolloutConfig(tools=["tests.agent_envs:add"], max_turns=2), tokenizer)
+    assert settings.tools_in_system is not None
+    batch = run_episodes(ScriptedPolicy(tokenizer, [ADD_CALL, "It is 5."], [True, True]),
+                         prompt_rows(tokenizer, [PROMPT], chat_template=True), settings)
+    assert batch.transcripts[0][2] == {"role": "tool", "name": "add", "content": "5"}
