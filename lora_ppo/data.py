@@ -44,6 +44,8 @@ class PromptRow:
     text: str  # what the policy sees: the chat-templated prompt, or the text itself
     ids: tuple[int, ...]  # the tokens of `text`, special tokens included
     columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for rewards
+    # The conversation `text` was rendered from (data.system_prompt included); None for plain text.
+    messages: Optional[Messages] = None
 
     @property
     def is_conversation(self) -> bool:
@@ -223,6 +225,11 @@ class PromptFormat:
 
     def render(self, prompt: Any) -> tuple[str, tuple[int, ...]]:
         """(text, token ids) the policy sees for `prompt`; raises PromptProblem for a bad row."""
+        row = self.row(prompt)
+        return row.text, row.ids
+
+    def row(self, prompt: Any, columns: Optional[dict[str, Any]] = None) -> PromptRow:
+        """The PromptRow of `prompt` (and the row's other columns); raises PromptProblem for a bad row."""
         messages = self._messages(prompt)
         if messages is None:
             text = prompt
@@ -231,7 +238,7 @@ class PromptFormat:
         else:
             text = self._apply_template(messages)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template has them
-        return text, tuple(ids)
+        return PromptRow(prompt, text, tuple(ids), columns or {}, messages)
 
     def template_tokens(self) -> int:
         """How many tokens the chat template (and system prompt) add around an empty user turn."""
@@ -279,14 +286,13 @@ def prepare_rows(rows: list[dict], prompt_column: str, fmt: PromptFormat, max_pr
     dropped: dict[str, int] = {}
     for row in rows:
         try:
-            text, ids = fmt.render(row[prompt_column])
-            if len(ids) > max_prompt_tokens:
+            prompt_row = fmt.row(row[prompt_column], {k: v for k, v in row.items() if k != prompt_column})
+            if len(prompt_row.ids) > max_prompt_tokens:
                 raise PromptProblem(TOO_LONG)
         except PromptProblem as problem:
             dropped[str(problem)] = dropped.get(str(problem), 0) + 1
             continue
-        others = {k: v for k, v in row.items() if k != prompt_column}
-        kept.append(PromptRow(row[prompt_column], text, ids, others))
+        kept.append(prompt_row)
     return PromptSet(kept, dropped, [c for c in columns if c != prompt_column])
 
 

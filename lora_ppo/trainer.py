@@ -19,7 +19,7 @@ from lora_ppo.alarms import LOGPROB_TOLERANCE, first_step_logprob_error
 from lora_ppo.bnb_workarounds import release_dequantized_copies
 from lora_ppo.compiled_update import CompiledLayers
 from lora_ppo.config import Recipe, recipe_to_yaml, with_absolute_paths
-from lora_ppo.data import PromptFormat, PromptProblem, PromptRow, PromptStream, count_summary
+from lora_ppo.data import PromptFormat, PromptProblem, PromptStream, count_summary
 from lora_ppo.distributed import World, join_world
 from lora_ppo.errors import RecipeError
 from lora_ppo.memory import PhasePeaks, run_peak_gb
@@ -352,7 +352,7 @@ class PPOTrainer:
         `transcripts`, `env_rewards()`."""
         fmt = PromptFormat(self.parts.tokenizer, self.recipe.data.chat_template, self.recipe.data.system_prompt)
         try:
-            rows = [PromptRow(prompt, *fmt.render(prompt)) for prompt in prompts]
+            rows = [fmt.row(prompt) for prompt in prompts]
         except PromptProblem as problem:
             raise ValueError(f"generate: a prompt cannot be used: {problem}") from None
         sampler = self.sampler.with_settings(**settings) if settings else self.sampler

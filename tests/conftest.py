@@ -294,14 +294,10 @@ def bnb_4bit_layers(roles) -> list:
 
 def prompt_rows(tokenizer, texts, chat_template: bool = False, **columns):
     """PromptRows for plain text prompts, as the data loader makes them (columns: one list each)."""
-    from lora_ppo.data import PromptFormat, PromptRow
+    from lora_ppo.data import PromptFormat
 
     fmt = PromptFormat(tokenizer, chat_template)
-    rows = []
-    for i, text in enumerate(texts):
-        rendered, ids = fmt.render(text)
-        rows.append(PromptRow(text, rendered, ids, {name: values[i] for name, values in columns.items()}))
-    return rows
+    return [fmt.row(text, {name: values[i] for name, values in columns.items()}) for i, text in enumerate(texts)]
 
 
 @pytest.fixture(scope="session")

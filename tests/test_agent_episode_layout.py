@@ -12,6 +12,7 @@ from tokenizers import processors
 from lora_ppo.agents.environment import Observation
 from lora_ppo.agents.episodes import EpisodeSettings, run_episodes
 from lora_ppo.config import RolloutConfig
+from lora_ppo.data import PromptFormat
 from lora_ppo.parts import episode_settings
 from tests.conftest import CHAT_TEMPLATE, prompt_rows
 from tests.test_agent_episodes_scripted import ADD_CALL, ScriptedPolicy, again_settings
@@ -224,3 +225,37 @@ def test_calls_are_read_in_the_format_our_system_message_asks_for_whatever_the_t
     batch = run_episodes(ScriptedPolicy(tokenizer, [ADD_CALL, "It is 5."], [True, True]),
                          prompt_rows(tokenizer, [PROMPT], chat_template=True), settings)
     assert batch.transcripts[0][2] == {"role": "tool", "name": "add", "content": "5"}
+
+
+# ---- the recipe's system prompt ----------------------------------------------------------------
+
+
+def system_prompt_rows(tokenizer):
+    return [PromptFormat(tokenizer, chat_template=True, system_prompt="Be kind.").row(PROMPT)]
+
+
+def test_the_recipes_system_prompt_opens_an_episode_with_tools_before_their_schemas(tiny_tokenizer):
+    """data.system_prompt with rollout.tools: the prompt (rendered again, with the tools) keeps it,
+    the schemas after it in the same system message, and the transcript starts with it."""
+    settings = episode_settings(RolloutConfig(tools=["tests.agent_envs:add"], max_turns=2), tiny_tokenizer)
+    batch = run_episodes(ScriptedPolicy(tiny_tokenizer, [ADD_CALL, "It is 5."], [True, True]),
+                         system_prompt_rows(tiny_tokenizer), settings)
+    prompt = tiny_tokenizer.decode(batch.queries()[0])
+    assert prompt.startswith("<|im_start|>system\nBe kind.\n\n# Tools\n\nYou may call one or more functions")
+    assert prompt.endswith("</tool_call><|im_end|>\n<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n"
+                           "<|im_start|>assistant\n")
+    assert batch.transcripts[0][:2] == [{"role": "system", "content": "Be kind."}, {"role": "user", "content": PROMPT}]
+    assert batch.transcripts[0][3] == {"role": "tool", "name": "add", "content": "5"}
+
+
+def test_the_recipes_system_prompt_is_in_an_episodes_tokens_and_its_transcript(tiny_tokenizer):
+    """With an environment (no tools) the prompt's own tokens are kept, system prompt included;
+    the transcript the reward functions get as `messages` holds it too."""
+    rows = system_prompt_rows(tiny_tokenizer)
+    batch = run_episodes(ScriptedPolicy(tiny_tokenizer, ["Four.", "Five."], [True, True]), rows,
+                         again_settings(max_turns=2, max_episode_tokens=None))
+    assert tiny_tokenizer.decode(batch.queries()[0]) == (
+        "<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n")
+    assert [m["role"] for m in batch.transcripts[0]] == ["system", "user", "assistant", "user", "assistant"]
+    assert batch.transcripts[0][0] == {"role": "system", "content": "Be kind."}
+    assert rows[0].messages == [{"role": "system", "content": "Be kind."}, {"role": "user", "content": PROMPT}]

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 import yaml
+from transformers import AutoConfig
 from typer.testing import CliRunner
 
 import lora_ppo
@@ -305,6 +306,9 @@ def test_step_refuses_mismatched_inputs_in_one_line(tmp_path, tiny_model_dir):
     ({"responses": [[7, 8], [9, 100_000, 2]]},
      r"step: response 1 has the token id 100000 at position 1, outside the model's vocabulary \(ids 0 to \d+\)"),
     ({"queries": [[5, -1], [6]]}, r"step: query 0 has the token id -1 at position 1, outside the model's vocabulary"),
+    ({"queries": [[5, True], [6]]}, r"step: query 0 must be a non-empty sequence of token ids, got '\[5, True\]'$"),
+    # what is not a list is quoted to 60 characters
+    ({"action_mask": "T" * 100}, r"step: action_mask must be one list of booleans per response \(2\), got '" + "T" * 59 + "$"),
 ])
 def test_step_refuses_each_bad_argument_with_one_line_naming_it_and_the_row(tmp_path, tiny_model_dir, change, message):
     """Caught before anything is scored: the step counter stays, and right input then steps."""
@@ -316,6 +320,15 @@ def test_step_refuses_each_bad_argument_with_one_line_naming_it_and_the_row(tmp_
     assert t.steps_done == 0
     accepted = t.step([[5, 6], [6]], [[7, 8], [9, 10, 2]], [torch.tensor(1.0), 0], action_mask=[[1, 0], [True] * 3])
     assert accepted["step"] == 1
+
+
+def test_step_takes_the_first_and_last_ids_of_the_vocabulary_and_refuses_the_one_past_it(tmp_path, tiny_model_dir):
+    vocab = AutoConfig.from_pretrained(tiny_model_dir).vocab_size
+    t = trainer(tmp_path, tiny_model_dir)
+    with pytest.raises(ValueError, match=rf"^step: response 0 has the token id {vocab} at position 0, outside the "
+                                         rf"model's vocabulary \(ids 0 to {vocab - 1}\)$"):
+        t.step([[5]], [[vocab, 2]], [1.0])
+    assert t.step([[0, 5]], [[vocab - 1, 0, 2]], [1.0])["step"] == 1
 
 
 def test_step_takes_numpy_arrays_as_it_takes_lists(tmp_path, tiny_model_dir):

@@ -239,7 +239,8 @@ def _start(row: PromptRow, settings: EpisodeSettings, renderer: ChatRenderer, in
         session = EnvironmentSession(settings.environment, settings.environment_name, row, index)
         first = session.reset()
     if first is None:
-        first = list(row.prompt) if row.is_conversation else [{"role": "user", "content": row.prompt}]
+        # The conversation the row was rendered from, system prompt and all; plain text as a user turn.
+        first = row.messages or (list(row.prompt) if row.is_conversation else [{"role": "user", "content": row.prompt}])
         if settings.tool_schemas is None:
             # Today's single-turn prompt exactly: the row's own tokens (system prompt and all).
             return _Episode(row, [dict(m) for m in first], list(row.ids), session=session)
