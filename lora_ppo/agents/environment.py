@@ -99,8 +99,9 @@ class EnvironmentSession:
             self._fail(f"step() returned {type(out).__name__}, not an Observation or (messages, reward, done)")
         self._check_messages(out.messages, "step()")
         if out.reward is not None:
+            # text and booleans are refused even where float() reads them, as reward functions' are
             try:
-                reward = float(out.reward)
+                reward = math.nan if isinstance(out.reward, (str, bytes, bool)) else float(out.reward)
             except (TypeError, ValueError):
                 reward = math.nan
             if not math.isfinite(reward):
