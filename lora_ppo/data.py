@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -423,6 +424,7 @@ def drop_counts_text(dropped: dict[str, int]) -> str:
 PROMPT_MISMATCH = "prompt_mismatch"  # implicit prompts: chosen and rejected start differently
 NOT_AN_ANSWER = "last_turn_not_assistant"
 IDENTICAL = "chosen_equals_rejected"
+BAD_MARGIN = "margin_not_a_finite_number"  # missing, not a number, or inf/nan (a NaN loss)
 
 
 @dataclass(frozen=True)
@@ -479,8 +481,19 @@ def make_pair(row: dict, cfg: PreferenceDataConfig, fmt: PromptFormat, eos_id: O
                  for a in answers]
     if max(len(s) for s in sequences) > cfg.max_length:
         raise PromptProblem(TOO_LONG)
-    margin = float(row[cfg.margin_column]) if cfg.margin_column else 0.0
+    margin = _margin(row[cfg.margin_column]) if cfg.margin_column else 0.0
     return PreferencePair(prompt, sequences[0], sequences[1], margin)
+
+
+def _margin(value: Any) -> float:
+    """A row's margin as a finite number (text that reads as one, as CSV columns give, will do)."""
+    try:
+        margin = math.nan if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        margin = math.nan
+    if not math.isfinite(margin):
+        raise PromptProblem(BAD_MARGIN)
+    return margin
 
 
 def prepare_pairs(rows: list[dict], cfg: PreferenceDataConfig, fmt: PromptFormat, eos_id: Optional[int],

@@ -131,6 +131,17 @@ def test_preference_formats_and_bad_pairs_are_counted(tiny_tokenizer):
     assert implicit.prompt == [{"role": "user", "content": "Hi"}]
 
 
+def test_a_margin_that_is_missing_not_a_number_or_not_finite_drops_its_pair(tiny_tokenizer):
+    """A NaN margin would make the loss NaN, a missing one stopped the run with a traceback: each
+    drops its pair, counted; a number written as text (as CSV columns give) is read."""
+    margins = [1.5, "2", -0.5, None, "much", float("nan"), float("inf"), True]
+    rows = [{"prompt": "The film", "chosen": " good", "rejected": " bad", "m": m} for m in margins]
+    cfg = PreferenceDataConfig(margin_column="m")
+    pairs = prepare_pairs(rows, cfg, PromptFormat(tiny_tokenizer, False), tiny_tokenizer.eos_token_id, "d")
+    assert [p.margin for p in pairs.pairs] == [1.5, 2.0, -0.5]
+    assert pairs.dropped == {"margin_not_a_finite_number": 5}
+
+
 def test_no_usable_pair_refuses_in_one_line(tmp_path, tiny_model_dir):
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "chosen": " a", "rejected": " a"}])
     recipe = tmp_path / "r.yaml"
