@@ -5,6 +5,7 @@ line, `step()` on a train() rollout's tokens takes the same update, and resume i
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -256,6 +257,65 @@ def test_step_on_the_tokens_of_a_train_rollout_takes_the_same_update(tmp_path, t
     assert (tmp_path / "given" / "metrics.jsonl").read_text(encoding="utf-8").count("\n") == 1
 
 
+def test_step_on_the_tokens_of_an_episode_rollout_takes_the_same_update(tmp_path, tiny_model_dir):
+    """Two turns with an observation between them (an environment that gives no reward, so the
+    score is the whole return): `step()` on the episode's tokens, with its action mask, lands on
+    the adapters `train_step()` reached, its observations read as context, not as actions."""
+    episodes = {"logprobs_from_generation": False, "environment": "tests.agent_envs:Endless", "max_turns": 2}
+    sampled = trainer(tmp_path, tiny_model_dir, episodes, name="sampled")
+    metrics_sampled, rollout = sampled.train_step()
+    assert rollout.observation_mask.any()
+    given = trainer(tmp_path, tiny_model_dir, episodes, name="given")
+    context = rollout.response_mask | rollout.observation_mask
+    queries = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.query_ids, rollout.query_mask)]
+    responses = [ids[mask].tolist() for ids, mask in zip(rollout.response_ids, context)]
+    actions = [acts[mask].tolist() for acts, mask in zip(rollout.response_mask, context)]
+    metrics_given = given.step(queries, responses, rollout.raw_scores.tolist(), action_mask=actions)
+
+    for a, b in zip(trained_tensors(sampled), trained_tensors(given)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    for key in ("objective/scores", "objective/kl", "loss/value", "policy/clipfrac", "response/length"):
+        assert metrics_given[key] == pytest.approx(metrics_sampled[key], rel=1e-5, abs=1e-7), key
+    assert "memory/score_gb" in metrics_given and "memory/update_gb" in metrics_given
+
+
+def test_step_takes_queries_and_responses_as_2d_tensors(tmp_path, tiny_model_dir):
+    """Rows of one length, as a tokenizer's batch or TRL's rollouts hand them over: a [B, T]
+    tensor steps exactly as the same rows in lists."""
+    queries, responses, scores = [[5, 6], [6, 7]], [[7, 8, 2], [9, 10, 11]], [1.0, 0.0]
+    as_lists = trainer(tmp_path, tiny_model_dir, name="lists")
+    as_lists.step(queries, responses, scores)
+    as_tensors = trainer(tmp_path, tiny_model_dir, name="tensors")
+    as_tensors.step(torch.tensor(queries), torch.tensor(responses), torch.tensor(scores))
+    for a, b in zip(trained_tensors(as_lists), trained_tensors(as_tensors)):
+        assert torch.equal(a, b)
+
+
+def test_a_given_response_that_ends_without_the_stop_token_gets_the_missing_eos_penalty(tmp_path, tiny_model_dir):
+    """As a sampled one does: of two responses scored 1.0, the one ending in the stop token (id 2)
+    keeps its score, the other gets 1.0 - 3.0, whatever token it starts with."""
+    t = trainer(tmp_path, tiny_model_dir, {"missing_eos_penalty": -3.0})
+    metrics = t.step([[5, 6], [6]], [[2, 8, 2], [2, 10, 11]], [1.0, 1.0])
+    assert metrics["objective/raw_scores"] == 1.0
+    assert metrics["objective/scores"] == pytest.approx((1.0 + (1.0 - 3.0)) / 2)
+
+
+def test_step_samples_show_the_decoded_query_and_the_action_tokens_alone(tmp_path, tiny_model_dir):
+    """samples.jsonl of a step: the prompt is the query's text and the completion the response's
+    action tokens' text (the observation between them left out), special tokens skipped."""
+    t = trainer(tmp_path, tiny_model_dir, train={"eval": False, "steps": 2, "save_every": 0, "sample_every": 1})
+    tokenizer = t.parts.tokenizer
+    query = tokenizer("<|im_start|>user\nThe film was<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    good, observed, more = (tokenizer(text, add_special_tokens=False)["input_ids"]
+                            for text in (" good", " (a reply)", " and long"))
+    response = good + observed + more + [tokenizer.eos_token_id]
+    mask = [True] * len(good) + [False] * len(observed) + [True] * (len(more) + 1)
+    t.step([query], [response], [0.5], action_mask=[mask])
+    (sample,) = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").open(encoding="utf-8")]
+    assert sample["prompt"] == "user\nThe film was\n"
+    assert sample["completion"] == " good and long"
+
+
 def test_step_with_an_action_mask_trains_only_on_the_marked_tokens(tmp_path, tiny_model_dir):
     """A two-token observation in the middle of each response: it is attended to, but carries no
     logprob, KL or value in the step's metrics (response/length counts action tokens)."""
@@ -306,6 +366,8 @@ def test_step_refuses_mismatched_inputs_in_one_line(tmp_path, tiny_model_dir):
     ({"responses": [[7, 8], [9, 100_000, 2]]},
      r"step: response 1 has the token id 100000 at position 1, outside the model's vocabulary \(ids 0 to \d+\)"),
     ({"queries": [[5, -1], [6]]}, r"step: query 0 has the token id -1 at position 1, outside the model's vocabulary"),
+    # what is not a sequence is quoted to 20 characters
+    ({"queries": "a text where token ids belong"}, r"step: got 'a text where token  queries, 2 responses and 2 scores"),
     ({"queries": [[5, True], [6]]}, r"step: query 0 must be a non-empty sequence of token ids, got '\[5, True\]'$"),
     # what is not a list is quoted to 60 characters
     ({"action_mask": "T" * 100}, r"step: action_mask must be one list of booleans per response \(2\), got '" + "T" * 59 + "$"),
