@@ -1,16 +1,22 @@
 """An episode's tokens, written out by hand: what the chat template puts between turns (after a
 stopped, an empty or a cut turn, with a template that trims the text, with a tokenizer that adds
 a BOS token), the budget cutting each row's last turn to its own tokens left, an observation with
-no room after it, the flags and rewards the limits leave, and whose format the tool calls are
-read in. The policy is scripted (tests/test_agent_episodes_scripted.py), so every token is known."""
+no room after it, the flags and rewards the limits leave, whose format the tool calls are read
+in, the recipe's system prompt, the logprobs recorded at sampling, each turn's seeds, the row
+numbers errors give, and the transcript's lines. The policy is scripted
+(tests/test_agent_episodes_scripted.py), so every token is known."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+
 import pytest
+import torch
 from tokenizers import processors
 
-from lora_ppo.agents.environment import Observation
-from lora_ppo.agents.episodes import EpisodeSettings, run_episodes
+from lora_ppo.agents.environment import EpisodeError, Observation
+from lora_ppo.agents.episodes import EpisodeSettings, run_episodes, transcript_text
 from lora_ppo.config import RolloutConfig
 from lora_ppo.data import PromptFormat
 from lora_ppo.parts import episode_settings
@@ -259,3 +265,100 @@ def test_the_recipes_system_prompt_is_in_an_episodes_tokens_and_its_transcript(t
     assert [m["role"] for m in batch.transcripts[0]] == ["system", "user", "assistant", "user", "assistant"]
     assert batch.transcripts[0][0] == {"role": "system", "content": "Be kind."}
     assert rows[0].messages == [{"role": "system", "content": "Be kind."}, {"role": "user", "content": PROMPT}]
+
+
+# ---- logprobs recorded at sampling, each turn's seeds, the rows' numbers -----------------------
+
+
+class RecordingPolicy(ScriptedPolicy):
+    """Also gives each sampled token a known logprob (-0.01 * (100 * turn + position + 1)) and
+    keeps the seeds each turn was sampled with."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seeds_per_turn = []
+
+    def sample(self, rows, record_logprobs=False, role=None, seeds=None):
+        turn = self.turn
+        samples = super().sample(rows, record_logprobs, role, seeds)
+        self.seeds_per_turn.append(seeds)
+        width = samples.response_ids.shape[1]
+        logprobs = torch.tensor([[-0.01 * (100 * turn + k + 1) for k in range(width)]] * len(rows))
+        return dataclasses.replace(samples, logprobs=logprobs if record_logprobs else None)
+
+
+def test_logprobs_recorded_at_sampling_sit_on_their_action_tokens_and_are_cut_with_them(tiny_tokenizer):
+    """The budget scenario above with logprobs recorded: each action token keeps the logprob it
+    was sampled with (row 1's last turn cut to its 2 tokens left, logprobs and all), observation
+    tokens get 0, and the padding after a shorter episode 0."""
+    eos = tiny_tokenizer.eos_token_id
+    replies = ["ok", "a much longer answer than the other one"]
+    observations = [ids_of(tiny_tokenizer, f"\n<|im_start|>user\n{r}<|im_end|>\n<|im_start|>assistant\n")
+                    for r in replies]
+    first = ids_of(tiny_tokenizer, "Four.") + [eos]
+    budget = len(first) + len(observations[1]) + 2
+    left = [budget - len(first) - len(o) for o in observations]
+    policy = RecordingPolicy(tiny_tokenizer, ["Four.", LONG_TURN], [True, True], max_new_tokens=40)
+    batch = run_episodes(policy, reply_rows(tiny_tokenizer, replies), reply_settings(budget), record_logprobs=True)
+
+    width = max(len(c) for c in batch.completion_ids())
+    for i in range(2):
+        expected = ([-0.01 * (k + 1) for k in range(len(first))] + [0.0] * len(observations[i])
+                    + [-0.01 * (100 + k + 1) for k in range(left[i])])
+        expected += [0.0] * (width - len(expected))
+        torch.testing.assert_close(batch.old_logprobs[i], torch.tensor(expected), atol=1e-7, rtol=0)
+    unrecorded = run_episodes(RecordingPolicy(tiny_tokenizer, ["Four.", LONG_TURN], [True, True], max_new_tokens=40),
+                              reply_rows(tiny_tokenizer, replies), reply_settings(budget))
+    assert unrecorded.old_logprobs is None
+
+
+def test_turn_zero_samples_with_the_rows_seed_and_later_turns_with_one_derived_from_it_and_the_turn(tiny_tokenizer):
+    """rollout.seed_per_row: the first turn is drawn as a single-turn rollout of that row would be
+    (from the row's seed), turn k from sha256 of "seed/turn/k/0" (rollout.row_seeds' derivation,
+    written out here)."""
+    seeds = [11, 12]
+    policy = RecordingPolicy(tiny_tokenizer, ["Four.", "Five.", "Six."], [True, True, True])
+    rows = prompt_rows(tiny_tokenizer, [PROMPT, PROMPT], chat_template=True, turns=[3, 3])
+    run_episodes(policy, rows, again_settings(max_turns=3, max_episode_tokens=None), seeds=seeds)
+
+    def derived(seed: int, turn: int) -> int:
+        digest = hashlib.sha256(f"{seed}/turn/{turn}/0".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 1
+
+    assert policy.seeds_per_turn == [seeds, [derived(11, 1), derived(12, 1)], [derived(11, 2), derived(12, 2)]]
+    unseeded = RecordingPolicy(tiny_tokenizer, ["Four.", "Five."], [True, True])
+    run_episodes(unseeded, rows, again_settings(max_turns=2, max_episode_tokens=None))
+    assert unseeded.seeds_per_turn == [None, None]
+
+
+class BreaksOnBad:
+    """Raises in step() for the row whose prompt is "bad"."""
+
+    def __init__(self, prompt):
+        self.prompt = prompt
+
+    def step(self, message):
+        if self.prompt == "bad":
+            raise ValueError("cannot play this one")
+        return Observation(done=True)
+
+
+def test_an_environments_error_names_the_rows_place_in_the_steps_whole_batch(tiny_tokenizer):
+    """first_index: where these rows start in the step's batch (another process's rows come
+    before them): the second row here is row 5."""
+    rows = prompt_rows(tiny_tokenizer, ["fine", "bad"], chat_template=True)
+    settings = EpisodeSettings(max_turns=2, max_episode_tokens=None, environment=BreaksOnBad,
+                               environment_name="tests.test_agent_episode_layout:BreaksOnBad")
+    with pytest.raises(EpisodeError, match=r"^environment tests.test_agent_episode_layout:BreaksOnBad raised ValueError "
+                                           r"while stepping for row 5 \(prompt 'bad'\): cannot play this one$"):
+        run_episodes(ScriptedPolicy(tiny_tokenizer, ["Four."], [True]), rows, settings, first_index=4)
+
+
+def test_a_transcript_reads_one_line_per_turn_after_the_prompt_with_who_wrote_it(tiny_tokenizer):
+    settings = episode_settings(RolloutConfig(tools=["tests.agent_envs:add"], max_turns=2), tiny_tokenizer)
+    batch = run_episodes(ScriptedPolicy(tiny_tokenizer, [ADD_CALL, "It is 5."], [True, True]),
+                         system_prompt_rows(tiny_tokenizer), settings)
+    assert transcript_text(batch.transcripts[0]) == f"[assistant] {ADD_CALL}\n[tool result: add] 5\n[assistant] It is 5."
+    assert transcript_text([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                            {"role": "tool", "content": "no name"}, {"role": "user", "content": "ok"}]) == \
+        "[assistant] yo\n[tool] no name\n[user] ok"
