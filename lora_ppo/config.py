@@ -480,7 +480,7 @@ class RolloutConfig(Section):
     """
     missing_eos_penalty: Optional[float] = None
     """Subtracted from the score of a response that never produced `stop_token` (before the `ppo` score
-    shaping); needs a `stop_token`. null: no penalty.
+    shaping), so >= 0 (TRL's sign); needs a `stop_token`. null: no penalty.
     """
     forward_batch_size: Union[PositiveInt, Literal["auto"]] = 16
     """Sequences per forward pass when scoring a rollout (old and reference logprobs, values): trades memory
@@ -795,6 +795,11 @@ class Recipe(Section):
                 f"ppo.advantage_estimator {self.ppo.advantage_estimator!r} needs rollout.samples_per_prompt >= 2 (got {k})"
             )
         penalty = self.rollout.missing_eos_penalty
+        if penalty is not None and penalty < 0:
+            raise ValueError(
+                f"rollout.missing_eos_penalty ({penalty}) is subtracted from the score of a response that never "
+                f"stopped, so a negative one rewards it: give {-penalty} to penalize"
+            )
         if penalty is not None and self.rollout.stop_token is None:
             raise ValueError(
                 f"rollout.missing_eos_penalty ({penalty}) has no effect while rollout.stop_token is null: "

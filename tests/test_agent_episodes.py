@@ -294,7 +294,7 @@ def test_step_takes_queries_and_responses_as_2d_tensors(tmp_path, tiny_model_dir
 def test_a_given_response_that_ends_without_the_stop_token_gets_the_missing_eos_penalty(tmp_path, tiny_model_dir):
     """As a sampled one does: of two responses scored 1.0, the one ending in the stop token (id 2)
     keeps its score, the other gets 1.0 - 3.0, whatever token it starts with."""
-    t = trainer(tmp_path, tiny_model_dir, {"missing_eos_penalty": -3.0})
+    t = trainer(tmp_path, tiny_model_dir, {"missing_eos_penalty": 3.0})
     metrics = t.step([[5, 6], [6]], [[2, 8, 2], [2, 10, 11]], [1.0, 1.0])
     assert metrics["objective/raw_scores"] == 1.0
     assert metrics["objective/scores"] == pytest.approx((1.0 + (1.0 - 3.0)) / 2)

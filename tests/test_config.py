@@ -91,6 +91,15 @@ def test_missing_eos_penalty_needs_a_stop_token():
     assert (recipe.rollout.stop_token, recipe.rollout.missing_eos_penalty) == ("eos", 0.5)
 
 
+def test_a_negative_missing_eos_penalty_is_refused_with_the_sign_that_penalizes():
+    """The penalty is subtracted, as TRL subtracts it: -3.0 would add 3 to every response that
+    never stops."""
+    assert _error({"rollout": {"missing_eos_penalty": -3.0}}) == (
+        "rollout.missing_eos_penalty (-3.0) is subtracted from the score of a response that never stopped, so a "
+        "negative one rewards it: give 3.0 to penalize")
+    assert recipe_from_dict({"rollout": {"missing_eos_penalty": 0.0}}).rollout.missing_eos_penalty == 0.0
+
+
 def test_resume_allowed_fields():
     assert RESUME_ALLOWED == {
         "train.steps", "train.log_every", "train.sample_every", "train.save_every", "train.keep_last",
