@@ -9,12 +9,13 @@ import re
 from pathlib import Path
 
 import pytest
+from tokenizers import processors
 from typer.testing import CliRunner
 
 import lora_ppo
 from lora_ppo.cli import app
 from lora_ppo.config import DataConfig
-from lora_ppo.data import PromptFormat, PromptStream, load_prompt_sets, load_rows, prepare_rows
+from lora_ppo.data import PromptFormat, PromptStream, load_prompt_sets, load_rows, prepare_rows, split_off
 from lora_ppo.errors import RecipeError
 from lora_ppo.state import PromptPosition
 from tests.conftest import tiny_recipe_dict, write_recipe
@@ -181,12 +182,67 @@ def test_too_long_for_the_template_says_what_the_template_costs(tokenizer, tmp_p
     source = _write(tmp_path / "p.jsonl", [{"prompt": text} for text in TEXTS])
     cfg = DataConfig(source=str(source), eval_source=None, chat_template=True, system_prompt="You are a film critic.",
                      max_prompt_tokens=8)
-    overhead = PromptFormat(tokenizer, True, "You are a film critic.").template_tokens()
+    # the template around an empty user turn, written out
+    empty_turn = ("<|im_start|>system\nYou are a film critic.<|im_end|>\n<|im_start|>user\n<|im_end|>\n"
+                  "<|im_start|>assistant\n")
+    overhead = len(tokenizer(empty_turn, add_special_tokens=False)["input_ids"])
     assert overhead > 8
     with pytest.raises(RecipeError) as err:
         load_prompt_sets(cfg, tokenizer, seed=0)
     assert str(err.value) == (f"data.source: no usable prompts in {str(source)!r} (3 too_long; data.max_prompt_tokens "
                               f"is 8 and the chat template alone adds {overhead} tokens)")
+
+
+def test_a_plain_text_prompt_gets_the_tokenizers_bos_and_a_templated_one_only_what_the_template_writes(tokenizer):
+    """For a tokenizer that puts BOS first (as Llama's do): text read as is gets it, as the model saw
+    text in pretraining; a templated prompt gets none beyond what its template writes."""
+    bos_first = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    bos_first._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos_first.bos_token} $A", special_tokens=[(bos_first.bos_token, bos_first.bos_token_id)])
+    hello = tokenizer("hello", add_special_tokens=False)["input_ids"]
+    assert PromptFormat(bos_first, False).render("hello")[1] == (bos_first.bos_token_id, *hello)
+    templated = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    written = tokenizer(templated, add_special_tokens=False)["input_ids"]
+    assert PromptFormat(bos_first, True).render("hello")[1] == tuple(written)
+
+
+def test_a_prompt_of_exactly_max_prompt_tokens_is_kept_and_one_token_more_is_dropped(tokenizer):
+    words = ["good"] * 12
+    lengths = [len(tokenizer(" ".join(words[:n]))["input_ids"]) for n in range(1, 13)]
+    limit = lengths[5]
+    assert lengths[6] > limit  # one more word, at least one more token
+    prompts = prepare_rows([{"prompt": " ".join(words[:6])}, {"prompt": " ".join(words[:7])}], "prompt",
+                           PromptFormat(tokenizer, False), limit, "p")
+    assert [len(row.ids) for row in prompts.rows] == [limit] and prompts.dropped == {"too_long": 1}
+
+
+def test_rows_keep_the_conversation_they_were_rendered_from(tokenizer):
+    """PromptRow.messages, what an episode starts from: the system prompt first, unless the
+    conversation has one; None for text read without a template."""
+    fmt = PromptFormat(tokenizer, True, "Be kind.")
+    assert fmt.row("hello").messages == [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hello"}]
+    assert fmt.row(CONVERSATIONS[1]).messages == CONVERSATIONS[1]
+    assert PromptFormat(tokenizer, False).row("hello").messages is None
+    row = prepare_rows([{"prompt": CONVERSATIONS[0], "label": 1}], "prompt", fmt, 64, "p").rows[0]
+    assert (row.messages, row.columns) == ([{"role": "system", "content": "Be kind."}, *CONVERSATIONS[0]], {"label": 1})
+
+
+def test_the_held_out_split_is_a_seeded_draw_with_both_parts_in_their_order():
+    """Not the first or last rows: seeds draw different held-out sets, each list keeps the
+    original order, together they are every row; at most max_share of them, never all."""
+    items = list(range(100))
+    draws = {}
+    for seed in range(4):
+        kept, held = split_off(items, 10, seed)
+        assert len(held) == 10 and sorted(kept + held) == items
+        assert kept == sorted(kept) and held == sorted(held)
+        assert held not in (items[:10], items[-10:])
+        draws[seed] = tuple(held)
+    assert len(set(draws.values())) == 4
+    assert split_off(items, 10, 2) == split_off(items, 10, 2)
+    held_counts = [len(split_off(items, size, 0, share)[1]) for size, share in ((500, 1.0), (50, 0.2), (5, 0.2))]
+    assert held_counts == [99, 20, 5]
+    assert split_off([7], 3, 0) == ([7], [])
 
 
 def test_held_out_split_is_seeded_and_disjoint(tokenizer):
