@@ -362,3 +362,12 @@ def test_a_transcript_reads_one_line_per_turn_after_the_prompt_with_who_wrote_it
     assert transcript_text([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                             {"role": "tool", "content": "no name"}, {"role": "user", "content": "ok"}]) == \
         "[assistant] yo\n[tool] no name\n[user] ok"
+
+
+def test_a_turn_without_a_tool_call_ends_an_episode_with_tools_and_no_environment(tiny_tokenizer):
+    settings = episode_settings(RolloutConfig(tools=["tests.agent_envs:add"], max_turns=4), tiny_tokenizer)
+    policy = ScriptedPolicy(tiny_tokenizer, [ADD_CALL, "It is 5.", "never sampled"], [True, True, True])
+    batch = run_episodes(policy, prompt_rows(tiny_tokenizer, [PROMPT], chat_template=True), settings)
+    assert policy.turn == 2 and batch.transcripts[0][-1] == {"role": "assistant", "content": "It is 5."}
+    assert batch.metrics["episode/turns"] == 2.0 and batch.metrics["episode/truncated_frac"] == 0.0
+    assert batch.stopped.tolist() == [True]
