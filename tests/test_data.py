@@ -305,6 +305,19 @@ def test_prompt_stream_is_seeded_and_resumable_from_a_position():
     assert PromptStream(prompts, seed=4).take(7, PromptPosition())[0] != stream.take(7, PromptPosition())[0]
 
 
+def test_each_pass_over_the_prompts_is_a_new_shuffle_of_all_of_them():
+    """Passes differ (reshuffled, not the same order again), each holds every prompt once, and
+    the position counts the passes."""
+    prompts = [f"p{i}" for i in range(20)]
+    stream = PromptStream(prompts, seed=3)
+    first, position = stream.take(20, PromptPosition())
+    second, position = stream.take(20, position)
+    assert sorted(first) == sorted(second) == sorted(prompts) and first != second
+    assert position == PromptPosition(1, 20)
+    third, position = stream.take(1, position)
+    assert position == PromptPosition(2, 1) and third[0] in prompts
+
+
 def test_malformed_rows_are_counted_and_reported(tmp_path, tiny_model_dir, caplog):
     source = _write(tmp_path / "p.jsonl", [
         {"prompt": "The movie was"}, {"prompt": "I think the film"}, {"other": "no prompt here"},

@@ -117,11 +117,13 @@ def test_preference_formats_and_bad_pairs_are_counted(tiny_tokenizer):
         {"prompt": "The film", "chosen": " good " * 100, "rejected": " bad"},
         {"prompt": None, "chosen": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}],
          "rejected": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "z"}]},  # no answer last
+        {"prompt": "The film", "chosen": 7, "rejected": " bad"},  # a number, not a response
+        {"prompt": "The film", "chosen": " good", "rejected": []},  # an empty conversation
     ]
     cfg = PreferenceDataConfig(max_length=48)
     pairs = prepare_pairs(rows, cfg, PromptFormat(tiny_tokenizer, False), tiny_tokenizer.eos_token_id, "d")
     assert len(pairs.pairs) == 3
-    assert pairs.dropped == {"prompt_mismatch": 1, "chosen_equals_rejected": 1, "not_text": 1, "empty": 1,
+    assert pairs.dropped == {"prompt_mismatch": 1, "chosen_equals_rejected": 1, "not_text": 2, "empty": 2,
                              "too_long": 1, "last_turn_not_assistant": 1}
     text_pair = pairs.pairs[0]
     prompt_ids = tiny_tokenizer("The film")["input_ids"]
