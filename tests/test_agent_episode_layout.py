@@ -364,6 +364,14 @@ def test_a_transcript_reads_one_line_per_turn_after_the_prompt_with_who_wrote_it
         "[assistant] yo\n[tool] no name\n[user] ok"
 
 
+@pytest.mark.parametrize("call, errors", [(ADD_CALL, 0.0), ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', 1.0)])
+def test_tool_calls_and_errors_are_counted_per_episode(tiny_tokenizer, call, errors):
+    settings = episode_settings(RolloutConfig(tools=["tests.agent_envs:add"], max_turns=2), tiny_tokenizer)
+    batch = run_episodes(ScriptedPolicy(tiny_tokenizer, [call, "Done."], [True, True]),
+                         prompt_rows(tiny_tokenizer, [PROMPT, PROMPT], chat_template=True), settings)
+    assert batch.metrics["episode/tool_calls"] == 1.0 and batch.metrics["episode/tool_errors"] == errors
+
+
 def test_a_turn_without_a_tool_call_ends_an_episode_with_tools_and_no_environment(tiny_tokenizer):
     settings = episode_settings(RolloutConfig(tools=["tests.agent_envs:add"], max_turns=4), tiny_tokenizer)
     policy = ScriptedPolicy(tiny_tokenizer, [ADD_CALL, "It is 5.", "never sampled"], [True, True, True])

@@ -119,18 +119,29 @@ def test_preference_formats_and_bad_pairs_are_counted(tiny_tokenizer):
          "rejected": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "z"}]},  # no answer last
         {"prompt": "The film", "chosen": 7, "rejected": " bad"},  # a number, not a response
         {"prompt": "The film", "chosen": " good", "rejected": []},  # an empty conversation
+        {"prompt": "The film", "chosen": " good", "rejected": [{"role": "assistant", "content": 7}]},  # no text
+        # implicit, over two exchanges: the prompt is the first three messages
+        {"chosen": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"},
+                    {"role": "user", "content": "And?"}, {"role": "assistant", "content": "Ok"}],
+         "rejected": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"},
+                      {"role": "user", "content": "And?"}, {"role": "assistant", "content": "No"}]},
     ]
     cfg = PreferenceDataConfig(max_length=48)
     pairs = prepare_pairs(rows, cfg, PromptFormat(tiny_tokenizer, False), tiny_tokenizer.eos_token_id, "d")
-    assert len(pairs.pairs) == 3
+    assert len(pairs.pairs) == 4
     assert pairs.dropped == {"prompt_mismatch": 1, "chosen_equals_rejected": 1, "not_text": 2, "empty": 2,
-                             "too_long": 1, "last_turn_not_assistant": 1}
+                             "too_long": 1, "last_turn_not_assistant": 1, "message_without_role_or_content": 1}
     text_pair = pairs.pairs[0]
     prompt_ids = tiny_tokenizer("The film")["input_ids"]
     assert text_pair.chosen_ids[: len(prompt_ids)] == tuple(prompt_ids)
     assert text_pair.chosen_ids[-1] == tiny_tokenizer.eos_token_id  # the response ends as the policy's do
+    # an explicit conversational prompt: its template's tokens, then the answer's, then the stop token
+    rendered = "<|im_start|>user\nRate it<|im_end|>\n<|im_start|>assistant\n"
+    expected = [tiny_tokenizer(text, add_special_tokens=False)["input_ids"] for text in (rendered, "Great")]
+    assert pairs.pairs[1].chosen_ids == (*expected[0], *expected[1], tiny_tokenizer.eos_token_id)
     implicit = pairs.pairs[2]
     assert implicit.prompt == [{"role": "user", "content": "Hi"}]
+    assert [m["content"] for m in pairs.pairs[3].prompt] == ["Hi", "Yo", "And?"]
 
 
 def test_a_margin_that_is_missing_not_a_number_or_not_finite_drops_its_pair(tiny_tokenizer):
