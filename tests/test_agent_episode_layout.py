@@ -352,6 +352,9 @@ def test_an_environments_error_names_the_rows_place_in_the_steps_whole_batch(tin
     with pytest.raises(EpisodeError, match=r"^environment tests.test_agent_episode_layout:BreaksOnBad raised ValueError "
                                            r"while stepping for row 5 \(prompt 'bad'\): cannot play this one$"):
         run_episodes(ScriptedPolicy(tiny_tokenizer, ["Four."], [True]), rows, settings, first_index=4)
+    # alone (generate(), eval): the rows' own places
+    with pytest.raises(EpisodeError, match=r"while stepping for row 1 \(prompt 'bad'\)"):
+        run_episodes(ScriptedPolicy(tiny_tokenizer, ["Four."], [True]), rows, settings)
 
 
 def test_a_transcript_reads_one_line_per_turn_after_the_prompt_with_who_wrote_it(tiny_tokenizer):

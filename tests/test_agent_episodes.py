@@ -18,7 +18,7 @@ from lora_ppo.cli import app
 from lora_ppo.config import recipe_from_dict
 from lora_ppo.ppo_math import gae, kl_shaped_rewards
 from lora_ppo.roles import POLICY, VALUE
-from tests import agent_envs
+from tests import agent_envs, reward_fns
 from tests.conftest import TIMING_PREFIXES, adapter_tensors, tiny_recipe_dict
 
 EPISODES = {"chat_template": True}
@@ -146,6 +146,21 @@ def test_turns_observations_and_turn_rewards_of_an_episode(tmp_path, tiny_model_
         assert rollout.turn_rewards[i][~last_of_turn].abs().sum() == 0
         roles = [m["role"] for m in rollout.transcripts[i]]
         assert roles == ["user", "assistant", "user", "assistant", "user", "assistant"]
+
+
+def test_an_episode_step_without_a_reference_gives_its_transcripts_to_the_reward_and_times_its_phases(
+        tmp_path, tiny_model_dir):
+    """A KL-free run (adapters.reference: none) with a critic: the values are scored, the reward
+    function gets each episode as `messages`, and generation's time and memory are the step's."""
+    reward_fns.MESSAGES_SEEN.clear()
+    t = trainer(tmp_path, tiny_model_dir, {"environment": "tests.agent_envs:Again", "max_turns": 2},
+                adapters={"reference": "none"}, ppo={"kl_coef": 0.0},
+                reward={"kind": "function", "function": "tests.reward_fns:records_messages"})
+    metrics, rollout = t.train_step()
+    assert reward_fns.MESSAGES_SEEN == [rollout.transcripts]
+    assert rollout.values is not None and torch.equal(rollout.ref_logprobs, rollout.old_logprobs)  # no KL
+    assert 0 < metrics["time/generate"] <= metrics["time/step"]
+    assert "memory/generate_gb" in metrics and "memory/score_gb" in metrics
 
 
 def test_the_budget_truncates_an_episode_and_counts_it(tmp_path, tiny_model_dir):
