@@ -367,7 +367,10 @@ def test_a_transcript_reads_one_line_per_turn_after_the_prompt_with_who_wrote_it
         "[assistant] yo\n[tool] no name\n[user] ok"
 
 
-@pytest.mark.parametrize("call, errors", [(ADD_CALL, 0.0), ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', 1.0)])
+UNKNOWN_TOOL_CALL = '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+
+
+@pytest.mark.parametrize("call, errors", [(ADD_CALL, 0.0), (UNKNOWN_TOOL_CALL, 1.0)])
 def test_tool_calls_and_errors_are_counted_per_episode(tiny_tokenizer, call, errors):
     settings = episode_settings(RolloutConfig(tools=["tests.agent_envs:add"], max_turns=2), tiny_tokenizer)
     batch = run_episodes(ScriptedPolicy(tiny_tokenizer, [call, "Done."], [True, True]),

@@ -389,7 +389,8 @@ def test_step_refuses_mismatched_inputs_in_one_line(tmp_path, tiny_model_dir):
     ({"queries": "a text where token ids belong"}, r"step: got 'a text where token  queries, 2 responses and 2 scores"),
     ({"queries": [[5, True], [6]]}, r"step: query 0 must be a non-empty sequence of token ids, got '\[5, True\]'$"),
     # what is not a list is quoted to 60 characters
-    ({"action_mask": "T" * 100}, r"step: action_mask must be one list of booleans per response \(2\), got '" + "T" * 59 + "$"),
+    ({"action_mask": "T" * 100},
+     r"step: action_mask must be one list of booleans per response \(2\), got '" + "T" * 59 + "$"),
 ])
 def test_step_refuses_each_bad_argument_with_one_line_naming_it_and_the_row(tmp_path, tiny_model_dir, change, message):
     """Caught before anything is scored: the step counter stays, and right input then steps."""

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from tokenizers import processors
 from typer.testing import CliRunner
 
 from lora_ppo.cli import app
@@ -153,6 +154,33 @@ def test_a_margin_that_is_missing_not_a_number_or_not_finite_drops_its_pair(tiny
     pairs = prepare_pairs(rows, cfg, PromptFormat(tiny_tokenizer, False), tiny_tokenizer.eos_token_id, "d")
     assert [p.margin for p in pairs.pairs] == [1.5, 2.0, -0.5]
     assert pairs.dropped == {"margin_not_a_finite_number": 5}
+
+
+def test_a_pairs_tokens_take_the_bos_only_where_the_text_starts(tiny_tokenizer):
+    """For a tokenizer that puts BOS first: a plain text prompt gets it, and its response after
+    it does not; a pair with no prompt starts its response with it. No margin column: margin 0."""
+    bos_first = tiny_tokenizer.__class__.from_pretrained(tiny_tokenizer.name_or_path)
+    bos_first._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos_first.bos_token} $A", special_tokens=[(bos_first.bos_token, bos_first.bos_token_id)])
+    bos, eos = bos_first.bos_token_id, bos_first.eos_token_id
+    ids = {text: tiny_tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("The film", " good", " bad")}
+    rows = [{"prompt": "The film", "chosen": " good", "rejected": " bad"},
+            {"prompt": None, "chosen": " good", "rejected": " bad"}]
+    explicit, implicit = prepare_pairs(rows, PreferenceDataConfig(), PromptFormat(bos_first, False), eos, "d").pairs
+    assert explicit.chosen_ids == (bos, *ids["The film"], *ids[" good"], eos)
+    assert explicit.rejected_ids == (bos, *ids["The film"], *ids[" bad"], eos)
+    assert implicit.chosen_ids == (bos, *ids[" good"], eos)
+    assert explicit.margin == implicit.margin == 0.0
+
+
+def test_a_pair_as_long_as_max_length_is_kept_and_one_token_longer_dropped(tiny_tokenizer):
+    eos = tiny_tokenizer.eos_token_id
+    row = {"prompt": "The film", "chosen": " good", "rejected": " bad and dull"}
+    longest = len(tiny_tokenizer("The film")["input_ids"]) + len(
+        tiny_tokenizer(" bad and dull", add_special_tokens=False)["input_ids"]) + 1
+    fmt = PromptFormat(tiny_tokenizer, False)
+    assert len(prepare_pairs([row], PreferenceDataConfig(max_length=longest), fmt, eos, "d").pairs) == 1
+    assert prepare_pairs([row], PreferenceDataConfig(max_length=longest - 1), fmt, eos, "d").dropped == {"too_long": 1}
 
 
 def test_no_usable_pair_refuses_in_one_line(tmp_path, tiny_model_dir):
