@@ -116,6 +116,13 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
     "lora_ppo/run_dir.py": (["tests/test_run_dir.py", "tests/test_checkpoint_files.py",
                              "tests/export/test_export_errors_and_adapters.py"], []),
     "lora_ppo/agents/tools.py": (["tests/test_agent_tools.py", "tests/test_agent_episodes_scripted.py"], []),
+    "lora_ppo/agents/episodes.py": (["tests/test_agent_episode_layout.py", "tests/test_agent_episodes_scripted.py",
+                                     "tests/test_agent_episodes.py", "tests/test_agents_doc_example.py",
+                                     "tests/test_evaluation.py"], []),
+    "lora_ppo/agents/environment.py": (["tests/test_agent_environment.py", "tests/test_agent_episode_layout.py",
+                                        "tests/test_agent_episodes.py", "tests/test_agents_doc_example.py"], []),
+    "lora_ppo/agents/given.py": (["tests/test_agent_episodes.py", "tests/test_agents_doc_example.py"], []),
+    "lora_ppo/data.py": (["tests/test_data.py", "tests/test_builtin_datasets.py", "tests/test_reward_training.py"], []),
 }
 
 # The numerical code issue #32 asks about (trainer, rollout and roles only in part), the layouts
@@ -126,7 +133,9 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
 # auto sizes' choices in estimate.py (312 mutants at about 20 s each), the reward sources
 # (rewards.py, about 65 min), the checkpoints (checkpoint.py, about 140 min: a survivor runs resumed
 # training runs), merge-and-export (export.py, parity.py, model_card.py: about 45, 40 and 10 min),
-# the run folder (run_dir.py, about 20 min) and the agents' tools (agents/tools.py, about 11 min).
+# the run folder (run_dir.py, about 20 min), the agents' tools (agents/tools.py, about 11 min), their
+# episodes, environments and given rollouts (agents/episodes.py, environment.py, given.py: about 85, 6
+# and 40 min) and the prompt and preference rows of data.py (its main functions: about 40 min).
 DEFAULT_TARGETS = [
     "lora_ppo/atomic.py",
     "lora_ppo/verifiable.py",

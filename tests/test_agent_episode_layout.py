@@ -385,3 +385,26 @@ def test_a_turn_without_a_tool_call_ends_an_episode_with_tools_and_no_environmen
     assert policy.turn == 2 and batch.transcripts[0][-1] == {"role": "assistant", "content": "It is 5."}
     assert batch.metrics["episode/turns"] == 2.0 and batch.metrics["episode/truncated_frac"] == 0.0
     assert batch.stopped.tolist() == [True]
+
+
+def test_a_budget_above_max_new_tokens_leaves_each_turn_at_max_new_tokens(tiny_tokenizer):
+    rows = prompt_rows(tiny_tokenizer, [PROMPT], chat_template=True, turns=[2])
+    batch = run_episodes(ScriptedPolicy(tiny_tokenizer, [LONG_TURN, LONG_TURN], [True, True], max_new_tokens=3), rows,
+                         again_settings(max_turns=2, max_episode_tokens=200))
+    turns = [len(run) for run in "".join("a" if a else " " for a in batch.action_mask()[0]).split()]
+    assert turns == [3, 3]
+
+
+def test_a_last_turn_that_ends_exactly_at_the_budget_is_answered_and_keeps_its_reward(tiny_tokenizer):
+    """The environment's second answer ends the episode, and the second turn fills the budget to
+    the token: the environment is still asked, so the turn's reward counts and the episode ends
+    done (stopped), not cut by the budget."""
+    eos = tiny_tokenizer.eos_token_id
+    first, second = ids_of(tiny_tokenizer, "Four.") + [eos], ids_of(tiny_tokenizer, "Five.") + [eos]
+    budget = len(first) + len(ids_of(tiny_tokenizer, "\n" + AGAIN)) + len(second)
+    rows = prompt_rows(tiny_tokenizer, [PROMPT], chat_template=True, turns=[2])
+    batch = run_episodes(ScriptedPolicy(tiny_tokenizer, ["Four.", "Five."], [True, True]), rows,
+                         again_settings(max_turns=3, max_episode_tokens=budget))
+    assert len(batch.completion_ids()[0]) == budget
+    assert batch.metrics["episode/truncated_frac"] == 0.0 and batch.metrics["episode/env_reward"] == 1.0
+    assert batch.stopped.tolist() == [True]
