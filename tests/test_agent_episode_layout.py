@@ -408,3 +408,22 @@ def test_a_last_turn_that_ends_exactly_at_the_budget_is_answered_and_keeps_its_r
     assert len(batch.completion_ids()[0]) == budget
     assert batch.metrics["episode/truncated_frac"] == 0.0 and batch.metrics["episode/env_reward"] == 1.0
     assert batch.stopped.tolist() == [True]
+
+
+def test_a_turn_cut_by_the_budget_is_not_answered_and_reads_as_its_own_tokens(tiny_tokenizer):
+    """The environment would end the episode after the second turn, but the budget cuts that turn
+    first: the environment is not asked (its second reward never comes), the episode counts as
+    truncated, and the turn's text is that of the tokens kept, special tokens skipped."""
+    eos = tiny_tokenizer.eos_token_id
+    second_turn = "It is<|im_start|> five, or maybe six, or seven."
+    first, observation = ids_of(tiny_tokenizer, "Four.") + [eos], ids_of(tiny_tokenizer, "\n" + AGAIN)
+    written = ids_of(tiny_tokenizer, second_turn)
+    kept = written[: written.index(tiny_tokenizer.convert_tokens_to_ids("<|im_start|>")) + 2]
+    rows = prompt_rows(tiny_tokenizer, [PROMPT], chat_template=True, turns=[2])
+    batch = run_episodes(ScriptedPolicy(tiny_tokenizer, ["Four.", second_turn], [True, True]), rows,
+                         again_settings(max_turns=3, max_episode_tokens=len(first) + len(observation) + len(kept)))
+    assert batch.completion_ids()[0] == first + observation + kept
+    assert batch.metrics["episode/truncated_frac"] == 1.0 and batch.metrics["episode/env_reward"] == 0.5
+    text = tiny_tokenizer.decode(kept, skip_special_tokens=True)
+    assert "<|im_start|>" not in text and batch.completions == [text]
+    assert batch.transcripts[0][-1] == {"role": "assistant", "content": text}

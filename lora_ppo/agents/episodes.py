@@ -220,7 +220,9 @@ def _play(sampler: Sampler, rows: Sequence[PromptRow], settings: EpisodeSettings
             logprobs = samples.logprobs[j][samples.response_mask[j]].tolist() if samples.logprobs is not None else []
             stopped = bool(samples.stopped[j])
             left = e.budget_left(settings.max_episode_tokens)
-            if left is not None and len(ids) > left:
+            # The budget cut this turn (sampled past it, or stopped by it unfinished): the episode ends
+            # here and the environment is not stepped on the cut turn, whichever row set new_tokens.
+            if left is not None and (len(ids) > left or (len(ids) == left and not stopped)):
                 ids, logprobs, stopped, e.truncated = ids[:left], logprobs[:left], False, True
             text = samples.completions[j] if len(ids) == int(samples.response_mask[j].sum()) else \
                 tokenizer.decode(ids, skip_special_tokens=True)
