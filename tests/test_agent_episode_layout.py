@@ -123,7 +123,8 @@ LONG_TURN = "I think it is four, or maybe five, I cannot say which of the two it
 def test_the_budget_cuts_each_rows_last_turn_to_its_own_tokens_left(tiny_tokenizer):
     """Two rows whose observations differ in length: the turn after them is sampled for the row
     with more room, and the other row's copy is cut to its own tokens left; both end at exactly
-    the budget, truncated, not stopped."""
+    the budget, truncated, not stopped, each turn's text that of its own tokens (a special token
+    among them skipped, as in a sampled turn's text)."""
     eos = tiny_tokenizer.eos_token_id
     replies = ["ok", "a much longer answer than the other one"]
     observations = [ids_of(tiny_tokenizer, f"\n<|im_start|>user\n{r}<|im_end|>\n<|im_start|>assistant\n")
@@ -131,17 +132,20 @@ def test_the_budget_cuts_each_rows_last_turn_to_its_own_tokens_left(tiny_tokeniz
     first = ids_of(tiny_tokenizer, "Four.") + [eos]
     budget = len(first) + len(observations[1]) + 2  # row 1 has 2 tokens left for its second turn
     left = [budget - len(first) - len(o) for o in observations]
-    assert left[1] == 2 < left[0] < len(ids_of(tiny_tokenizer, LONG_TURN))
+    turn = "I<|im_start|>" + LONG_TURN
+    second = ids_of(tiny_tokenizer, turn)
+    assert left[1] == 2 < left[0] < len(second) and second[1] == tiny_tokenizer.convert_tokens_to_ids("<|im_start|>")
 
-    policy = ScriptedPolicy(tiny_tokenizer, ["Four.", LONG_TURN, "never sampled"], [True, True, True], max_new_tokens=40)
+    policy = ScriptedPolicy(tiny_tokenizer, ["Four.", turn, "never sampled"], [True, True, True], max_new_tokens=40)
     batch = run_episodes(policy, reply_rows(tiny_tokenizer, replies), reply_settings(budget))
 
-    second = ids_of(tiny_tokenizer, LONG_TURN)
     for i in range(2):
         assert batch.completion_ids()[i] == first + observations[i] + second[: left[i]]
         assert len(batch.completion_ids()[i]) == budget
         assert batch.action_mask()[i] == [True] * len(first) + [False] * len(observations[i]) + [True] * left[i]
         assert batch.last_turn_ids[i] == second[: left[i]]
+        assert batch.completions[i] == tiny_tokenizer.decode(second[: left[i]], skip_special_tokens=True)
+    assert batch.completions[1] == "I"
     assert policy.turn == 2  # no third turn: the budget is spent
     assert batch.stopped.tolist() == [False, False]
     assert batch.metrics["episode/truncated_frac"] == 1.0 and batch.metrics["episode/turn_limit_frac"] == 0.0
