@@ -55,6 +55,15 @@ def trimming(tokenizer):
     return copy
 
 
+def assistant_ends_apart(tokenizer):
+    """A template that ends an assistant message otherwise than the others (an extra newline)."""
+    copy = copy_of(tokenizer)
+    copy.chat_template = CHAT_TEMPLATE.replace("<|im_end|>\n{% endfor %}",
+                                               "<|im_end|>\n{% if m['role'] == 'assistant' %}{{ '\\n' }}{% endif %}{% endfor %}")
+    assert copy.chat_template != CHAT_TEMPLATE
+    return copy
+
+
 def adding_bos(tokenizer):
     """Like Llama's tokenizers: a plain call puts the BOS token first."""
     copy = copy_of(tokenizer)
@@ -79,7 +88,10 @@ def adding_bos(tokenizer):
     (" Four and more words here", False, 3, trimming, "<|im_end|>\n" + AGAIN),
     # observations are encoded without the BOS token a plain call would add
     ("Four.", True, 400, adding_bos, "\n" + AGAIN),
-], ids=["stopped", "empty-turn", "cut", "trimming-template", "trimming-template-cut", "bos-tokenizer"])
+    # the end of an assistant's turn, not of any message's
+    ("Four.", True, 400, assistant_ends_apart, "\n\n" + AGAIN),
+], ids=["stopped", "empty-turn", "cut", "trimming-template", "trimming-template-cut", "bos-tokenizer",
+        "assistant-ending"])
 def test_the_tokens_between_turns_are_what_the_template_writes_between_them(
         tiny_tokenizer, first_turn, stopped, max_new_tokens, tokenizer_of, between):
     tokenizer = tokenizer_of(tiny_tokenizer) if tokenizer_of else tiny_tokenizer
