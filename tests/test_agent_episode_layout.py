@@ -445,22 +445,24 @@ def test_a_turn_cut_by_the_budget_is_not_answered_and_reads_as_its_own_tokens(ti
     assert batch.transcripts[0][-1] == {"role": "assistant", "content": text}
 
 
-# Like Mistral's: an assistant message must follow a user message (a system message may open).
+# Like Mistral's: an assistant message must follow a user message (a system message may open); and
+# an assistant message ends otherwise than the others (an extra newline).
 FOLLOWS_A_USER = (
     "{% for m in messages %}{% if m['role'] == 'assistant' and (loop.first or messages[loop.index0 - 1]['role'] != "
     "'user') %}{{ raise_exception('an assistant message must follow a user message') }}{% endif %}"
-    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% if m['role'] == 'assistant' %}{{ '\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
 def test_the_end_of_turn_is_read_from_the_whole_conversation_for_a_template_that_checks_it(tiny_tokenizer):
     """With a system prompt first, the assistant's turn follows the user's only in the whole
-    conversation: the end of turn is read from it, so the template's check passes."""
+    conversation: the end of turn is read from it, so the template's check passes, and it is the
+    end of the assistant's message, not of the first one's."""
     tokenizer = copy_of(tiny_tokenizer)
     tokenizer.chat_template = FOLLOWS_A_USER
     rows = [PromptFormat(tokenizer, chat_template=True, system_prompt="Be kind.").row(PROMPT, {"turns": 2})]
     batch = run_episodes(ScriptedPolicy(tokenizer, ["Four.", "Five."], [True, True]), rows,
                          again_settings(max_turns=2, max_episode_tokens=None))
     observation = [t for t, a in zip(batch.completion_ids()[0], batch.action_mask()[0]) if not a]
-    assert tokenizer.decode(observation) == "\n" + AGAIN
+    assert tokenizer.decode(observation) == "\n\n" + AGAIN
