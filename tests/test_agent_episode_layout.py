@@ -58,8 +58,8 @@ def trimming(tokenizer):
 def assistant_ends_apart(tokenizer):
     """A template that ends an assistant message otherwise than the others (an extra newline)."""
     copy = copy_of(tokenizer)
-    copy.chat_template = CHAT_TEMPLATE.replace("<|im_end|>\n{% endfor %}",
-                                               "<|im_end|>\n{% if m['role'] == 'assistant' %}{{ '\\n' }}{% endif %}{% endfor %}")
+    extra_newline = "{% if m['role'] == 'assistant' %}{{ '\\n' }}{% endif %}"
+    copy.chat_template = CHAT_TEMPLATE.replace("<|im_end|>\n{% endfor %}", f"<|im_end|>\n{extra_newline}{{% endfor %}}")
     assert copy.chat_template != CHAT_TEMPLATE
     return copy
 
