@@ -1,6 +1,6 @@
 """An episode's tokens, written out by hand: what the chat template puts between turns (after a
-stopped, an empty or a cut turn, with a template that trims the text, with a tokenizer that adds
-a BOS token), the budget cutting each row's last turn to its own tokens left, an observation with
+stopped, an empty or a cut turn, with a template that trims the text, ends an assistant message
+apart or checks who speaks before it, with a tokenizer that adds a BOS token), the budget cutting each row's last turn to its own tokens left, an observation with
 no room after it, the flags and rewards the limits leave, whose format the tool calls are read
 in, the recipe's system prompt, the logprobs recorded at sampling, each turn's seeds, the row
 numbers errors give, and the transcript's lines. The policy is scripted
