@@ -292,6 +292,24 @@ def bnb_4bit_layers(roles) -> list:
     return [m for m in roles.peft.modules() if isinstance(m, bnb.nn.Linear4bit)]
 
 
+def tokenizer_copy(tokenizer):
+    """A fresh copy of a loaded tokenizer (left padding, its pad token), to change without touching it."""
+    copy = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    copy.pad_token, copy.padding_side = tokenizer.pad_token, "left"
+    return copy
+
+
+def bos_first(tokenizer):
+    """A copy of `tokenizer` that puts its BOS token first on a plain call, as Llama's tokenizers do."""
+    from tokenizers import processors
+
+    copy = tokenizer_copy(tokenizer)
+    copy._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{copy.bos_token} $A", special_tokens=[(copy.bos_token, copy.bos_token_id)])
+    assert copy("x")["input_ids"][0] == copy.bos_token_id
+    return copy
+
+
 def prompt_rows(tokenizer, texts, chat_template: bool = False, **columns):
     """PromptRows for plain text prompts, as the data loader makes them (columns: one list each)."""
     from lora_ppo.data import PromptFormat

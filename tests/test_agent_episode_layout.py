@@ -13,14 +13,13 @@ import hashlib
 
 import pytest
 import torch
-from tokenizers import processors
 
 from lora_ppo.agents.environment import EpisodeError, Observation
 from lora_ppo.agents.episodes import EpisodeSettings, run_episodes, transcript_text
 from lora_ppo.config import RolloutConfig
 from lora_ppo.data import PromptFormat
 from lora_ppo.parts import episode_settings
-from tests.conftest import CHAT_TEMPLATE, prompt_rows
+from tests.conftest import CHAT_TEMPLATE, bos_first, prompt_rows, tokenizer_copy
 from tests.test_agent_episodes_scripted import ADD_CALL, ScriptedPolicy, again_settings
 from tests.test_agent_tools import QWEN_TEMPLATE, RESPONSE_TEMPLATE
 
@@ -43,33 +42,18 @@ def ids_of(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def copy_of(tokenizer):
-    copy = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
-    copy.pad_token, copy.padding_side = tokenizer.pad_token, "left"
-    return copy
-
-
 def trimming(tokenizer):
-    copy = copy_of(tokenizer)
+    copy = tokenizer_copy(tokenizer)
     copy.chat_template = CHAT_TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] | trim }}")
     return copy
 
 
 def assistant_ends_apart(tokenizer):
     """A template that ends an assistant message otherwise than the others (an extra newline)."""
-    copy = copy_of(tokenizer)
+    copy = tokenizer_copy(tokenizer)
     extra_newline = "{% if m['role'] == 'assistant' %}{{ '\\n' }}{% endif %}"
     copy.chat_template = CHAT_TEMPLATE.replace("<|im_end|>\n{% endfor %}", f"<|im_end|>\n{extra_newline}{{% endfor %}}")
     assert copy.chat_template != CHAT_TEMPLATE
-    return copy
-
-
-def adding_bos(tokenizer):
-    """Like Llama's tokenizers: a plain call puts the BOS token first."""
-    copy = copy_of(tokenizer)
-    copy._tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{copy.bos_token} $A", special_tokens=[(copy.bos_token, copy.bos_token_id)])
-    assert copy("x")["input_ids"][0] == copy.bos_token_id
     return copy
 
 
@@ -87,7 +71,7 @@ def adding_bos(tokenizer):
     (" Four. ", True, 400, trimming, "\n" + AGAIN),
     (" Four and more words here", False, 3, trimming, "<|im_end|>\n" + AGAIN),
     # observations are encoded without the BOS token a plain call would add
-    ("Four.", True, 400, adding_bos, "\n" + AGAIN),
+    ("Four.", True, 400, bos_first, "\n" + AGAIN),
     # the end of an assistant's turn, not of any message's
     ("Four.", True, 400, assistant_ends_apart, "\n\n" + AGAIN),
 ], ids=["stopped", "empty-turn", "cut", "trimming-template", "trimming-template-cut", "bos-tokenizer",
@@ -228,7 +212,7 @@ TEMPLATE_ADD_CALL = '<call>{"name": "add", "arguments": {"a": 2, "b": "3"}}</cal
 def test_calls_are_read_by_the_tokenizers_response_template_when_the_template_writes_the_tools(tiny_tokenizer):
     """A template that renders `tools=` and a response_template in a format no fallback reads:
     the call is read by the response_template (which casts "3" to the schema's integer)."""
-    tokenizer = copy_of(tiny_tokenizer)
+    tokenizer = tokenizer_copy(tiny_tokenizer)
     tokenizer.chat_template, tokenizer.response_template = QWEN_TEMPLATE, RESPONSE_TEMPLATE
     settings = episode_settings(RolloutConfig(tools=["tests.agent_envs:add"], max_turns=2), tokenizer)
     assert settings.tools_in_system is None
@@ -240,7 +224,7 @@ def test_calls_are_read_by_the_tokenizers_response_template_when_the_template_wr
 def test_calls_are_read_in_the_format_our_system_message_asks_for_whatever_the_tokenizers_own(tiny_tokenizer):
     """The template ignores `tools=`, so the system message asks for <tool_call> JSON: that is the
     format read, though the tokenizer's response_template reads another."""
-    tokenizer = copy_of(tiny_tokenizer)
+    tokenizer = tokenizer_copy(tiny_tokenizer)
     tokenizer.response_template = RESPONSE_TEMPLATE
     settings = episode_settings(RolloutConfig(tools=["tests.agent_envs:add"], max_turns=2), tokenizer)
     assert settings.tools_in_system is not None
@@ -459,7 +443,7 @@ def test_the_end_of_turn_is_read_from_the_whole_conversation_for_a_template_that
     """With a system prompt first, the assistant's turn follows the user's only in the whole
     conversation: the end of turn is read from it, so the template's check passes, and it is the
     end of the assistant's message, not of the first one's."""
-    tokenizer = copy_of(tiny_tokenizer)
+    tokenizer = tokenizer_copy(tiny_tokenizer)
     tokenizer.chat_template = FOLLOWS_A_USER
     rows = [PromptFormat(tokenizer, chat_template=True, system_prompt="Be kind.").row(PROMPT, {"turns": 2})]
     batch = run_episodes(ScriptedPolicy(tokenizer, ["Four.", "Five."], [True, True]), rows,

@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 
 import pytest
-from tokenizers import processors
 from typer.testing import CliRunner
 
 import lora_ppo
@@ -18,7 +17,7 @@ from lora_ppo.config import DataConfig
 from lora_ppo.data import PromptFormat, PromptStream, load_prompt_sets, load_rows, prepare_rows, split_off
 from lora_ppo.errors import RecipeError
 from lora_ppo.state import PromptPosition
-from tests.conftest import tiny_recipe_dict, write_recipe
+from tests.conftest import bos_first, tiny_recipe_dict, write_recipe
 
 TEXTS = ["This movie was", "The acting in this film", "Honestly, the sequel"]
 CONVERSATIONS = [
@@ -196,14 +195,12 @@ def test_too_long_for_the_template_says_what_the_template_costs(tokenizer, tmp_p
 def test_a_plain_text_prompt_gets_the_tokenizers_bos_and_a_templated_one_only_what_the_template_writes(tokenizer):
     """For a tokenizer that puts BOS first (as Llama's do): text read as is gets it, as the model saw
     text in pretraining; a templated prompt gets none beyond what its template writes."""
-    bos_first = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
-    bos_first._tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{bos_first.bos_token} $A", special_tokens=[(bos_first.bos_token, bos_first.bos_token_id)])
+    bos_tokenizer = bos_first(tokenizer)
     hello = tokenizer("hello", add_special_tokens=False)["input_ids"]
-    assert PromptFormat(bos_first, False).render("hello")[1] == (bos_first.bos_token_id, *hello)
+    assert PromptFormat(bos_tokenizer, False).render("hello")[1] == (bos_tokenizer.bos_token_id, *hello)
     templated = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
     written = tokenizer(templated, add_special_tokens=False)["input_ids"]
-    assert PromptFormat(bos_first, True).render("hello")[1] == tuple(written)
+    assert PromptFormat(bos_tokenizer, True).render("hello")[1] == tuple(written)
 
 
 def test_a_prompt_of_exactly_max_prompt_tokens_is_kept_and_one_token_more_is_dropped(tokenizer):

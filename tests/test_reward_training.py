@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tokenizers import processors
 from typer.testing import CliRunner
 
 from lora_ppo.cli import app
 from lora_ppo.config import PreferenceDataConfig, RewardRecipe, recipe_from_dict
 from lora_ppo.data import PromptFormat, load_preference_sets, prepare_pairs
 from lora_ppo.reward_training import RewardTrainer, pair_batch, pairwise_loss
-from tests.conftest import adapter_tensors, bnb_4bit_layers, tiny_recipe_dict
+from tests.conftest import adapter_tensors, bnb_4bit_layers, bos_first, tiny_recipe_dict
 
 GOOD = ["great", "wonderful", "lovely", "masterpiece"]
 BAD = ["terrible", "boring", "dull", "awful"]
@@ -159,14 +158,12 @@ def test_a_margin_that_is_missing_not_a_number_or_not_finite_drops_its_pair(tiny
 def test_a_pairs_tokens_take_the_bos_only_where_the_text_starts(tiny_tokenizer):
     """For a tokenizer that puts BOS first: a plain text prompt gets it, and its response after
     it does not; a pair with no prompt starts its response with it. No margin column: margin 0."""
-    bos_first = tiny_tokenizer.__class__.from_pretrained(tiny_tokenizer.name_or_path)
-    bos_first._tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{bos_first.bos_token} $A", special_tokens=[(bos_first.bos_token, bos_first.bos_token_id)])
-    bos, eos = bos_first.bos_token_id, bos_first.eos_token_id
+    bos_tokenizer = bos_first(tiny_tokenizer)
+    bos, eos = bos_tokenizer.bos_token_id, bos_tokenizer.eos_token_id
     ids = {text: tiny_tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("The film", " good", " bad")}
     rows = [{"prompt": "The film", "chosen": " good", "rejected": " bad"},
             {"prompt": None, "chosen": " good", "rejected": " bad"}]
-    explicit, implicit = prepare_pairs(rows, PreferenceDataConfig(), PromptFormat(bos_first, False), eos, "d").pairs
+    explicit, implicit = prepare_pairs(rows, PreferenceDataConfig(), PromptFormat(bos_tokenizer, False), eos, "d").pairs
     assert explicit.chosen_ids == (bos, *ids["The film"], *ids[" good"], eos)
     assert explicit.rejected_ids == (bos, *ids["The film"], *ids[" bad"], eos)
     assert implicit.chosen_ids == (bos, *ids[" good"], eos)

@@ -99,7 +99,8 @@ class EnvironmentSession:
             self._fail(f"step() returned {type(out).__name__}, not an Observation or (messages, reward, done)")
         self._check_messages(out.messages, "step()")
         if out.reward is not None:
-            # text and booleans are refused even where float() reads them, as reward functions' are
+            # text is refused even where float() reads it, as reward functions' is; booleans too (a done
+            # flag in the reward's place, most likely)
             try:
                 reward = math.nan if isinstance(out.reward, (str, bytes, bool)) else float(out.reward)
             except (TypeError, ValueError):

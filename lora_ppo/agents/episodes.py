@@ -242,7 +242,7 @@ def _start(row: PromptRow, settings: EpisodeSettings, renderer: ChatRenderer, in
         first = session.reset()
     if first is None:
         # The conversation the row was rendered from, system prompt and all; plain text as a user turn.
-        first = row.messages or (list(row.prompt) if row.is_conversation else [{"role": "user", "content": row.prompt}])
+        first = row.messages or [{"role": "user", "content": row.prompt}]
         if settings.tool_schemas is None:
             # Today's single-turn prompt exactly: the row's own tokens (system prompt and all).
             return _Episode(row, [dict(m) for m in first], list(row.ids), session=session)
