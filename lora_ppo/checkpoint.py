@@ -209,13 +209,13 @@ def load(folder: Path, parts: Trainables, state_type: type, world: World = World
         record = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
         state = state_type.from_json({k: v for k, v in record.items() if k != "rng"})
         load_adapters(folder, parts.model, parts.trained)
-        parts.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, weights_only=True))
+        parts.optimizer.load_state_dict(_saved_tensors(folder / OPTIMIZER_FILE))
         if parts.scheduler is not None and (folder / SCHEDULER_FILE).exists():
-            parts.scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=True))
-        rng_tensors, rng = torch.load(folder / RNG_FILE, weights_only=True), record["rng"]
+            parts.scheduler.load_state_dict(_saved_tensors(folder / SCHEDULER_FILE))
+        rng_tensors, rng = _saved_tensors(folder / RNG_FILE), record["rng"]
         if world.rank > 0:
             own = folder / PROCESS_RNG_FILE.format(world.rank)
-            saved = torch.load(own, weights_only=True)
+            saved = _saved_tensors(own)
             rng_tensors, rng = saved["tensors"], saved
     except (CheckpointError, RecipeError):
         raise
@@ -223,6 +223,16 @@ def load(folder: Path, parts: Trainables, state_type: type, world: World = World
         raise CheckpointError(f"checkpoint {folder} cannot be loaded: {first_line(err)}") from None
     _restore_rng(rng, rng_tensors, parts.generator)
     return state
+
+
+def _saved_tensors(path: Path) -> Any:
+    """What `torch.save` wrote to `path`, read weights-only. A file that is no pickle of tensors makes
+    torch advise loading it with weights_only=False (running any code it holds): said plainly instead."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(f"checkpoint {path.parent} cannot be loaded: {path.name} is not a file torch.save "
+                              "wrote (cut short or replaced)") from None
 
 
 def load_newest(run: RunDir, folder: Path, auto: bool, parts: Trainables, state_type: type,
