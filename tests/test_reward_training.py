@@ -73,6 +73,78 @@ def test_a_reward_adapter_learns_a_separable_preference(reward_run):
                                                    "reward_head.safetensors"}
 
 
+def test_a_steps_loss_accuracy_margin_and_gradient_norm_are_its_pairs_by_hand(tmp_path, tiny_model_dir, reward_run):
+    """A step of 4 pairs in 2 micro-batches, from the trained adapter (its scores are not 0) and
+    with margins: the logged loss is the mean of log(1 + exp(-(chosen - rejected - margin))) over
+    the 4 pairs, accuracy the share ranked right, margin the mean score difference, and grad_norm
+    the norm of that mean loss's gradient, as a plain backward of the model's scores gives them."""
+    import math
+
+    margins = [17.0, 19.0, 0.0, 15.0, 18.0, 21.0]  # about the trained adapter's score gaps: a loss far from 0
+    rows = [{**row, "margin": m} for row, m in zip(preference_rows(6), margins)]
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    recipe = reward_recipe_dict(tiny_model_dir, data, data, tmp_path / "run", epochs=1, batch_size=4,
+                                grad_accum_steps=2)
+    recipe["adapter"]["init_from"] = str(reward_run / "final" / "reward")
+    recipe["data"].update(margin_column="margin", eval_source=None, eval_size=0)
+    trainer = RewardTrainer(recipe_from_dict(recipe, schema=RewardRecipe), progress=False)
+    pairs, _ = trainer.stream.take(4, trainer.state.position)
+    scores = trainer.model.scores(*pair_batch(pairs, trainer.tokenizer.pad_token_id, trainer.device))
+    chosen, rejected = scores[:4].tolist(), scores[4:].tolist()
+    margin = [p.margin for p in pairs]
+    by_hand = torch.log1p(torch.exp(-(scores[:4] - scores[4:] - torch.tensor(margin)))).sum() / 4
+    by_hand.backward()
+    parameters = list(trainer.model.parameters())
+    grad_norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in parameters if p.grad is not None))
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+    metrics = trainer.train_step()
+    expected_loss = sum(math.log1p(math.exp(-(c - r - m))) for c, r, m in zip(chosen, rejected, margin)) / 4
+    assert metrics["loss"] == pytest.approx(expected_loss, rel=1e-5)
+    assert metrics["accuracy"] == sum(c > r for c, r in zip(chosen, rejected)) / 4
+    assert metrics["margin"] == pytest.approx(sum(c - r for c, r in zip(chosen, rejected)) / 4, rel=1e-5)
+    assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+    assert metrics["step"] == 1
+
+
+def test_held_out_accuracy_margin_and_loss_cover_every_pair_by_hand(tmp_path, tiny_model_dir, reward_run, caplog):
+    """20 held-out pairs (more than one scoring batch), 6 of them the wrong way round, with margins:
+    the held-out accuracy, margin and loss are those of each pair scored on its own."""
+    import logging
+    import math
+
+    rows = preference_rows(20, start=700)
+    for row in rows[::3][:6]:
+        row["chosen"], row["rejected"] = row["rejected"], row["chosen"]
+    rows = [{**row, "margin": float(i % 5) * 4} for i, row in enumerate(rows)]
+    held_out = write_jsonl(tmp_path / "held.jsonl", rows)
+    data = write_jsonl(tmp_path / "train.jsonl", [{**row, "margin": 0.0} for row in preference_rows(4)])
+    recipe = reward_recipe_dict(tiny_model_dir, data, held_out, tmp_path / "run", epochs=1, batch_size=4)
+    recipe["adapter"]["init_from"] = str(reward_run / "final" / "reward")
+    recipe["data"].update(margin_column="margin", eval_size=20)
+    trainer = RewardTrainer(recipe_from_dict(recipe, schema=RewardRecipe), progress=False)
+    pairs = trainer.eval_pairs.pairs
+    assert len(pairs) == 20
+    chosen, rejected = [], []
+    with torch.no_grad():
+        for pair in pairs:
+            ids = [torch.tensor([seq]) for seq in (pair.chosen_ids, pair.rejected_ids)]
+            c, r = (float(trainer.model.scores(t, torch.ones_like(t))[0]) for t in ids)
+            chosen.append(c)
+            rejected.append(r)
+    wins = [c > r for c, r in zip(chosen, rejected)]
+    assert 0 < sum(wins) < 20
+    with caplog.at_level(logging.INFO, logger="lora_ppo.progress"):
+        scores = trainer.evaluate()
+    # Without a bar, a line per batch of 16 that takes the count past another tenth.
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == \
+        ["held-out: 0/20 pairs", "held-out: 16/20 pairs", "held-out: 20/20 pairs"]
+    assert scores["accuracy"] == pytest.approx(sum(wins) / 20, abs=1e-6)
+    assert scores["margin"] == pytest.approx(sum(c - r for c, r in zip(chosen, rejected)) / 20, rel=1e-4)
+    loss = sum(math.log1p(math.exp(-(c - r - p.margin))) for c, r, p in zip(chosen, rejected, pairs)) / 20
+    assert scores["loss"] == pytest.approx(loss, rel=1e-4)
+
+
 def test_accuracy_counts_a_tie_as_half():
     import torch
 

@@ -4,6 +4,8 @@ give the same loss and gradients; packing is refused where attention would cross
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -52,6 +54,13 @@ def test_a_steps_loss_is_the_masked_cross_entropy_by_hand(trainer_for, completio
     metrics = trainer.train_step()
     assert metrics["sft/target_tokens"] == count
     assert metrics["sft/loss"] == pytest.approx(total / count, rel=1e-5, abs=1e-6)
+    assert metrics["sft/perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5)
+    # Two micro-batches of 3 rows, each padded to its longest row.
+    tokens = sum(len(row.ids) for row in rows)
+    positions = sum(3 * max(len(row.ids) for row in rows[start : start + 3]) for start in (0, 3))
+    assert tokens < positions
+    assert (metrics["sft/tokens"], metrics["sft/padding_frac"]) == (tokens, pytest.approx(1 - tokens / positions))
+    assert metrics["tokens_per_s"] == pytest.approx(tokens / metrics["time/step"])
 
 
 def test_packed_and_padded_batches_give_the_same_loss_and_gradients(trainer_for):
@@ -103,6 +112,8 @@ def test_packing_is_refused_where_attention_crosses_rows(trainer_for, monkeypatc
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
     with pytest.raises(RecipeError, match="^sft.packing: llama's attention lets a packed row see the row before it"):
         trainer.model.check_packing("sft.packing")
+    with pytest.raises(RecipeError, match="^sft.packing: llama's attention"):  # as the run's model loads
+        trainer_for(True, packing=True)
 
 
 def test_target_logprobs_are_one_per_target_token_in_order(tiny_model_dir):

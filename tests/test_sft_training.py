@@ -56,6 +56,16 @@ def test_the_held_out_loss_falls_and_the_run_folder_says_so(sft_run):
     assert after[0]["reference"] == demonstration_rows(1, start=1000)[0]["completion"]
 
 
+def test_a_loss_too_large_for_a_perplexity_still_logs_a_finite_one():
+    """A diverged run's loss (here 10,000 nats) must not overflow exp() and stop the run."""
+    import math
+
+    from lora_ppo.sft.trainer import perplexity
+
+    assert perplexity(2.0) == math.exp(2.0)
+    assert math.isfinite(perplexity(1e4)) and perplexity(1e4) == perplexity(800.0) > 1e20
+
+
 def test_the_adapter_is_a_plain_peft_folder(sft_run, tiny_model_dir):
     """PeftModel.from_pretrained loads final/policy onto the base model as any PEFT adapter, and it
     computes what the run's model computed (on the 4-bit kernel training used: bitsandbytes'
