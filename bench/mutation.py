@@ -123,10 +123,11 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
                                         "tests/test_agent_episodes.py", "tests/test_agents_doc_example.py"], []),
     "lora_ppo/agents/given.py": (["tests/test_agent_episodes.py", "tests/test_agents_doc_example.py"], []),
     "lora_ppo/data.py": (["tests/test_data.py", "tests/test_builtin_datasets.py", "tests/test_reward_training.py"], []),
-    "lora_ppo/adapter_training.py": (["tests/test_sft_model.py", "tests/test_sft_training.py",
-                                      "tests/test_reward_training.py"], []),
-    "lora_ppo/reward_training.py": (["tests/test_reward_training.py"], []),
-    "lora_ppo/sft/trainer.py": (["tests/test_sft_model.py", "tests/test_sft_training.py"], []),
+    "lora_ppo/adapter_training.py": (["tests/test_adapter_training.py", "tests/test_sft_model.py",
+                                      "tests/test_sft_training.py", "tests/test_reward_training.py"], []),
+    "lora_ppo/reward_training.py": (["tests/test_reward_training.py", "tests/test_adapter_training.py"], []),
+    "lora_ppo/sft/trainer.py": (["tests/test_sft_model.py", "tests/test_sft_training.py",
+                                 "tests/test_adapter_training.py"], []),
     "lora_ppo/sft/samples.py": (["tests/test_sft_training.py"], []),
 }
 
