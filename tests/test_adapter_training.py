@@ -58,23 +58,31 @@ def test_the_linear_schedule_reaches_zero_at_the_last_step_and_python_callers_ge
     no `progress` argument, a run shows its progress bar; the row it dropped is said once."""
     trainer_type, schema, _ = STAGES[stage]
     recipe = stage_recipe(stage, tiny_model_dir, tmp_path, epochs=1, batch_size=4, lr_schedule="linear",
-                          learning_rate=1e-2, eval_every=0)
+                          learning_rate=1e-2, eval_every=0, save_every=2)
     with caplog.at_level(logging.WARNING, logger=trainer_type.__module__):
         trainer_type(recipe_from_dict(recipe, schema=schema)).train()
     said = [r.getMessage() for r in caplog.records if r.name == trainer_type.__module__]
     assert said == [UNUSABLE[stage][1].format(tmp_path / "train.jsonl")]
     assert [m["lr"] for m in metric_lines(tmp_path / "run")] == pytest.approx([7.5e-3, 5e-3, 2.5e-3, 0.0], abs=1e-12)
     bar = capsys.readouterr().err
-    assert f"{trainer_type.label}: 100%" in bar and "4/4" in bar
+    assert f"{trainer_type.label}: 100%" in bar and "4/4" in bar and "loss=" in bar
+    # save_every 2: step 2's checkpoint; the last step's state is final/, not a second copy.
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-2"]
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
-def test_the_constant_schedule_keeps_the_rate(stage, tmp_path, tiny_model_dir):
+def test_the_constant_schedule_keeps_the_rate_and_a_log_has_a_line_every_log_every_steps(
+        stage, tmp_path, tiny_model_dir, capsys):
     trainer_type, schema, _ = STAGES[stage]
-    recipe = stage_recipe(stage, tiny_model_dir, tmp_path, epochs=1, batch_size=8, lr_schedule="constant",
-                          learning_rate=1e-2, eval_every=0)
+    recipe = stage_recipe(stage, tiny_model_dir, tmp_path, epochs=2, batch_size=8, lr_schedule="constant",
+                          learning_rate=1e-2, eval_every=0, log_every=2)
     trainer_type(recipe_from_dict(recipe, schema=schema), progress=False).train()
-    assert [m["lr"] for m in metric_lines(tmp_path / "run")] == [1e-2, 1e-2]
+    metrics = metric_lines(tmp_path / "run")
+    assert [m["lr"] for m in metrics] == [1e-2] * 4
+    shown = {"sft": "loss {sft/loss:.3f}  perplexity {sft/perplexity:.2f}",
+             "reward": "loss {loss:.3f}  accuracy {accuracy:.2f}"}[stage]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
+    assert lines == [f"step {m['step']}/4  " + shown.format(**m) + f"  {m['time/step']:.1f}s" for m in metrics[1::2]]
 
 
 @pytest.mark.parametrize("stage", list(STAGES))

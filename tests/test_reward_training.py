@@ -79,6 +79,7 @@ def test_a_steps_loss_accuracy_margin_and_gradient_norm_are_its_pairs_by_hand(tm
     the 4 pairs, accuracy the share ranked right, margin the mean score difference, and grad_norm
     the norm of that mean loss's gradient, as a plain backward of the model's scores gives them."""
     import math
+    import time
 
     margins = [17.0, 19.0, 0.0, 15.0, 18.0, 21.0]  # about the trained adapter's score gaps: a loss far from 0
     rows = [{**row, "margin": m} for row, m in zip(preference_rows(6), margins)]
@@ -98,7 +99,9 @@ def test_a_steps_loss_accuracy_margin_and_gradient_norm_are_its_pairs_by_hand(tm
     grad_norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in parameters if p.grad is not None))
     trainer.optimizer.zero_grad(set_to_none=True)
 
+    started = time.perf_counter()
     metrics = trainer.train_step()
+    assert 0 < metrics["time/step"] <= time.perf_counter() - started
     expected_loss = sum(math.log1p(math.exp(-(c - r - m))) for c, r, m in zip(chosen, rejected, margin)) / 4
     assert metrics["loss"] == pytest.approx(expected_loss, rel=1e-5)
     assert metrics["accuracy"] == sum(c > r for c, r in zip(chosen, rejected)) / 4

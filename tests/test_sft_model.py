@@ -5,6 +5,7 @@ give the same loss and gradients; packing is refused where attention would cross
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -51,7 +52,9 @@ def test_a_steps_loss_is_the_masked_cross_entropy_by_hand(trainer_for, completio
                     continue  # a prompt token: no target
                 total -= float(logp[t - 1, row.ids[t]])
                 count += 1
+    started = time.perf_counter()
     metrics = trainer.train_step()
+    assert 0 < metrics["time/step"] <= time.perf_counter() - started
     assert metrics["sft/target_tokens"] == count
     assert metrics["sft/loss"] == pytest.approx(total / count, rel=1e-5, abs=1e-6)
     assert metrics["sft/perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5)
@@ -96,7 +99,17 @@ def test_packed_and_padded_batches_give_the_same_loss_and_gradients(trainer_for)
 def test_a_training_step_with_packing_gives_the_padded_steps_loss(trainer_for):
     """sft.packing through the trainer's own batches (moved to its device), against the same step padded."""
     padded, packed = trainer_for(True), trainer_for(True, packing=True)
-    assert packed.batch(packed.train_rows.rows[:4]).attention_mask is None
+    # Rows of 24, 24, 25 and 25 tokens in sequences of at most data.max_length (48) tokens: 24 + 24,
+    # then each 25 alone, padded with the pad token; with sft.packing_length 100, all four in one.
+    rows = packed.train_rows.rows[:4]
+    assert sorted(len(row.ids) for row in rows) == [24, 24, 25, 25] and packed.recipe.data.max_length == 48
+    batch = packed.batch(rows)
+    assert batch.attention_mask is None and batch.input_ids.shape == (3, 48)
+    # The padding, and each row's last token: this tokenizer pads with its end-of-turn token.
+    assert (batch.input_ids == packed.tokenizer.pad_token_id).sum() == 2 * 23 + 4
+    longer = trainer_for(True, packing=True, packing_length=100).batch(rows)
+    assert longer.input_ids.shape == (1, 98)
+    assert sorted(longer.input_ids[0].tolist()) == sorted(t for row in rows for t in row.ids)
     assert torch.equal(padded.batch(padded.train_rows.rows[:1]).attention_mask,
                        torch.ones(1, len(padded.train_rows.rows[0].ids), dtype=torch.long))
     assert packed.train_step()["sft/loss"] == pytest.approx(padded.train_step()["sft/loss"], rel=1e-5, abs=1e-6)

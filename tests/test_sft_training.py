@@ -158,7 +158,14 @@ def test_trackers_and_counted_long_rows(tmp_path, tiny_model_dir, sft_data, capl
     with caplog.at_level(logging.WARNING, logger="lora_ppo.sft.trainer"):
         SFTTrainer(recipe_from_dict(recipe, schema=SFTRecipe), progress=False).train()
     assert f"truncated 1 training rows from {data} to data.max_length (48 tokens)" in caplog.text
-    assert list((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "run"))  # tensorboard/<run name>/
+    board.Reload()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for key in ("sft/loss", "lr"):
+        assert [(e.step, e.value) for e in board.Scalars(key)] == \
+            [(m["step"], pytest.approx(m[key], rel=1e-6)) for m in metrics]
 
 
 @pytest.mark.parametrize("reference", ["auto", "run"])
