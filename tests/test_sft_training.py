@@ -66,6 +66,63 @@ def test_a_loss_too_large_for_a_perplexity_still_logs_a_finite_one():
     assert math.isfinite(perplexity(1e4)) and perplexity(1e4) == perplexity(800.0) > 1e20
 
 
+def test_held_out_loss_and_samples_are_each_rows_own_by_hand(tmp_path, tiny_model_dir, sft_data, caplog):
+    """8 held-out rows scored 3 at a time: the loss is the mean negative log-likelihood of every
+    completion token, from a plain forward of one row at a time; the samples of the first 5 rows,
+    generated 3 at a time, are each prompt's greedy continuation one token at a time, cut at the
+    stop token or after data.eval_max_new_tokens."""
+    import logging
+
+    from tests.conftest import perturb_lora_b
+
+    recipe = sft_recipe_dict(tiny_model_dir, *sft_data, tmp_path / "run")
+    recipe["data"].update(eval_batch_size=3, eval_samples=5, eval_max_new_tokens=6)
+    trainer = SFTTrainer(recipe_from_dict(recipe, schema=SFTRecipe), progress=False)
+    perturb_lora_b(trainer.model, "policy", seed=5, scale=0.3)
+    model, tokenizer, rows = trainer.model, trainer.tokenizer, trainer.eval_rows.rows
+    assert len(rows) == 8
+    total, count, greedy = 0.0, 0, []
+    with torch.no_grad():
+        for row in rows:
+            logp = torch.log_softmax(model.peft(input_ids=torch.tensor([row.ids])).logits[0].double(), dim=-1)
+            for t in range(len(tokenizer(row.prompt)["input_ids"]), len(row.ids)):
+                total -= float(logp[t - 1, row.ids[t]])
+                count += 1
+        for row in rows[:5]:
+            tokens = list(row.prompt_ids)
+            for _ in range(6):
+                tokens.append(int(model.peft(input_ids=torch.tensor([tokens])).logits[0, -1].argmax()))
+                if tokens[-1] == tokenizer.eos_token_id:
+                    break
+            greedy.append(tokenizer.decode(tokens[len(row.prompt_ids):], skip_special_tokens=True))
+    with caplog.at_level(logging.INFO, logger="lora_ppo.progress"):
+        scores = trainer.evaluate()
+    assert scores["loss"] == pytest.approx(total / count, rel=1e-5)
+    assert scores["perplexity"] == pytest.approx(torch.tensor(total / count).exp().item(), rel=1e-5)
+    assert [r.getMessage().split(" (")[0] for r in caplog.records if r.name == "lora_ppo.progress"] == \
+        ["held-out: 0/8 rows", "held-out: 3/8 rows", "held-out: 6/8 rows", "held-out: 8/8 rows"]
+    trainer.write_samples(tmp_path / "samples.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in records] == [row.prompt for row in rows[:5]]
+    assert [r["completion"] for r in records] == greedy
+    assert [r["reference"] for r in records] == [row.completion for row in rows[:5]]
+
+
+def test_the_closing_lines_round_the_numbers_and_say_n_a_without_held_out_rows():
+    from lora_ppo.sft.trainer import format_sft_summary
+
+    summary = {"heldout_loss_before": 2.34567, "heldout_loss_after": 1.23449, "heldout_perplexity_before": 10.4399,
+               "heldout_perplexity_after": 3.43671, "heldout_rows": 8, "wall_time_s": 12.4, "peak_memory_gb": 1.2345,
+               "adapter": "runs/sft/final/policy", "output_dir": "runs/sft"}
+    assert format_sft_summary(summary).splitlines() == [
+        "held-out loss: 2.346 -> 1.234 (perplexity 10.44 -> 3.44, 8 rows)",
+        "wall time: 12 s, peak memory: 1.23 GB",
+        "adapter: runs/sft/final/policy (PPO starts from it with adapters.policy.init_from: runs/sft)",
+    ]
+    no_held_out = {k: v for k, v in summary.items() if not k.startswith("heldout_")} | {"heldout_rows": 0}
+    assert format_sft_summary(no_held_out).splitlines()[0] == "held-out loss: n/a -> n/a (perplexity n/a -> n/a, 0 rows)"
+
+
 def test_the_adapter_is_a_plain_peft_folder(sft_run, tiny_model_dir):
     """PeftModel.from_pretrained loads final/policy onto the base model as any PEFT adapter, and it
     computes what the run's model computed (on the 4-bit kernel training used: bitsandbytes'
