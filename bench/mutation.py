@@ -128,7 +128,7 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
     "lora_ppo/reward_training.py": (["tests/test_reward_training.py", "tests/test_adapter_training.py"], []),
     "lora_ppo/sft/trainer.py": (["tests/test_sft_model.py", "tests/test_sft_training.py",
                                  "tests/test_adapter_training.py"], []),
-    "lora_ppo/sft/samples.py": (["tests/test_sft_training.py"], []),
+    "lora_ppo/sft/samples.py": (["tests/test_sft_samples.py", "tests/test_sft_training.py"], []),
 }
 
 # The numerical code issue #32 asks about (trainer, rollout and roles only in part), the layouts

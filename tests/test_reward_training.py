@@ -148,6 +148,23 @@ def test_held_out_accuracy_margin_and_loss_cover_every_pair_by_hand(tmp_path, ti
     assert scores["loss"] == pytest.approx(loss, rel=1e-4)
 
 
+def test_the_closing_lines_round_the_numbers_and_say_n_a_without_held_out_pairs():
+    from lora_ppo.reward_training import format_reward_summary
+
+    summary = {"heldout_accuracy_before": 0.5, "heldout_accuracy_after": 0.93751, "heldout_margin_before": 0.0,
+               "heldout_margin_after": 2.71828, "heldout_pairs": 16, "wall_time_s": 61.6, "peak_memory_gb": 0.987,
+               "reward_adapter": "runs/reward/final/reward"}
+    assert format_reward_summary(summary).splitlines() == [
+        "held-out accuracy: 0.500 -> 0.938 (16 pairs)",
+        "held-out mean margin: 0.000 -> 2.718",
+        "wall time: 62 s, peak memory: 0.99 GB",
+        "reward adapter: runs/reward/final/reward (use it with reward.kind: adapter, reward.adapter: <that folder>)",
+    ]
+    no_held_out = {k: v for k, v in summary.items() if not k.startswith("heldout_")} | {"heldout_pairs": 0}
+    assert format_reward_summary(no_held_out).splitlines()[:2] == ["held-out accuracy: n/a -> n/a (0 pairs)",
+                                                                   "held-out mean margin: n/a -> n/a"]
+
+
 def test_accuracy_counts_a_tie_as_half():
     import torch
 
