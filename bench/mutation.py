@@ -129,6 +129,8 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
     "lora_ppo/sft/trainer.py": (["tests/test_sft_model.py", "tests/test_sft_training.py",
                                  "tests/test_adapter_training.py"], []),
     "lora_ppo/sft/samples.py": (["tests/test_sft_samples.py", "tests/test_sft_training.py"], []),
+    "lora_ppo/config.py": (["tests/test_config.py", "tests/test_config_fuzz.py", "tests/test_recipes.py",
+                            "tests/test_cli.py"], []),
 }
 
 # The numerical code issue #32 asks about (trainer, rollout and roles only in part), the layouts
