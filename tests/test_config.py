@@ -227,3 +227,101 @@ def test_a_batch_that_does_not_split_into_groups_or_micro_batches_is_refused(sec
     with pytest.raises(RecipeError) as raised:
         recipe_from_dict(sections)
     assert message in str(raised.value)
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"model": {"dequantize_budget_gb": 4, "dequantize_per_step": False}},
+     "model.dequantize_budget_gb (4) needs dequantize_per_step true or auto"),
+    ({"model": {"quantization": "none", "quantize_lm_head": True}},
+     "model.quantize_lm_head: needs model.quantization 4bit or 8bit (got 'none')"),
+    ({"adapters": {"value": {"init_from": "reward"}}},
+     "adapters.value.init_from: 'reward' starts the value from the reward adapter, and this recipe has none "
+     "(reward.kind: adapter)"),
+])
+def test_settings_that_need_another_are_refused_in_one_line(data, expected):
+    assert _error(data) == expected
+
+
+@pytest.mark.parametrize("data", [
+    {"model": {"dequantize_budget_gb": 4, "dequantize_per_step": "auto"}},
+    {"model": {"dequantize_budget_gb": 4, "dequantize_per_step": True}},
+    {"model": {"quantization": "8bit", "quantize_lm_head": True}},
+    {"reward": {"kind": "adapter", "adapter": "runs/reward/final/reward", "function": None},
+     "adapters": {"value": {"init_from": "reward"}}},
+    {"ppo": {"kl_coef": 0.1, "kl_coef_min": 0.1, "target_kl": 6}},  # a floor at the start value: allowed
+])
+def test_the_settings_next_to_each_refusal_are_accepted(data):
+    recipe_from_dict(data)
+
+
+@pytest.mark.parametrize("setting, expected", [(True, True), (False, False), ("auto", True)])
+def test_gradient_checkpointing_left_to_auto_without_a_memory_plan_is_on(setting, expected):
+    assert ModelConfig(gradient_checkpointing=setting).checkpointing_on is expected
+
+
+@pytest.mark.parametrize("compile_, device, steps, expected", [
+    ("auto", "cuda", 1999, False), ("auto", "cuda", 2000, True), ("auto", "cpu", 10**6, False),
+    (True, "cpu", 1, True), (False, "cuda", 10**6, False),
+])
+def test_compile_auto_is_on_for_cuda_from_2000_decode_steps(compile_, device, steps, expected):
+    from lora_ppo.config import RolloutConfig
+
+    assert RolloutConfig(compile=compile_).compiles_on(device, steps) is expected
+
+
+def test_the_response_budget_is_the_new_tokens_or_the_episodes():
+    from lora_ppo.config import RolloutConfig
+
+    assert RolloutConfig(max_new_tokens=32).response_tokens == 32
+    assert RolloutConfig(max_new_tokens=32, max_turns=3, tools=["calculator"]).response_tokens == 96
+    assert RolloutConfig(max_new_tokens=32, max_turns=3, tools=["calculator"],
+                         max_episode_tokens=50).response_tokens == 50
+
+
+def test_an_override_removes_a_field_three_levels_down():
+    data = {"adapters": {"policy": {"r": 8, "init_from": "runs/sft"}}}
+    assert recipe_from_dict(data, ["~adapters.policy.init_from"]).adapters.policy.init_from is None
+    with pytest.raises(RecipeError, match=r"^override '~adapters.value.r': the recipe does not set adapters.value.r$"):
+        recipe_from_dict(data, ["~adapters.value.r"])
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"reward": {"sources": [{"kind": "vader"}, {"knd": "textblob"}]}},
+     "reward.sources.1.knd: unknown field (did you mean reward.sources.1.kind?)"),
+    ({"ppo\n": {}}, "'ppo\\n': unknown field (did you mean ppo?)"),
+    ({"ppo ": {}}, "'ppo ': unknown field (did you mean ppo?)"),
+    ({"": {}}, "'': unknown field (check the spelling)"),
+])
+def test_unknown_fields_in_list_entries_and_odd_keys_are_named_on_one_line(data, expected):
+    assert _error(data) == expected
+
+
+def test_a_bad_list_entry_is_named_by_its_index():
+    assert _error({"rollout": {"tools": ["calculator", 5]}}) == \
+        "rollout.tools.1: Input should be a valid string (got 5)"
+
+
+def test_invalid_yaml_names_the_problem_and_where(tmp_path):
+    from lora_ppo.config import load_recipe
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  steps: 3\n   log_every: 2\n")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert str(err.value) == f"recipe {path}: mapping values are not allowed here at line 3, column 13"
+
+
+def test_local_paths_and_matching_globs_are_made_absolute_and_hub_ids_kept(tmp_path, monkeypatch):
+    """recipe.yaml in the run folder must work from any folder: a model folder and a data glob named
+    relative to where the run started become absolute; a hub id (no such local path) and a glob
+    that matches nothing stay as written."""
+    from lora_ppo.config import with_absolute_paths
+
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+    local = with_absolute_paths(recipe_from_dict({"model": {"name": "models/tiny"}, "data": {"source": "data/*.jsonl"}}))
+    assert (local.model.name, local.data.source) == (str(tmp_path / "models/tiny"), str(tmp_path / "data/*.jsonl"))
+    hub = with_absolute_paths(recipe_from_dict({"model": {"name": "org/model"}, "data": {"source": "none/*.jsonl"}}))
+    assert (hub.model.name, hub.data.source) == ("org/model", "none/*.jsonl")
