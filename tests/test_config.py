@@ -325,3 +325,25 @@ def test_local_paths_and_matching_globs_are_made_absolute_and_hub_ids_kept(tmp_p
     assert (local.model.name, local.data.source) == (str(tmp_path / "models/tiny"), str(tmp_path / "data/*.jsonl"))
     hub = with_absolute_paths(recipe_from_dict({"model": {"name": "org/model"}, "data": {"source": "none/*.jsonl"}}))
     assert (hub.model.name, hub.data.source) == ("org/model", "none/*.jsonl")
+
+
+def test_a_reward_module_found_as_a_file_is_recorded_by_its_path(tmp_path, monkeypatch):
+    """A `module:function` whose module is a .py file in the current folder, or beside the recipe,
+    is recorded by that file's absolute path; a dotted module, or one found nowhere, stays an import."""
+    from lora_ppo.config import with_absolute_paths
+
+    here, beside = tmp_path / "here", tmp_path / "recipes"
+    here.mkdir()
+    beside.mkdir()
+    (here / "my_reward.py").write_text("def score(completions, **kw):\n    return [0.0] * len(completions)\n")
+    (beside / "their_reward.py").write_text("def score(completions, **kw):\n    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(here)
+
+    def recorded(spec, recipe_dir=None):
+        recipe = recipe_from_dict({"reward": {"kind": "function", "function": spec}})
+        return with_absolute_paths(recipe, recipe_dir).reward.function
+
+    assert recorded("my_reward:score") == f"{here}/my_reward.py:score"
+    assert recorded("their_reward:score", beside) == f"{beside}/their_reward.py:score"
+    assert recorded("their_reward:score") == "their_reward:score"  # no recipe folder to look in
+    assert recorded("tests.reward_fns:count_letter_e", beside) == "tests.reward_fns:count_letter_e"
