@@ -347,3 +347,21 @@ def test_a_reward_module_found_as_a_file_is_recorded_by_its_path(tmp_path, monke
     assert recorded("their_reward:score", beside) == f"{beside}/their_reward.py:score"
     assert recorded("their_reward:score") == "their_reward:score"  # no recipe folder to look in
     assert recorded("tests.reward_fns:count_letter_e", beside) == "tests.reward_fns:count_letter_e"
+
+
+@pytest.mark.parametrize("data, float32, roles", [
+    ({}, True, 2),  # reference and value; the policy's logprobs come from generation in float32
+    ({}, False, 3),  # and the policy, scored again where generation ran in another precision
+    ({"rollout": {"logprobs_from_generation": False}}, True, 3),
+    ({"adapters": {"reference": "none"}}, True, 1),
+    ({"ppo": {"advantage_estimator": "rloo"}, "rollout": {"samples_per_prompt": 2}}, True, 1),
+    ({"ppo": {"advantage_estimator": "grpo"}, "rollout": {"samples_per_prompt": 2}, "adapters": {"reference": "none"}},
+     False, 1),
+])
+def test_the_roles_a_rollout_is_scored_as(data, float32, roles):
+    assert recipe_from_dict(data).scored_roles(float32) == roles
+
+
+def test_the_sizes_left_to_auto_are_the_ones_the_recipe_says_auto():
+    assert recipe_from_dict({}).auto_sizes == []
+    assert recipe_from_dict({"ppo": {"grad_accum_steps": "auto"}}).auto_sizes == ["ppo.grad_accum_steps"]
