@@ -325,6 +325,20 @@ def test_local_paths_and_matching_globs_are_made_absolute_and_hub_ids_kept(tmp_p
     assert (local.model.name, local.data.source) == (str(tmp_path / "models/tiny"), str(tmp_path / "data/*.jsonl"))
     hub = with_absolute_paths(recipe_from_dict({"model": {"name": "org/model"}, "data": {"source": "none/*.jsonl"}}))
     assert (hub.model.name, hub.data.source) == ("org/model", "none/*.jsonl")
+    # In each entry of a list of sources.
+    (tmp_path / "rewards" / "a").mkdir(parents=True)
+    mixed = with_absolute_paths(recipe_from_dict({"reward": {"sources": [
+        {"kind": "vader"}, {"kind": "adapter", "adapter": "rewards/a"}, {"kind": "classifier", "model": "hub/b"}]}}))
+    assert [(s.adapter, s.model) for s in mixed.reward.sources] == \
+        [(None, None), (str(tmp_path / "rewards/a"), None), (None, "hub/b")]
+
+
+def test_the_written_recipe_lists_its_sections_in_the_schemas_order():
+    import yaml
+
+    from lora_ppo.config import recipe_to_yaml
+
+    assert list(yaml.safe_load(recipe_to_yaml(recipe_from_dict({})))) == list(Recipe.model_fields)
 
 
 def test_a_reward_module_found_as_a_file_is_recorded_by_its_path(tmp_path, monkeypatch):
