@@ -1,7 +1,8 @@
 """What `train-reward` and `train-sft` share (lora_ppo/adapter_training.py), on the tiny 4-bit model:
-the learning-rate schedule each step logs, the progress bar a Python caller gets by default, what is
-refused before the base model loads, and `--resume auto` going back past a checkpoint it cannot read
-where a named one is refused. Each stage's own numbers are in test_reward_training.py and
+the learning-rate schedule each step logs, the progress bar a Python caller gets by default and the
+log lines without one, step checkpoints, what is refused before the base model loads, `--resume auto`
+going back past a checkpoint it cannot read where a named one is refused, a finished run resumed,
+trackers finished after a Ctrl-C. Each stage's own numbers are in test_reward_training.py and
 test_sft_training.py."""
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def test_resume_auto_goes_back_past_a_checkpoint_it_cannot_read_and_a_named_one_
     monkeypatch.undo()
     checkpoints = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-1", "step-2"]
-    (checkpoints / "step-2" / "optimizer.pt").write_bytes(b"cut short")
+    (checkpoints / "step-2" / "optimizer.pt").write_bytes(b"not a torch file")
 
     caplog.set_level(logging.INFO)
     resumed = SFTTrainer(recipe, progress=False, resume="auto")
