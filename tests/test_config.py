@@ -146,6 +146,15 @@ def test_the_held_out_size_is_fixed_on_resume_where_it_is_split_off_the_training
     assert resume_differences(own.model_dump(mode="json"),
                               recipe_from_dict({}, ["data.source=my_prompts.txt", "data.eval_size=3"])) == \
         ["data.eval_size"]
+    # Either side splitting is enough; with a held-out file on both sides the size may change.
+    held = recipe_from_dict({}, ["data.eval_source=held.jsonl"])
+    assert resume_differences(saved, recipe_from_dict({}, ["data.eval_source=held.jsonl", "data.eval_size=3"])) == \
+        ["data.eval_size", "data.eval_source"]
+    assert resume_differences(held.model_dump(mode="json"),
+                              recipe_from_dict({}, ["data.eval_source=null", "data.eval_size=3"])) == \
+        ["data.eval_size", "data.eval_source"]
+    assert resume_differences(held.model_dump(mode="json"),
+                              recipe_from_dict({}, ["data.eval_source=held.jsonl", "data.eval_size=3"])) == []
     sft = recipe_from_dict(sft_dict := {"data": {"source": "builtin:arithmetic_sft", "eval_source": None}},
                            schema=SFTRecipe)
     changed = recipe_from_dict({**sft_dict, "data": {**sft_dict["data"], "eval_size": 3}}, schema=SFTRecipe)
@@ -379,3 +388,29 @@ def test_the_roles_a_rollout_is_scored_as(data, float32, roles):
 def test_the_sizes_left_to_auto_are_the_ones_the_recipe_says_auto():
     assert recipe_from_dict({}).auto_sizes == []
     assert recipe_from_dict({"ppo": {"grad_accum_steps": "auto"}}).auto_sizes == ["ppo.grad_accum_steps"]
+
+
+def test_a_recipe_cannot_be_changed_in_place():
+    """A run's recipe is what ran: changing one goes through `with_values` (validated again), never
+    an assignment that skips the checks."""
+    import pydantic
+
+    recipe = recipe_from_dict({})
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        recipe.train.steps = -5
+    assert recipe.with_values({"train.steps": 5}).train.steps == 5
+
+
+def test_fused_4bit_decode_needs_nf4_weights():
+    assert _error({"model": {"fused_4bit_decode": True, "bnb_4bit_quant_type": "fp4"}}) == \
+        "model.fused_4bit_decode: needs model.quantization 4bit with bnb_4bit_quant_type nf4 (got '4bit', 'fp4')"
+    assert recipe_from_dict({"model": {"fused_4bit_decode": True}}).model.fused_4bit_decode
+
+
+def test_an_estimate_for_a_gpu_assumes_bfloat16():
+    assert ModelConfig().compute_dtype_name("cuda") == "bfloat16"
+
+
+def test_two_odd_top_level_keys_are_two_unknown_fields():
+    """Two misspelt sections with the same value are two problems, not one field's types."""
+    assert _error({"ppo ": 1, "ppo\t": 1}) == "'ppo ': unknown field (did you mean ppo?) (and 1 more problem)"
