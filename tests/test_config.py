@@ -414,3 +414,27 @@ def test_an_estimate_for_a_gpu_assumes_bfloat16():
 def test_two_odd_top_level_keys_are_two_unknown_fields():
     """Two misspelt sections with the same value are two problems, not one field's types."""
     assert _error({"ppo ": 1, "ppo\t": 1}) == "'ppo ': unknown field (did you mean ppo?) (and 1 more problem)"
+
+
+def test_a_batch_that_the_micro_batches_do_not_divide_is_refused():
+    assert _error({"rollout": {"batch_size": 12}, "ppo": {"num_minibatches": 2, "grad_accum_steps": 4}}) == \
+        "rollout.batch_size (12) must be divisible by ppo.num_minibatches * ppo.grad_accum_steps (8)"
+
+
+def test_a_steps_longest_sequence_and_a_runs_decode_steps():
+    recipe = recipe_from_dict({"data": {"max_prompt_tokens": 64}, "rollout": {"max_new_tokens": 24},
+                               "train": {"steps": 100}})
+    assert (recipe.sequence_tokens, recipe.decode_steps) == (64 + 24, 100 * 24)
+
+
+def test_a_recipe_file_of_another_kind_than_its_sections_suggest_is_read_as_the_kind_it_validates_as(tmp_path):
+    """An `adapter` section reads as a reward model's recipe; when that fails and the file is a
+    valid SFT recipe (an SFT-only data field, no `sft` section), it is read as one, overrides and all."""
+    import yaml
+
+    from lora_ppo.config import load_recipe
+
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump({"adapter": {"r": 4}, "data": {"source": "demos.jsonl", "eval_samples": 2}}))
+    recipe = load_recipe(path, ["train.epochs=3"], schema=None)
+    assert isinstance(recipe, SFTRecipe) and (recipe.data.eval_samples, recipe.train.epochs) == (2, 3)
