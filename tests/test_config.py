@@ -370,6 +370,10 @@ def test_a_reward_module_found_as_a_file_is_recorded_by_its_path(tmp_path, monke
     assert recorded("their_reward:score", beside) == f"{beside}/their_reward.py:score"
     assert recorded("their_reward:score") == "their_reward:score"  # no recipe folder to look in
     assert recorded("tests.reward_fns:count_letter_e", beside) == "tests.reward_fns:count_letter_e"
+    # A builtin tool's name is no module:function, whatever files share it.
+    (here / "calculator.py").write_text("")
+    tools = with_absolute_paths(recipe_from_dict({"rollout": {"tools": ["calculator", "my_reward:score"]}}))
+    assert tools.rollout.tools == ["calculator", f"{here}/my_reward.py:score"]
 
 
 @pytest.mark.parametrize("data, float32, roles", [
