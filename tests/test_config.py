@@ -442,3 +442,11 @@ def test_a_recipe_file_of_another_kind_than_its_sections_suggest_is_read_as_the_
     path.write_text(yaml.safe_dump({"adapter": {"r": 4}, "data": {"source": "demos.jsonl", "eval_samples": 2}}))
     recipe = load_recipe(path, ["train.epochs=3"], schema=None)
     assert isinstance(recipe, SFTRecipe) and (recipe.data.eval_samples, recipe.train.epochs) == (2, 3)
+
+
+@pytest.mark.parametrize("schema", [RewardRecipe, SFTRecipe])
+def test_a_stages_batch_that_its_micro_batches_do_not_divide_is_refused(schema):
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict({"train": {"batch_size": 6, "grad_accum_steps": 4}}, schema=schema)
+    assert str(err.value) == "train.batch_size (6) must be divisible by grad_accum_steps (4)"
+    assert recipe_from_dict({"train": {"batch_size": 8, "grad_accum_steps": 4}}, schema=schema).train.batch_size == 8
