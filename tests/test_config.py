@@ -450,3 +450,12 @@ def test_a_stages_batch_that_its_micro_batches_do_not_divide_is_refused(schema):
         recipe_from_dict({"train": {"batch_size": 6, "grad_accum_steps": 4}}, schema=schema)
     assert str(err.value) == "train.batch_size (6) must be divisible by grad_accum_steps (4)"
     assert recipe_from_dict({"train": {"batch_size": 8, "grad_accum_steps": 4}}, schema=schema).train.batch_size == 8
+
+
+def test_a_packing_length_of_max_length_is_accepted_and_a_shorter_one_refused():
+    data = {"data": {"max_length": 512}, "sft": {"packing": True, "packing_length": 512}}
+    assert recipe_from_dict(data, schema=SFTRecipe).packing_length == 512
+    assert recipe_from_dict(data, ["sft.packing_length=1024"], schema=SFTRecipe).packing_length == 1024
+    assert recipe_from_dict(data, ["sft.packing_length=null"], schema=SFTRecipe).packing_length == 512  # max_length
+    with pytest.raises(RecipeError, match=r"sft.packing_length \(511\) must be at least data.max_length \(512\)"):
+        recipe_from_dict(data, ["sft.packing_length=511"], schema=SFTRecipe)
