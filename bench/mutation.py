@@ -143,7 +143,9 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
 # training runs), merge-and-export (export.py, parity.py, model_card.py: about 45, 40 and 10 min),
 # the run folder (run_dir.py, about 20 min), the agents' tools (agents/tools.py, about 11 min), their
 # episodes, environments and given rollouts (agents/episodes.py, environment.py, given.py: about 85, 6
-# and 40 min) and the prompt and preference rows of data.py (its main functions: about 40 min).
+# and 40 min), the prompt and preference rows of data.py (its main functions: about 40 min), the
+# stages before PPO (adapter_training.py, reward_training.py, sft/trainer.py, sft/samples.py: about
+# 30, 13, 18 and 4 min) and the recipe schema (config.py: about 35 min).
 DEFAULT_TARGETS = [
     "lora_ppo/atomic.py",
     "lora_ppo/verifiable.py",
