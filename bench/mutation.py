@@ -129,6 +129,7 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
     "lora_ppo/sft/trainer.py": (["tests/test_sft_model.py", "tests/test_sft_training.py",
                                  "tests/test_adapter_training.py"], []),
     "lora_ppo/sft/samples.py": (["tests/test_sft_samples.py", "tests/test_sft_training.py"], []),
+    "lora_ppo/metrics.py": (["tests/test_step_metrics.py", "tests/test_kl_noise_floor.py", "tests/test_perf.py"], []),
     "lora_ppo/config.py": (["tests/test_config.py", "tests/test_config_fuzz.py", "tests/test_recipes.py",
                             "tests/test_cli.py"], []),
 }
