@@ -29,6 +29,15 @@ def test_the_floor_is_the_mean_gap_times_the_response_length_by_hand():
     assert metrics["check/kl_noise_floor"] == pytest.approx(gap * (3 + 1) / 2)  # mean response length 2
 
 
+def test_the_floor_of_a_step_whose_responses_are_all_empty_is_zero():
+    rollout = rollout_of([1.0, 0.0], lengths=[0, 0], width=1)
+    rollout = type(rollout)(**{**vars(rollout), "generation_logprobs": torch.ones(2, 1)})
+    adv = compute_advantages(rollout, PPOConfig(), 0.05, rollout.scores)
+    metrics = step_metrics(1, rollout, adv, UpdateStats(skipped_minibatches=0), kl_coef=0.05, skipped=False,
+                           consecutive_skips=0, lr=1e-4, update_s=1.0, step_s=1.0, phase_peaks_gb={}, perf={})
+    assert (metrics["check/generation_logprob_diff"], metrics["check/kl_noise_floor"]) == (0.0, 0.0)
+
+
 @pytest.mark.parametrize("from_generation", [False, True])
 def test_a_run_logs_the_floor_where_a_scoring_pass_makes_the_old_logprobs(tmp_path, tiny_model_dir, from_generation):
     recipe = recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run", train={"steps": 1, "eval": False},

@@ -133,3 +133,24 @@ def test_the_peak_of_the_device_a_model_runs_on(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev: asked.append(dev) or "NVIDIA H100 PCIe")
     assert current_device_peak_tflops(torch.device("cpu")) is None and asked == []
     assert current_device_peak_tflops(torch.device("cuda", 0)) == 756.0 and asked == [torch.device("cuda", 0)]
+
+
+@pytest.mark.parametrize("overrides, from_generation, scored, epochs, critic", [
+    ({}, True, {None: True, "value": False}, 4, True),  # the reference by disabling adapters; values
+    ({}, False, {"policy": True, None: True, "value": False}, 4, True),
+    ({"ppo": {"num_epochs": 2, "advantage_estimator": "rloo"}, "rollout": {"samples_per_prompt": 2},
+      "adapters": {"reference": "none"}}, False, {"policy": True}, 2, False),
+])
+def test_what_a_runs_steps_compute_follows_its_recipe(tiny_roles, tiny_model_dir, tmp_path, overrides,
+                                                       from_generation, scored, epochs, critic):
+    """The roles scored (and which read logprobs), the update's epochs and roles, checkpointing and
+    the process count, for `perf/*`."""
+    from lora_ppo.metrics import step_work
+
+    recipe = recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run", **overrides))
+    recipe = recipe.with_values({"ppo.num_epochs": epochs, "model.gradient_checkpointing": True})
+    work = step_work(recipe, tiny_roles, from_generation, processes=3)
+    assert work.scored_roles == scored
+    assert (work.epochs, work.with_value, work.checkpointing, work.processes) == (epochs, critic, True, 3)
+    assert work.peak_tflops is None  # a CPU: no known peak
+    assert work.model == ModelFlops.of(tiny_roles.peft, tiny_roles.lm_head)
