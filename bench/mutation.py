@@ -146,7 +146,8 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
 # episodes, environments and given rollouts (agents/episodes.py, environment.py, given.py: about 85, 6
 # and 40 min), the prompt and preference rows of data.py (its main functions: about 40 min), the
 # stages before PPO (adapter_training.py, reward_training.py, sft/trainer.py, sft/samples.py: about
-# 30, 13, 18 and 4 min) and the recipe schema (config.py: about 35 min).
+# 30, 13, 18 and 4 min), the recipe schema (config.py: about 35 min) and a step's record
+# (metrics.py: about 4 min).
 DEFAULT_TARGETS = [
     "lora_ppo/atomic.py",
     "lora_ppo/verifiable.py",
