@@ -1,4 +1,5 @@
-"""The lines printed at the end of a run name only the adapters the run has."""
+"""The end of a run: summary.json's held-out scores with their standard errors, and the lines printed,
+which name only the adapters the run has."""
 
 from __future__ import annotations
 
@@ -19,3 +20,19 @@ def test_ppo_run_names_policy_and_value():
 
 def test_critic_free_run_names_no_value_adapter():
     assert format_summary(_summary(["policy"])).splitlines()[-1] == "adapters: runs/x/final/policy"
+
+
+def test_summary_json_holds_each_held_out_score_before_and_after_with_its_standard_error():
+    """The score first, then each other score; a standard error is a field of its score, never a
+    score of its own (no `heldout_score_se_se_*`)."""
+    summary = _summary(["policy", "value"])
+    assert summary == {
+        "steps": 10,
+        "heldout_score_before": 0.2, "heldout_score_after": 0.6,
+        "heldout_score_se_before": 0.03, "heldout_score_se_after": 0.04,
+        "heldout_textblob_before": 0.1, "heldout_textblob_after": 0.4,
+        "heldout_textblob_se_before": None, "heldout_textblob_se_after": None,
+        "final_kl": 3.0, "wall_time_s": 200.0, "peak_memory_gb": 2.5, "output_dir": "runs/x",
+        "adapters": ["policy", "value"],
+    }
+    assert list(summary)[1:3] == ["heldout_score_before", "heldout_score_after"]
