@@ -23,3 +23,27 @@ def test_a_record_missing_a_field_is_refused():
     del record["kl_coef"]
     with pytest.raises(KeyError, match="kl_coef"):
         TrainState.from_json(record)
+
+
+def test_a_fresh_state_is_a_run_that_has_not_started():
+    """What a new run starts from (the trainer sets only the KL coefficient, from the recipe): no
+    step, no skip, no line of metrics or samples written, the first prompt of the first pass, no
+    score counted (the placeholder variance 1 carries no weight: count 0)."""
+    from lora_ppo.state import AdapterTrainState
+
+    state = TrainState()
+    assert (state.step, state.kl_coef, state.consecutive_skips, state.metrics_lines, state.samples_lines) == \
+        (0, 0.0, 0, 0, 0)
+    assert state.prompt_position == PromptPosition(0, 0) == (0, 0)
+    assert state.score_moments == (0.0, 1.0, 0) and state.source_moments == {}
+    assert (state.eval_before, state.last_metrics, state.last_skip_reason) == (None, {}, "")
+    stage = AdapterTrainState()
+    assert (stage.step, stage.position, stage.metrics_lines, stage.eval_before, stage.last_metrics) == \
+        (0, (0, 0), 0, None, {})
+
+
+def test_each_normalised_sources_moments_survive_the_round_trip():
+    state = TrainState(source_moments={"vader": (0.25, 1.5, 96), "length": (-3.0, 0.5, 7)})
+    again = TrainState.from_json(json.loads(json.dumps(state.to_json())))
+    assert again.source_moments == {"vader": (0.25, 1.5, 96), "length": (-3.0, 0.5, 7)}
+    assert all(isinstance(m[2], int) for m in again.source_moments.values())
