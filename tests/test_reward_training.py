@@ -17,6 +17,7 @@ from lora_ppo.config import PreferenceDataConfig, RewardRecipe, recipe_from_dict
 from lora_ppo.data import PromptFormat, load_preference_sets, prepare_pairs
 from lora_ppo.reward_training import RewardTrainer, pair_batch, pairwise_loss
 from tests.conftest import adapter_tensors, bnb_4bit_layers, bos_first, tiny_recipe_dict
+from tests.sft_helpers import write_jsonl
 
 GOOD = ["great", "wonderful", "lovely", "masterpiece"]
 BAD = ["terrible", "boring", "dull", "awful"]
@@ -30,11 +31,6 @@ def preference_rows(n: int, start: int = 0) -> list[dict]:
         rows.append({"prompt": prompt, "chosen": f" {GOOD[i % 4]} and {GOOD[(i + 1) % 4]}",
                      "rejected": f" {BAD[i % 4]} and {BAD[(i + 1) % 4]}"})
     return rows
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 def reward_recipe_dict(model_dir: Path, data: Path, held_out: Path, out: Path, **train) -> dict:

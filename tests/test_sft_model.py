@@ -15,7 +15,7 @@ from lora_ppo.errors import RecipeError
 from lora_ppo.sft.batches import packed_batch, padded_batch
 from lora_ppo.sft.trainer import SFTTrainer
 from tests.conftest import perturb_lora_b
-from tests.sft_helpers import demonstration_rows, sft_recipe_dict, write_jsonl
+from tests.sft_helpers import demonstration_rows, nll_by_hand, sft_recipe_dict, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +41,7 @@ def test_a_steps_loss_is_the_masked_cross_entropy_by_hand(trainer_for, completio
     computed here from the model's own forward (LM head included), one unpadded row at a time."""
     trainer = trainer_for(completion_only)
     rows, _ = trainer.stream.take(trainer.recipe.train.batch_size, trainer.state.position)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for row in rows:
-            prompt_tokens = len(trainer.tokenizer(row.prompt)["input_ids"])
-            logits = trainer.model.peft(input_ids=torch.tensor([row.ids])).logits[0].double()  # [T, V]
-            logp = torch.log_softmax(logits, dim=-1)
-            for t in range(1, len(row.ids)):
-                if completion_only and t < prompt_tokens:
-                    continue  # a prompt token: no target
-                total -= float(logp[t - 1, row.ids[t]])
-                count += 1
+    total, count = nll_by_hand(trainer.model, trainer.tokenizer, rows, completion_only)
     started = time.perf_counter()
     metrics = trainer.train_step()
     assert 0 < metrics["time/step"] <= time.perf_counter() - started

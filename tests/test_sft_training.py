@@ -18,7 +18,7 @@ from lora_ppo.cli import app
 from lora_ppo.config import SFTRecipe, recipe_from_dict
 from lora_ppo.sft.trainer import SFTTrainer
 from tests.conftest import adapter_tensors, deterministic_metrics, tiny_recipe_dict
-from tests.sft_helpers import demonstration_rows, sft_recipe_dict, write_jsonl
+from tests.sft_helpers import demonstration_rows, nll_by_hand, sft_recipe_dict, write_jsonl
 
 
 @pytest.fixture(scope="session")
@@ -81,13 +81,9 @@ def test_held_out_loss_and_samples_are_each_rows_own_by_hand(tmp_path, tiny_mode
     perturb_lora_b(trainer.model, "policy", seed=5, scale=0.3)
     model, tokenizer, rows = trainer.model, trainer.tokenizer, trainer.eval_rows.rows
     assert len(rows) == 8
-    total, count, greedy = 0.0, 0, []
+    total, count = nll_by_hand(model, tokenizer, rows)
+    greedy = []
     with torch.no_grad():
-        for row in rows:
-            logp = torch.log_softmax(model.peft(input_ids=torch.tensor([row.ids])).logits[0].double(), dim=-1)
-            for t in range(len(tokenizer(row.prompt)["input_ids"]), len(row.ids)):
-                total -= float(logp[t - 1, row.ids[t]])
-                count += 1
         for row in rows[:5]:
             tokens = list(row.prompt_ids)
             for _ in range(6):
