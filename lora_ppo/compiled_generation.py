@@ -171,10 +171,11 @@ class StaticDecoder:
             raise RuntimeError(f"the model's forward did not fill the static cache passed as `{self._cache_keyword}`")
         position = positions[:, -1:]
 
-        stop_id, pad_id = gen_config.eos_token_id, gen_config.pad_token_id
+        stops, pad_id = gen_config.eos_token_id, gen_config.pad_token_id
+        stop_ids = None if stops is None else torch.tensor([stops] if isinstance(stops, int) else stops, device=device)
         sequence = query_ids[:B]
         unfinished = torch.ones(B, dtype=torch.bool, device=device)
-        stop_check = _StopCheck(self.stop_check_lag, device) if stop_id is not None else None
+        stop_check = _StopCheck(self.stop_check_lag, device) if stop_ids is not None else None
         new_tokens = []
         for t in range(gen_config.max_new_tokens):
             scores = processors(sequence, logits[:B].clone())
@@ -182,9 +183,9 @@ class StaticDecoder:
                 chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
             else:
                 chosen = torch.argmax(scores, dim=-1)
-            if stop_id is not None:
+            if stop_ids is not None:
                 chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad_id))
-                unfinished &= chosen != stop_id
+                unfinished &= ~torch.isin(chosen, stop_ids)
             new_tokens.append(chosen)
             sequence = torch.cat([sequence, chosen[:, None]], dim=1)
             if t + 1 == gen_config.max_new_tokens:

@@ -475,8 +475,9 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling; 1.0: off (see `top_k` for why)."""
     stop_token: Optional[str] = "eos"
-    """Where a response ends: `eos` (the tokenizer's eos token), any other token string, or null (never stop
-    early).
+    """Where a response ends: `eos` (the tokenizer's eos token and every end token the model's generation config
+    names, as `generate()` stops at them: an instruction model's end of turn, such as Gemma's `<end_of_turn>`, is
+    often not the tokenizer's eos), any other token string (that token alone), or null (never stop early).
     """
     missing_eos_penalty: Optional[float] = None
     """Subtracted from the score of a response that never produced `stop_token` (before the `ppo` score

@@ -24,7 +24,7 @@ from lora_ppo.rewards import RewardSources, build_reward_sources, check_classifi
 from lora_ppo.evaluation import Evaluation, evaluate
 from lora_ppo.library_notices import quiet_loading
 from lora_ppo.roles import RoleModel
-from lora_ppo.rollout import Sampler
+from lora_ppo.rollout import Sampler, model_end_tokens, stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,18 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
         # After the roles: a reward adapter lives on their backbone, and a classifier loads its weights.
         rewards = build_reward_sources(recipe.reward, recipe.model, reward_fn,
                                        roles.reward_scores if reward_adapter else None)
+    log_end_tokens(tokenizer, recipe.rollout, roles)
     optimizer, scheduler = build_optimizer(roles, recipe.ppo, recipe.train.steps)
     return Parts(tokenizer, train_prompts, eval_prompts, rewards, roles, optimizer, scheduler, episodes)
+
+
+def log_end_tokens(tokenizer, cfg: RolloutConfig, roles: RoleModel) -> None:
+    """Say where responses end when the model's generation config names end tokens beside the
+    tokenizer's eos (an instruction model's end of turn), which a run stops at as generate() does."""
+    stops = stop_token_ids(tokenizer, cfg.stop_token, model_end_tokens(roles.peft.get_base_model()))
+    if cfg.stop_token == "eos" and len(stops) > 1:
+        log.info("rollout.stop_token eos: responses end at %s (the tokenizer's eos token and the end tokens the "
+                 "model's generation config names)", ", ".join(tokenizer.convert_ids_to_tokens(list(stops))))
 
 
 def episode_settings(cfg: RolloutConfig, tokenizer) -> Optional[EpisodeSettings]:

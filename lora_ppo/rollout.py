@@ -4,10 +4,11 @@ under no_grad (old logprobs, reference logprobs, values, rewards) into a frozen 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -92,12 +93,25 @@ class Rollout:
         return self.query_ids.shape[1]
 
 
-def stop_token_id(tokenizer, stop_token: Optional[str]) -> Optional[int]:
-    """The token id that ends a response: the eos for "eos", a named token, or None."""
+def model_end_tokens(model) -> tuple[int, ...]:
+    """The token ids `model.generate()` stops at on its own: its generation config's
+    `eos_token_id` (an id or a list; chat models often name their end-of-turn token there, which
+    the tokenizer's eos is not: Gemma's `<end_of_turn>`, Phi-3's `<|end|>`), within its vocabulary."""
+    config = getattr(model, "generation_config", None)
+    named = getattr(config, "eos_token_id", None)
+    named = [named] if isinstance(named, int) else list(named or [])
+    vocab = model.get_input_embeddings().num_embeddings
+    return tuple(dict.fromkeys(i for i in named if isinstance(i, int) and 0 <= i < vocab))
+
+
+def stop_token_ids(tokenizer, stop_token: Optional[str], model_ends: Sequence[int] = ()) -> tuple[int, ...]:
+    """The token ids that end a response: for "eos" the tokenizer's eos token and the model's own end
+    tokens (`model_end_tokens`), the tokenizer's first; a named token alone; none for None."""
     if stop_token is None:
-        return None
+        return ()
     if stop_token == "eos":
-        return tokenizer.eos_token_id
+        eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+        return tuple(dict.fromkeys((*eos, *model_ends)))
     token_id = tokenizer.convert_tokens_to_ids(stop_token)
     if token_id is None or token_id == tokenizer.unk_token_id:
         ids = tokenizer(stop_token, add_special_tokens=False)["input_ids"]
@@ -106,13 +120,13 @@ def stop_token_id(tokenizer, stop_token: Optional[str]) -> Optional[int]:
 
             raise RecipeError(f"rollout.stop_token: {stop_token!r} is not a single token of this tokenizer")
         token_id = ids[0]
-    return token_id
+    return (token_id,)
 
 
 def truncate_at_stop(
-    response_ids: torch.Tensor, stop_id: Optional[int], pad_id: int
+    response_ids: torch.Tensor, stop_ids: Sequence[int], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cut each response after its first stop token.
+    """Cut each response after its first stop token (any of `stop_ids`; none: never stopped).
 
     The stop token itself is a real token (it has a logprob and carries the score), even when
     pad == eos; only what follows it is padding.
@@ -122,11 +136,11 @@ def truncate_at_stop(
     """
     B, T = response_ids.shape
     positions = torch.arange(T, device=response_ids.device).expand(B, T)
-    if stop_id is None:
+    if not stop_ids:
         stopped = torch.zeros(B, dtype=torch.bool, device=response_ids.device)
         length = torch.full((B,), T, device=response_ids.device)
     else:
-        is_stop = response_ids == stop_id
+        is_stop = torch.isin(response_ids, torch.tensor(list(stop_ids), device=response_ids.device))
         stopped = is_stop.any(dim=1)
         first_stop = torch.where(stopped, is_stop.float().argmax(dim=1), torch.full_like(stopped, T, dtype=torch.long))
         length = torch.where(stopped, first_stop + 1, torch.full_like(first_stop, T))
@@ -136,9 +150,10 @@ def truncate_at_stop(
     return response_ids[:, :keep], response_mask[:, :keep], stopped
 
 
-def generation_config(cfg: RolloutConfig, tokenizer, stop_id: Optional[int], sample_in_processor: bool = False):
+def generation_config(cfg: RolloutConfig, tokenizer, stop_ids: Sequence[int], sample_in_processor: bool = False):
     """Sampling settings built from the recipe alone: a model's own generation_config
-    (repetition penalty, top_k=50, ...) would silently change the sampling distribution.
+    (repetition penalty, top_k=50, ...) would silently change the sampling distribution
+    (`without_model_generation_defaults` keeps generate() from filling in what is unset here).
     `sample_in_processor`: a `RowSeededSampling` processor picks each token and generate() only
     takes its one-hot choice (greedy)."""
     from transformers import GenerationConfig
@@ -148,10 +163,29 @@ def generation_config(cfg: RolloutConfig, tokenizer, stop_id: Optional[int], sam
         do_sample=not sample_in_processor,
         max_new_tokens=cfg.max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=stop_id,
+        eos_token_id=list(stop_ids) or None,
         use_cache=True,
         **sampling,
     )
+
+
+@contextlib.contextmanager
+def without_model_generation_defaults(model) -> Iterator[None]:
+    """Inside, `model.generate()` samples with the settings it is given and nothing else. It fills
+    every setting a generation config leaves unset from the model's own generation config
+    (`repetition_penalty`, `min_p`, `no_repeat_ngram_size`, ...: Qwen2.5-Instruct's sets a repetition
+    penalty), so the responses would come from another distribution than the policy's, which scoring
+    computes. For the call the model's generation config is a blank one; its end tokens come in
+    through the settings given (`model_end_tokens`)."""
+    from transformers import GenerationConfig
+
+    base = model.get_base_model()
+    saved = base.generation_config
+    base.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        base.generation_config = saved
 
 
 def row_seeds(run_seed: int, step_key: Sequence[object], rows: range) -> list[int]:
@@ -279,9 +313,9 @@ def generate(
                             error)
                 for processor in processors:
                     processor.restart()
-        out = roles.peft.generate(
-            input_ids=query_ids, attention_mask=query_mask, generation_config=gen_config, logits_processor=processors
-        )
+        with without_model_generation_defaults(roles.peft):
+            out = roles.peft.generate(input_ids=query_ids, attention_mask=query_mask, generation_config=gen_config,
+                                      logits_processor=processors)
     return out[:, query_ids.shape[1] :]
 
 
@@ -324,6 +358,11 @@ class Sampler:
     cfg: RolloutConfig
     decoder: Optional[StaticDecoder] = None  # rollout.compile: the static-cache compiled path
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The tokens a response ends at (`rollout.stop_token`)."""
+        return stop_token_ids(self.tokenizer, self.cfg.stop_token, model_end_tokens(self.roles.peft.get_base_model()))
+
     @torch.no_grad()
     def sample(self, rows: Sequence[PromptRow], record_logprobs: bool = False, role: Role = POLICY,
                seeds: Optional[Sequence[int]] = None) -> Samples:
@@ -331,15 +370,15 @@ class Sampler:
         after its stop token; with `record_logprobs`, the sampled tokens' logprobs come along; with
         `seeds` (one per row), each row samples from its own seeded stream."""
         cfg, tokenizer = self.cfg, self.tokenizer
-        stop_id = stop_token_id(tokenizer, cfg.stop_token)
+        stop_ids = self.stop_ids
         device = self.roles.lm_head.weight.device
         query_ids, query_mask = left_pad(rows, tokenizer.pad_token_id, device)
         recorder = SampledTokenLogprobs(cfg.temperature) if record_logprobs else None
         row_sampling = RowSeededSampling(seeds, cfg, device) if seeds is not None else None
-        gen_config = generation_config(cfg, tokenizer, stop_id, sample_in_processor=row_sampling is not None)
+        gen_config = generation_config(cfg, tokenizer, stop_ids, sample_in_processor=row_sampling is not None)
         raw_response = generate(self.roles, query_ids, query_mask, gen_config, recorder, role, row_sampling,
                                 self.decoder)
-        response_ids, response_mask, stopped = truncate_at_stop(raw_response, stop_id, tokenizer.pad_token_id)
+        response_ids, response_mask, stopped = truncate_at_stop(raw_response, stop_ids, tokenizer.pad_token_id)
         logprobs = None
         if recorder is not None:
             logprobs = recorder.logprobs(raw_response)[:, : response_ids.shape[1]]

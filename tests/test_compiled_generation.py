@@ -83,6 +83,24 @@ def test_the_same_tokens_and_logprobs_as_generate(roles, tiny_tokenizer, decoder
     assert (bucket(3), "policy", False) in decoder._warm
 
 
+def test_the_models_end_tokens_stop_both_paths_and_its_sampling_preferences_neither(roles, tiny_tokenizer, decoder,
+                                                                                    monkeypatch):
+    """`rollout.stop_token: eos` with a generation config that names an end-of-turn token beside the
+    eos (and asks for no repeated token, which generate() would otherwise apply): both paths cut each
+    row after its first of either, and sample the same tokens."""
+    from transformers import GenerationConfig
+
+    eos = tiny_tokenizer.eos_token_id
+    end = tiny_tokenizer.convert_tokens_to_ids(a_token_it_says(roles, tiny_tokenizer, decoder, seed=5))
+    monkeypatch.setattr(roles.peft.get_base_model(), "generation_config",
+                        GenerationConfig(eos_token_id=[eos, end], no_repeat_ngram_size=1, repetition_penalty=5.0))
+    today, compiled = both_paths(roles, tiny_tokenizer, decoder, RolloutConfig(**SAMPLING), PROMPTS, seed=5)
+    assert_same_samples(today, compiled)
+    assert compiled.stopped[0] and compiled.response_ids[0, 2] == end and int(compiled.response_mask[0].sum()) == 3
+    last = [row[mask].tolist()[-1] for row, mask in zip(compiled.response_ids, compiled.response_mask)]
+    assert compiled.stopped.tolist() == [token in (eos, end) for token in last]
+
+
 @pytest.mark.parametrize("staged", [False, True])
 def test_embeddings_in_cpu_memory_are_looked_up_before_each_compiled_step(make_roles, tiny_tokenizer, staged):
     """model.offload_embeddings with rollout.compile: true. The step's graph takes each token's

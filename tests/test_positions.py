@@ -124,16 +124,20 @@ def test_left_pad_puts_each_prompt_at_the_right_end(tiny_tokenizer):
 
 @pytest.mark.parametrize("raw, stop, out, mask, stopped", [
     # pad == eos: the first eos is the real stop token; the eos after it are padding.
-    ([[7, EOS, EOS, EOS], [7, 8, 9, EOS]], EOS, [[7, EOS, PAD, PAD], [7, 8, 9, EOS]],
+    ([[7, EOS, EOS, EOS], [7, 8, 9, EOS]], (EOS,), [[7, EOS, PAD, PAD], [7, 8, 9, EOS]],
      [[1, 1, 0, 0], [1, 1, 1, 1]], [True, True]),
     # No stop token anywhere: everything is real, nothing stopped.
-    ([[7, 8, 9], [4, 5, 6]], EOS, [[7, 8, 9], [4, 5, 6]], [[1, 1, 1], [1, 1, 1]], [False, False]),
+    ([[7, 8, 9], [4, 5, 6]], (EOS,), [[7, 8, 9], [4, 5, 6]], [[1, 1, 1], [1, 1, 1]], [False, False]),
     # Stop at position 0 in every row: one real token each, trimmed to it.
-    ([[EOS, 8, 9], [EOS, EOS, 6]], EOS, [[EOS], [EOS]], [[1], [1]], [True, True]),
-    # stop_id None: never cut, even at tokens equal to pad/eos; no row counts as stopped.
-    ([[7, EOS, 9], [EOS, PAD, 5]], None, [[7, EOS, 9], [EOS, PAD, 5]], [[1, 1, 1], [1, 1, 1]], [False, False]),
+    ([[EOS, 8, 9], [EOS, EOS, 6]], (EOS,), [[EOS], [EOS]], [[1], [1]], [True, True]),
+    # No stop ids: never cut, even at tokens equal to pad/eos; no row counts as stopped.
+    ([[7, EOS, 9], [EOS, PAD, 5]], (), [[7, EOS, 9], [EOS, PAD, 5]], [[1, 1, 1], [1, 1, 1]], [False, False]),
     # A stop token other than pad: what follows it becomes pad.
-    ([[7, 5, 9, 9], [5, 9, 9, 9]], 5, [[7, 5], [5, PAD]], [[1, 1], [1, 0]], [True, True]),
+    ([[7, 5, 9, 9], [5, 9, 9, 9]], (5,), [[7, 5], [5, PAD]], [[1, 1], [1, 0]], [True, True]),
+    # Several stop tokens (an end-of-turn token beside the eos): each row ends at the first of any.
+    ([[7, 5, 9, EOS], [7, EOS, 5, 9], [7, 8, 5, EOS], [7, 8, 9, 9]], (EOS, 5),
+     [[7, 5, PAD, PAD], [7, EOS, PAD, PAD], [7, 8, 5, PAD], [7, 8, 9, 9]],
+     [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], [True, True, True, False]),
 ])
 def test_truncate_at_stop_hand_cases(raw, stop, out, mask, stopped):
     got_ids, got_mask, got_stopped = truncate_at_stop(ids(raw), stop, PAD)
@@ -219,7 +223,7 @@ def padded_batches(tokenizer, pad: int):
         ("both", PROMPTS, [[40, 41, EOS, 43], [50, 51, 52, 53], [EOS, 61, 62, 63]]),
     ]:
         q_ids, q_mask = left_pad(prompt_rows(tokenizer, prompts), pad, "cpu")
-        r_ids, r_mask, _ = truncate_at_stop(ids(raw), EOS, pad)
+        r_ids, r_mask, _ = truncate_at_stop(ids(raw), (EOS,), pad)
         cases[name] = join_prompt_response(q_ids, q_mask, r_ids, r_mask)
     return cases
 

@@ -20,7 +20,7 @@ def masks(rows) -> torch.Tensor:
 
 def test_stop_token_kept_and_padding_after_it():
     raw = ids([[5, 6, STOP, 7, 8], [5, 6, 7, 8, 9], [STOP, 3, 4, 5, 6]])
-    out, mask, stopped = truncate_at_stop(raw, STOP, PAD)
+    out, mask, stopped = truncate_at_stop(raw, (STOP,), PAD)
     assert torch.equal(out, ids([[5, 6, STOP, PAD, PAD], [5, 6, 7, 8, 9], [STOP, PAD, PAD, PAD, PAD]]))
     assert torch.equal(mask, masks([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]))
     assert torch.equal(stopped, masks([1, 0, 1]))
@@ -30,7 +30,7 @@ def test_stop_token_kept_and_padding_after_it():
 
 
 def test_first_stop_counts():
-    out, mask, stopped = truncate_at_stop(ids([[4, STOP, 5, STOP, 6]]), STOP, PAD)
+    out, mask, stopped = truncate_at_stop(ids([[4, STOP, 5, STOP, 6]]), (STOP,), PAD)
     assert torch.equal(out, ids([[4, STOP]]))
     assert torch.equal(mask, masks([[1, 1]]))
     assert torch.equal(stopped, masks([1]))
@@ -38,7 +38,7 @@ def test_first_stop_counts():
 
 def test_trimmed_to_longest_real_response():
     raw = ids([[5, STOP, 7, 8, 9, 9], [STOP, 9, 9, 9, 9, 9], [5, 6, 7, STOP, 9, 9]])
-    out, mask, stopped = truncate_at_stop(raw, STOP, PAD)
+    out, mask, stopped = truncate_at_stop(raw, (STOP,), PAD)
     assert torch.equal(out, ids([[5, STOP, PAD, PAD], [STOP, PAD, PAD, PAD], [5, 6, 7, STOP]]))
     assert torch.equal(mask, masks([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]))
     assert torch.equal(stopped, masks([1, 1, 1]))
@@ -46,7 +46,7 @@ def test_trimmed_to_longest_real_response():
 
 def test_no_stop_id_keeps_everything():
     raw = ids([[5, STOP, 7], [8, 9, PAD]])
-    out, mask, stopped = truncate_at_stop(raw, None, PAD)
+    out, mask, stopped = truncate_at_stop(raw, (), PAD)
     assert torch.equal(out, raw)
     assert torch.equal(mask, torch.ones(2, 3, dtype=torch.bool))
     assert torch.equal(stopped, masks([0, 0]))
@@ -56,7 +56,7 @@ def test_pad_equal_to_eos():
     # generate() pads finished rows with eos when pad == eos: only the first one is real.
     eos = pad = 2
     raw = ids([[5, eos, eos, eos], [5, 6, eos, eos], [eos, eos, eos, eos]])
-    out, mask, stopped = truncate_at_stop(raw, eos, pad)
+    out, mask, stopped = truncate_at_stop(raw, (eos,), pad)
     assert torch.equal(out, ids([[5, eos, eos], [5, 6, eos], [eos, eos, eos]]))
     assert torch.equal(mask, masks([[1, 1, 0], [1, 1, 1], [1, 0, 0]]))
     assert torch.equal(stopped, masks([1, 1, 1]))
@@ -70,7 +70,7 @@ def test_pad_equal_to_eos():
 
 def test_no_row_stops():
     raw = ids([[5, 6, 7], [8, 9, 10]])
-    out, mask, stopped = truncate_at_stop(raw, STOP, PAD)
+    out, mask, stopped = truncate_at_stop(raw, (STOP,), PAD)
     assert torch.equal(out, raw)
     assert torch.equal(mask, torch.ones(2, 3, dtype=torch.bool))
     assert torch.equal(stopped, masks([0, 0]))
@@ -80,7 +80,7 @@ def test_empty_batches_keep_no_column():
     """No rows: nothing to keep (not one column of padding), for the truncation and the prompts."""
     from lora_ppo.rollout import left_pad
 
-    out, mask, stopped = truncate_at_stop(torch.zeros(0, 4, dtype=torch.long), STOP, PAD)
+    out, mask, stopped = truncate_at_stop(torch.zeros(0, 4, dtype=torch.long), (STOP,), PAD)
     assert out.shape == mask.shape == (0, 0) and stopped.shape == (0,)
     ids, attention = left_pad([], PAD, "cpu")
     assert ids.shape == attention.shape == (0, 0)

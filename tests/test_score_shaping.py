@@ -212,7 +212,7 @@ def fixed_samples(tiny_tokenizer):
     rows = prompt_rows(tiny_tokenizer, ["This movie was", "The film is a", "A dull sequel"])
     query_ids, query_mask = left_pad(rows, PAD, "cpu")
     response_ids, response_mask, stopped = truncate_at_stop(
-        torch.tensor([[40, 41, EOS, EOS], [50, 51, 52, 53], [EOS, EOS, EOS, EOS]]), EOS, PAD)
+        torch.tensor([[40, 41, EOS, EOS], [50, 51, 52, 53], [EOS, EOS, EOS, EOS]]), (EOS,), PAD)
     assert stopped.tolist() == [True, False, True]
     samples = Samples(query_ids, query_mask, response_ids, response_mask, stopped,
                       tiny_tokenizer.batch_decode(response_ids, skip_special_tokens=True))

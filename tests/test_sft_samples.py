@@ -5,22 +5,35 @@ given (left-padded, in batches), where each completion is cut, and its text."""
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Optional
 
 import torch
+from transformers import GenerationConfig
 
 from lora_ppo.sft.rows import SFTRow
 from lora_ppo.sft.samples import greedy_samples
 
+VOCAB = 320  # the tiny tokenizer's
+
 
 class Scripted:
     """Stands in for the backbone: `generate` appends to each prompt (its real tokens, read through
-    the attention mask) the continuation scripted for it, and records what it was asked."""
+    the attention mask) the continuation scripted for it, and records what it was asked. Its own
+    generation config names `ends` as its end tokens (None: none)."""
 
-    def __init__(self, continuations: dict[tuple[int, ...], list[int]]):
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], ends: Optional[list[int]] = None):
         self.continuations = continuations
         self.calls: list[dict] = []
         self.lm_head = torch.nn.Linear(1, 1)
         self.peft = self
+        self.generation_config = GenerationConfig(eos_token_id=ends, no_repeat_ngram_size=1)
+        self.embeddings = torch.nn.Embedding(VOCAB, 1)
+
+    def get_base_model(self):
+        return self
+
+    def get_input_embeddings(self):
+        return self.embeddings
 
     @contextmanager
     def adapter_compute(self):
@@ -30,7 +43,9 @@ class Scripted:
         prompts = [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(input_ids, attention_mask)]
         self.calls.append({"input_ids": input_ids.tolist(), "attention_mask": attention_mask.tolist(),
                            "greedy": not generation_config.do_sample,
-                           "max_new_tokens": generation_config.max_new_tokens})
+                           "max_new_tokens": generation_config.max_new_tokens,
+                           "stops": generation_config.eos_token_id,
+                           "own_config": self.generation_config.to_dict()})
         return torch.cat([input_ids, torch.tensor([self.continuations[p] for p in prompts])], dim=1)
 
 
@@ -65,3 +80,20 @@ def test_each_prompt_is_continued_left_padded_in_batches_and_cut_after_its_stop_
          "sample": 0},
         {"prompt": "third", "completion": "", "reference": "ref 3", "sample": 0},
     ]
+
+
+def test_a_completion_ends_at_the_end_token_the_models_generation_config_names(tiny_tokenizer):
+    """As a PPO run's responses end (`rollout.stop_token: eos`): at the tokenizer's eos or the model's
+    own end-of-turn token, whichever comes first; and the model's other generation settings (here no
+    repeated token) are not what `generate` runs with: its own config is a blank one for the call."""
+    eos = tiny_tokenizer.eos_token_id
+    end, a, b = tiny_tokenizer(" great and dull", add_special_tokens=False)["input_ids"][:3]
+    model = Scripted({(5, 6): [a, end, b, b], (7,): [a, b, eos, end]}, ends=[end])
+    records = greedy_samples(model, tiny_tokenizer, [row((5, 6), "first"), row((7,), "second")], max_new_tokens=4,
+                             batch_size=2)
+    assert [r["completion"] for r in records] == tiny_tokenizer.batch_decode([[a, end], [a, b, eos]],
+                                                                             skip_special_tokens=True)
+    (call,) = model.calls
+    assert call["stops"] == [eos, end]
+    assert call["own_config"] == GenerationConfig().to_dict()
+    assert model.generation_config.no_repeat_ngram_size == 1  # given back after the call

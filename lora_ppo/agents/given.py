@@ -12,7 +12,7 @@ import torch
 from lora_ppo.data import PromptRow
 from lora_ppo.memory import PhasePeaks
 from lora_ppo.rollout import (
-    Rollout, Sampler, join_prompt_response, left_pad, missing_eos_penalized, score_passes, stop_token_id,
+    Rollout, Sampler, join_prompt_response, left_pad, missing_eos_penalized, score_passes,
 )
 
 
@@ -114,8 +114,8 @@ def rollout_from_tokens(
         acts = [True] * len(r) if action_rows is None else action_rows[i]
         action[i, : len(r)] = torch.tensor(acts)
         observation[i, : len(r)] = ~action[i, : len(r)]
-    stop_id = stop_token_id(tokenizer, cfg.stop_token)
-    stopped = torch.tensor([stop_id is not None and r[-1] == stop_id for r in response_lists], device=device)
+    stop_ids = sampler.stop_ids
+    stopped = torch.tensor([r[-1] in stop_ids for r in response_lists], device=device)
     response_ids, action, observation = response_ids.to(device), action.to(device), observation.to(device)
     input_ids, attention_mask = join_prompt_response(query_ids, query_mask, response_ids, action | observation)
     with peaks.phase("score"):
