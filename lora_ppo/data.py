@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 ROLES = ("system", "user", "assistant", "tool")
+# An assistant turn's text while reading what the chat template writes after it.
+TURN_END_MARKER = "LORA_PPO_ANSWER"
 Messages = list[dict[str, str]]
 
 # Why a row was dropped.
@@ -240,6 +242,23 @@ class PromptFormat:
             text = self._apply_template(messages)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template has them
         return PromptRow(prompt, text, tuple(ids), columns or {}, messages)
+
+    def assistant_turn_end(self) -> Optional[int]:
+        """The token the chat template closes an assistant turn with, when it is a special token (the
+        one a policy writes to end its answer: Gemma's `<end_of_turn>`, ChatML's `<|im_end|>`), else the
+        tokenizer's eos."""
+        eos = self.tokenizer.eos_token_id
+        messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": TURN_END_MARKER}]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that refuses this conversation says nothing of its turns
+            return eos
+        at = text.find(TURN_END_MARKER)
+        after = self.tokenizer(text[at + len(TURN_END_MARKER):], add_special_tokens=False)["input_ids"] if at >= 0 else []
+        # added special tokens (a template's markers) besides the named ones, which all_special_ids holds alone
+        special = set(self.tokenizer.all_special_ids) | {
+            i for i, token in self.tokenizer.added_tokens_decoder.items() if token.special}
+        return after[0] if after and after[0] in special else eos
 
     def template_tokens(self) -> int:
         """How many tokens the chat template (and system prompt) add around an empty user turn."""
@@ -474,9 +493,12 @@ def make_pair(row: dict, cfg: PreferenceDataConfig, fmt: PromptFormat, eos_id: O
     answers = (_response_text(chosen), _response_text(rejected))
     if answers[0] == answers[1]:
         raise PromptProblem(IDENTICAL)
-    prompt_ids = fmt.render(prompt)[1] if prompt is not None else ()
-    ends = (eos_id,) if eos_id is not None else ()
-    # A response is read as the policy writes it: its tokens, then the stop token.
+    prompt_row = fmt.row(prompt) if prompt is not None else None
+    prompt_ids = prompt_row.ids if prompt_row is not None else ()
+    # A response is read as the policy writes it: its tokens, then the stop token (after a templated
+    # prompt, the one the template closes an assistant turn with).
+    end = fmt.assistant_turn_end() if prompt_row is not None and prompt_row.messages is not None else eos_id
+    ends = (end,) if end is not None else ()
     sequences = [tuple(prompt_ids) + tuple(fmt.tokenizer(a, add_special_tokens=prompt is None)["input_ids"]) + ends
                  for a in answers]
     if max(len(s) for s in sequences) > cfg.max_length:

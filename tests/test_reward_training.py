@@ -232,6 +232,34 @@ def test_preference_formats_and_bad_pairs_are_counted(tiny_tokenizer):
     assert [m["content"] for m in pairs.pairs[3].prompt] == ["Hi", "Yo", "And?"]
 
 
+def test_a_templated_pair_ends_with_the_token_the_template_closes_an_assistant_turn_with(tiny_tokenizer):
+    """As Gemma's template closes a turn with `<end_of_turn>` while its eos is `<eos>` (here
+    `<|im_start|>` and `<|im_end|>` stand for them): a pair after a conversational prompt ends with
+    the turn's closing token, which a policy's response ends with (rollout.stop_token eos stops at
+    the model's end tokens) and where the reward is read; a pair after a text prompt, with the eos."""
+    from tests.conftest import tokenizer_copy
+
+    tokenizer = tokenizer_copy(tiny_tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}\n{{ m['content'] }}<|im_start|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|endoftext|>assistant\n{% endif %}")
+    turn_end, eos = tokenizer.convert_tokens_to_ids("<|im_start|>"), tokenizer.eos_token_id
+    assert turn_end != eos
+    fmt = PromptFormat(tokenizer, False)
+    assert fmt.assistant_turn_end() == turn_end
+    assert PromptFormat(tiny_tokenizer, False).assistant_turn_end() == eos  # ChatML: <|im_end|>, the eos
+    rows = [{"prompt": [{"role": "user", "content": "Rate it"}], "chosen": " good", "rejected": " bad"},
+            {"chosen": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}],
+             "rejected": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "No"}]},
+            {"prompt": "The film", "chosen": " good", "rejected": " bad"}]
+    conversational, implicit, text = prepare_pairs(rows, PreferenceDataConfig(), fmt, eos, "d").pairs
+    rendered = tokenizer("<|endoftext|>user\nRate it<|im_start|>\n<|endoftext|>assistant\n",
+                         add_special_tokens=False)["input_ids"]
+    assert conversational.chosen_ids == (*rendered, *tokenizer(" good", add_special_tokens=False)["input_ids"],
+                                         turn_end)
+    assert implicit.chosen_ids[-1] == implicit.rejected_ids[-1] == turn_end
+    assert text.chosen_ids[-1] == text.rejected_ids[-1] == eos
+
+
 def test_a_margin_that_is_missing_not_a_number_or_not_finite_drops_its_pair(tiny_tokenizer):
     """A NaN margin would make the loss NaN, a missing one stopped the run with a traceback: each
     drops its pair, counted; a number written as text (as CSV columns give) is read."""
