@@ -57,6 +57,13 @@ AUTO_DEQUANTIZE_SHARE = 0.5
 AUTO_COMPILE_MIN_DECODE_STEPS = 2000
 
 
+# apply_chat_template's own arguments, which lora_ppo sets at each call (model.chat_template_kwargs may not).
+TEMPLATE_ARGUMENTS_SET_HERE = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs"})
+
+
 class ModelConfig(Section):
     """The base model: where it comes from, how it is quantized, and the dtype it computes in."""
 
@@ -155,6 +162,21 @@ class ModelConfig(Section):
     """Run model code downloaded from the hub. Off unless the recipe says so, since it executes code that
     comes with the model.
     """
+    chat_template_kwargs: dict[str, Any] = {}
+    """Variables for the tokenizer's chat template, passed wherever lora_ppo renders it (prompts, an episode's
+    turns, SFT rows, preference pairs, `eval`, `generate`): `{enable_thinking: false}` turns Qwen3's thinking
+    off. Each name must be one the template reads (checked when the tokenizer loads: a misspelt name would change
+    nothing), and none lora_ppo sets itself (`add_generation_prompt`, `tokenize`, `tools`, ...). An export's
+    tokenizer does not keep them: pass them to `apply_chat_template` there too.
+    """
+
+    @model_validator(mode="after")
+    def _template_variables(self) -> "ModelConfig":
+        taken = sorted(set(self.chat_template_kwargs) & TEMPLATE_ARGUMENTS_SET_HERE)
+        if taken:
+            raise ValueError(f"chat_template_kwargs: {taken[0]!r} is set by lora_ppo itself wherever it renders the "
+                             "template; name only the template's own variables")
+        return self
 
     @model_validator(mode="after")
     def _levers(self) -> "ModelConfig":

@@ -344,6 +344,7 @@ def _check_written(folder: Path, recipe, prompts: list[torch.Tensor], refs: list
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lora_ppo.devices import device_map
+    from lora_ppo.model import pass_template_variables
 
     log.info("parity check on %d probe prompts", len(prompts))
     trust = recipe.model.trust_remote_code
@@ -353,6 +354,8 @@ def _check_written(folder: Path, recipe, prompts: list[torch.Tensor], refs: list
     )
     exported.eval()
     exported_tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust)
+    if recipe.model.chat_template_kwargs:  # rendered as the run rendered its prompts (the card says how)
+        pass_template_variables(exported_tok, recipe.model.chat_template_kwargs)
     same_ids = all(torch.equal(a, b) for a, b in zip(prompts, probe_ids(exported_tok, recipe.data, conversational)))
     parity = compare(exported, refs, tolerance, ref_description, f"exported {dtype} model", same_ids)
     del exported

@@ -4,7 +4,9 @@ folder, a hub id, or the embedded default model."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import re
 import weakref
 from pathlib import Path
 from typing import Iterator, Optional
@@ -57,7 +59,28 @@ def load_tokenizer(cfg: ModelConfig):
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if cfg.chat_template_kwargs:
+        pass_template_variables(tokenizer, cfg.chat_template_kwargs)
     return tokenizer
+
+
+def pass_template_variables(tokenizer, variables: dict) -> None:
+    """Every `apply_chat_template` call of `tokenizer` from now on renders with `variables`
+    (`model.chat_template_kwargs`), the call's own arguments first; RecipeError for a name its
+    template never reads, which would otherwise change nothing."""
+    templates = tokenizer.chat_template
+    texts = list(templates.values()) if isinstance(templates, dict) else [templates] if templates else []
+    for name in variables:
+        if not any(re.search(rf"\b{re.escape(name)}\b", text) for text in texts):
+            where = "the tokenizer has no chat template" if not texts else "its chat template never reads it"
+            raise RecipeError(f"model.chat_template_kwargs: {name!r} would change nothing: {where}")
+    apply = tokenizer.apply_chat_template
+
+    @functools.wraps(apply)
+    def apply_with_variables(conversation, *args, **kwargs):
+        return apply(conversation, *args, **{**variables, **kwargs})
+
+    tokenizer.apply_chat_template = apply_with_variables  # an instance attribute shadows the method
 
 
 def model_config(cfg: ModelConfig):

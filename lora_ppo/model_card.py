@@ -65,6 +65,13 @@ def merged_card(checkpoint: Checkpoint, recipe, base: str, dtype: str, parity: O
         'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")',
         'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
     ]
+    if recipe.model.chat_template_kwargs:
+        use += [
+            "",
+            "# trained on prompts its chat template rendered with these variables (model.chat_template_kwargs)",
+            "text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,",
+            f"                                     **{recipe.model.chat_template_kwargs!r})",
+        ]
     return _card(checkpoint, recipe, "transformers", f"# {_stage(recipe)}-trained policy, merged", what, use)
 
 

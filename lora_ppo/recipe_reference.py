@@ -112,6 +112,8 @@ def _type_text(annotation: Any, bounds: str = "") -> str:
         return " or ".join(_type_text(arg, bounds) for arg in args)
     if origin is list:
         return f"list of {_type_text(args[0]).removeprefix('one of ')}"
+    if origin is dict:
+        return f"mapping of {_type_text(args[0])} to values"
     return annotation.__name__ + (bounds if annotation in (int, float) else "")
 
 
