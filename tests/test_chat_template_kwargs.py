@@ -16,9 +16,9 @@ from lora_ppo.cli import app
 from lora_ppo.config import ModelConfig, SFTConfig, SFTDataConfig, recipe_from_dict
 from lora_ppo.data import PromptFormat
 from lora_ppo.errors import RecipeError
-from lora_ppo.model import load_tokenizer
+from lora_ppo.model import load_tokenizer, pass_template_variables
 from lora_ppo.sft.rows import prepare_sft_rows
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import tiny_recipe_dict, tokenizer_copy
 
 # Qwen3's switch, in the tiny tokenizer's ChatML: an empty thought block opens each answer when off
 # (the generation prompt's and an answer's alike, as Qwen3's template writes its last answer).
@@ -118,3 +118,23 @@ def test_an_exported_policy_passes_parity_and_its_card_says_how_to_render(thinki
     assert "tokenizer         same ids" in exported.output
     card = (tmp_path / "export" / "README.md").read_text()
     assert "**{'enable_thinking': False})" in card
+
+
+def test_the_variables_are_defaults_of_every_call_and_a_name_is_found_in_any_named_template():
+    """`pass_template_variables` on a tokenizer with several named templates (a dict): a name one of
+    them reads is taken; every call gets the variables under its own arguments."""
+    from types import SimpleNamespace
+
+    tokenizer = SimpleNamespace(chat_template={"default": "{{ messages }}", "tool_use": "{% if thinking %}{% endif %}"},
+                                apply_chat_template=lambda conversation, *args, **kwargs: (conversation, args, kwargs))
+    pass_template_variables(tokenizer, {"thinking": False})
+    assert tokenizer.apply_chat_template(["m"], tokenize=False) == (["m"], (), {"thinking": False, "tokenize": False})
+    assert tokenizer.apply_chat_template(["m"], thinking=True)[2] == {"thinking": True}
+
+
+def test_a_tokenizer_without_a_chat_template_takes_no_variables(tiny_tokenizer):
+    tokenizer = tokenizer_copy(tiny_tokenizer)
+    tokenizer.chat_template = None
+    with pytest.raises(RecipeError, match=r"^model.chat_template_kwargs: 'enable_thinking' would change nothing: the "
+                                          r"tokenizer has no chat template$"):
+        pass_template_variables(tokenizer, {"enable_thinking": False})

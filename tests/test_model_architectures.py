@@ -132,3 +132,34 @@ def test_moe_experts_stay_out_of_all_linear_and_train_when_named(arch_dir, tmp_p
     saved = load_file(str(tmp_path / "run" / "final" / "policy" / "adapter_model.safetensors"))
     expert_b = [t for n, t in saved.items() if "experts" in n and "lora_B" in n]
     assert expert_b and any(t.abs().sum() > 0 for t in expert_b)  # LoRA B starts at 0: it trained
+
+
+def documented_mixed_batches() -> dict[str, tuple[bool, bool]]:
+    """docs/models.md's architecture table: model_type -> (mixed batches without, with autograd)."""
+    table = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text(encoding="utf-8")
+    names = {"Llama, Mistral, Phi-3, OLMo 2, SmolLM3, Qwen3": ("llama", "mistral", "phi3", "olmo2", "smollm3", "qwen3"),
+             "Gemma 2, Gemma 3": ("gemma2", "gemma3")}
+    documented = {}
+    for row in table.split("## Tested architectures")[1].split("\n## ")[0].splitlines():
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        if len(cells) != 3 or "/" not in cells[2] or cells[0].startswith(("architecture", "---")):
+            continue
+        label = cells[0].split(" (")[0]
+        types = names.get(label) or tuple(t.strip("`") for t in cells[0].split("(")[1].rstrip(")").split(", ")
+                                          if t.strip("`") in ARCHITECTURES)
+        without, with_grad = (part.strip().startswith("yes") for part in cells[2].split("/"))
+        documented.update({t: (without, with_grad) for t in types})
+    return documented
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_the_mixed_batch_probes_find_what_docs_models_md_says(name, arch_dir):
+    """Each architecture's probes (a forward with a different adapter per block of rows, without and
+    with a backward) agree with the table users read; where they fail, one pass per role runs."""
+    from lora_ppo.config import AdaptersConfig, ModelConfig
+    from lora_ppo.model import load_base_model
+    from lora_ppo.roles import RoleModel
+
+    expected = documented_mixed_batches()[name]
+    roles = RoleModel(load_base_model(ModelConfig(name=str(arch_dir(name)))), AdaptersConfig())
+    assert (roles.mixed_batches[False], roles.mixed_batches[True]) == expected

@@ -211,3 +211,146 @@ def test_adapter_switch_leaves_a_peft_without_either_attribute_it_sets_to_peft(t
         if isinstance(layer, BaseTunerLayer):
             vars(layer).pop(attribute, None)
     assert AdapterSwitch.of(model) is None
+
+
+@torch.no_grad()
+def test_a_fresh_value_head_scores_every_position_zero(make_roles, tokenizer):
+    """The value head starts at zero (weight and bias), so every value is exactly 0 before the critic
+    learns, whatever the value adapter computes: a random head put offsets the size of the hidden
+    states into the first steps' returns."""
+    roles = make_roles(seed=2, perturbed=("policy", "value"))
+    ids, mask, start = prompt_and_random_response(tokenizer, ["This movie was", "The acting in this comedy"])
+    with roles.as_role(VALUE):
+        values = roles.values(ids, mask, start)
+        hidden = roles.hidden_states(ids, mask)
+    assert hidden.abs().max() > 0.1 and torch.equal(values, torch.zeros_like(values))
+
+
+def test_a_saved_adapter_loads_on_its_hub_base_with_no_dropout(make_roles, tmp_path):
+    """What `save_adapter` writes is a PEFT folder: adapter_config.json names the base the recipe
+    named (a builtin model's hub id, never a local cache folder), the recipe's rank, alpha and
+    modules, and no dropout (a user training it further would otherwise drop activations PPO never
+    dropped); the value's head lies beside its adapter, the policy has none."""
+    import json
+
+    from safetensors.torch import load_file
+
+    roles = make_roles(seed=4)
+    roles.base_name = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    with torch.no_grad():
+        roles.value_head.weight.normal_(generator=torch.Generator().manual_seed(1))
+    for role in (POLICY, VALUE):
+        roles.save_adapter(role, tmp_path / role)
+    config = json.loads((tmp_path / POLICY / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (4, 8, 0.0)
+    # all-linear as PEFT resolves it: every linear layer of both decoder layers, the LM head left out
+    assert sorted(name.rsplit(".", 1)[-1] for name in config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] * 2)
+    assert sorted(p.name for p in (tmp_path / POLICY).iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    head = load_file(str(tmp_path / VALUE / "value_head.safetensors"))
+    assert torch.equal(head["weight"], roles.value_head.weight.detach()) and torch.equal(head["bias"],
+                                                                                       roles.value_head.bias.detach())
+
+
+@torch.no_grad()
+def test_a_value_started_from_a_saved_value_adapter_scores_as_it_did(make_roles, model_cfg, tokenizer, tmp_path):
+    """adapters.value.init_from: a value adapter folder with its head beside it (a run's final/value):
+    the new critic's values are the saved one's, head included, and its parameters train."""
+    roles = make_roles(seed=6)
+    roles.value_head.weight.normal_(generator=torch.Generator().manual_seed(2))
+    roles.value_head.bias.fill_(0.25)
+    roles.save_adapter(VALUE, tmp_path / "value")
+    ids, mask, start = prompt_and_random_response(tokenizer, ["This movie was", "The acting"])
+    with roles.as_role(VALUE):
+        saved = roles.values(ids, mask, start)
+    started = RoleModel(load_base_model(model_cfg), AdaptersConfig(policy={"r": 4},
+                                                                   value={"r": 4, "init_from": str(tmp_path / "value")}))
+    with started.as_role(VALUE):
+        values = started.values(ids, mask, start)
+    torch.testing.assert_close(values, saved, atol=ATOL, rtol=1e-5)
+    assert saved.abs().min() > 0.01  # the head moved every value off 0
+    assert all(p.requires_grad for p in started.value_parameters())
+
+
+def adapter_dir(folder):
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text("{}")
+    return folder
+
+
+def test_a_folder_names_its_adapter_a_run_its_final_one_and_a_checkpoint_the_first_it_holds(tmp_path):
+    """What `init_from` / `adapters.reference` may name (`adapter_folder`): an adapter folder as it is;
+    a checkpoint, the first of the adapters asked for that it holds; a run, its final/ checkpoint's."""
+    from lora_ppo.errors import RecipeError
+    from lora_ppo.roles import REWARD, adapter_folder
+    from lora_ppo.run_dir import FINAL_DIR, MANIFEST_FILE, RECIPE_FILE
+
+    plain = adapter_dir(tmp_path / "sft-adapter")
+    assert adapter_folder(str(plain), "f") == str(plain)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-2"
+    adapter_dir(checkpoint / POLICY)
+    (checkpoint / MANIFEST_FILE).write_text("{}")
+    assert adapter_folder(str(checkpoint), "f") == str(checkpoint / POLICY)
+    adapter_dir(checkpoint / REWARD)
+    assert adapter_folder(str(checkpoint), "f", (REWARD, POLICY)) == str(checkpoint / REWARD)  # the first asked for
+    assert adapter_folder(str(checkpoint), "f", (VALUE, POLICY)) == str(checkpoint / POLICY)
+    with pytest.raises(RecipeError, match=rf"^f: checkpoint {str(checkpoint)!r} holds no value adapter$"):
+        adapter_folder(str(checkpoint), "f", (VALUE,))
+    run = tmp_path / "run"
+    (run / RECIPE_FILE).write_text("{}")
+    with pytest.raises(RecipeError, match=r"has no complete final/ checkpoint yet \(it has not finished\); name one "
+                                          r"of its checkpoints/step-N$"):
+        adapter_folder(str(run), "adapters.policy.init_from")
+    adapter_dir(run / FINAL_DIR / POLICY)
+    (run / FINAL_DIR / MANIFEST_FILE).write_text("{}")
+    assert adapter_folder(str(run), "f") == str(run / FINAL_DIR / POLICY)
+    with pytest.raises(RecipeError, match=r"^f: '.*empty' is not a PEFT adapter folder \(no adapter_config.json\)$"):
+        (tmp_path / "empty").mkdir()
+        adapter_folder(str(tmp_path / "empty"), "f")
+
+
+@torch.no_grad()
+def test_a_critic_free_backbone_has_every_role_but_the_value(model_cfg, tokenizer):
+    """RLOO and GRPO build no value adapter: the policy and the reference compute as usual, the value
+    role is refused by name."""
+    roles = RoleModel(load_base_model(model_cfg), AdaptersConfig(policy={"r": 4, "alpha": 8}), with_value=False)
+    ids, mask, start = prompt_and_random_response(tokenizer, ["This movie was"])
+    for role in (POLICY, REFERENCE):
+        with roles.as_role(role):
+            logprobs, _ = roles.response_logprobs(ids, mask, start, 1.0)
+        assert torch.isfinite(logprobs).all()
+    assert roles.value_head is None and roles.value_parameters() == []
+    with pytest.raises(ValueError, match="without a value adapter"):
+        with roles.as_role(VALUE):
+            pass
+
+
+@torch.no_grad()
+def test_roles_switched_through_pefts_own_calls_compute_what_the_fast_switch_computes(make_roles, tokenizer):
+    """Where lora_ppo's own switch cannot run (a `modules_to_save` copy in the model: AdapterSwitch.of
+    gives None), each role switches through PEFT's calls: every role's forward, a batch of rows under
+    several roles, and the trainable flags after the reference equal the fast switch's. A batch that
+    raises inside its rows' roles leaves no per-row adapter behind for the forwards after it."""
+    roles = make_roles(seed=5)
+    ids, mask, _ = prompt_and_random_response(tokenizer, ["This movie was", "The acting"])
+    fast = {}
+    for role in (POLICY, VALUE, REFERENCE):
+        with roles.as_role(role):
+            fast[role] = roles.hidden_states(ids, mask)
+    fast_rows = roles.hidden_states_as_roles(ids, mask, [POLICY, VALUE, REFERENCE])
+    roles._switch = None
+    for role in (VALUE, REFERENCE, POLICY, VALUE):
+        with roles.as_role(role):
+            torch.testing.assert_close(roles.hidden_states(ids, mask), fast[role], atol=0, rtol=0)
+        assert all(p.requires_grad for p in roles.policy_parameters() + roles.value_parameters())
+    for got, want in zip(roles.hidden_states_as_roles(ids, mask, [POLICY, VALUE, REFERENCE]), fast_rows):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    with roles.as_role(VALUE):  # after it, a batch under one role again
+        torch.testing.assert_close(roles.hidden_states(ids, mask), fast[VALUE], atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="a failing batch"):
+        with roles.rows_as_roles([VALUE, POLICY], ids.shape[0]):
+            raise RuntimeError("a failing batch")
+    with roles.as_role(POLICY):  # as many rows as that batch had: each one the policy's
+        twice = roles.hidden_states(ids.repeat(2, 1), mask.repeat(2, 1))
+    torch.testing.assert_close(twice, fast[POLICY].repeat(2, 1, 1), atol=1e-6, rtol=1e-5)
