@@ -80,6 +80,7 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
     "lora_ppo/rollout.py": (["tests/test_positions.py", "tests/test_rollout*.py", "tests/test_score_shaping.py",
                              "tests/test_generation_settings.py", "tests/test_sft_samples.py"], []),
     "lora_ppo/model.py": (["tests/test_chat_template_kwargs.py", "tests/test_model.py"], []),
+    "lora_ppo/compiled_generation.py": (["tests/test_compiled_generation.py"], []),
     "lora_ppo/roles.py": (["tests/test_positions.py", "tests/test_roles.py", "tests/test_scoring_together.py",
                            "tests/test_reward_training.py::test_pairs_are_scored_at_their_last_real_token_whatever_the_padding",
                            "tests/test_reward_training.py::test_reward_adapter_scores_equal_a_direct_forward",
