@@ -83,6 +83,24 @@ def test_the_same_tokens_and_logprobs_as_generate(roles, tiny_tokenizer, decoder
     assert (bucket(3), "policy", False) in decoder._warm
 
 
+def test_the_compiled_path_leaves_the_random_stream_where_generate_leaves_it(roles, tiny_tokenizer, decoder):
+    """Rows that stop early: on CPU "every row has stopped" is read at once, so the compiled loop draws
+    no token past the last stop, as generate() draws none, and the next batch samples alike. One
+    prompt three times with top-k 1 makes every row stop at the same early step."""
+    prompts = [PROMPTS[2]] * 3
+    cfg = RolloutConfig(max_new_tokens=10, temperature=0.7, top_k=1, stop_token=None)
+    greedy, _ = both_paths(roles, tiny_tokenizer, decoder, cfg, prompts)
+    cfg = cfg.model_copy(update={"stop_token": tiny_tokenizer.convert_ids_to_tokens(int(greedy.response_ids[0, 2]))})
+    rows = prompt_rows(tiny_tokenizer, prompts)
+    states = []
+    for path_decoder in (None, decoder):
+        torch.manual_seed(5)
+        first = Sampler(roles, tiny_tokenizer, cfg, path_decoder).sample(rows)
+        states.append(torch.random.get_rng_state())
+    assert first.stopped.all() and first.response_ids.shape[1] <= 3
+    assert torch.equal(states[0], states[1])
+
+
 def test_the_models_end_tokens_stop_both_paths_and_its_sampling_preferences_neither(roles, tiny_tokenizer, decoder,
                                                                                     monkeypatch):
     """`rollout.stop_token: eos` with a generation config that names an end-of-turn token beside the

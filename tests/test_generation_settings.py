@@ -45,6 +45,7 @@ class ModelWithEnds:
     ([2, 7], (2, 7)),
     ([7, 2, 7], (7, 2)),  # each once, in the config's order
     ([2, 10, -1], (2,)),  # ids outside the vocabulary name no token
+    ([0, 2], (0, 2)),  # GPT-NeoX's end of text is token 0
     (None, ()),
     ("none", ()),  # a model without a generation config
 ])
@@ -61,6 +62,49 @@ def test_eos_is_the_tokenizers_eos_then_the_models_end_tokens(tiny_tokenizer):
     assert stop_token_ids(tiny_tokenizer, None, (5, 7)) == ()
 
 
+def test_a_stop_token_named_as_text_is_the_one_token_it_encodes_to(tiny_tokenizer):
+    """`rollout.stop_token` as the text a token stands for (" and", not its vocabulary form "Ġand"),
+    also with a tokenizer that has an unknown token or puts a BOS first; text of several tokens is
+    refused in one line."""
+    from lora_ppo.errors import RecipeError
+    from tests.conftest import bos_first, tokenizer_copy
+
+    word = tiny_tokenizer.convert_tokens_to_ids("Ġand")
+    assert tiny_tokenizer.convert_tokens_to_ids(" and") is None  # not a vocabulary entry as written
+    with_unknown = tokenizer_copy(tiny_tokenizer)
+    with_unknown.unk_token = "<|endoftext|>"  # an unknown entry now maps to this token's id
+    for tokenizer in (tiny_tokenizer, with_unknown, bos_first(tiny_tokenizer)):
+        assert stop_token_ids(tokenizer, " and") == (word,)
+    with pytest.raises(RecipeError, match=r"^rollout.stop_token: ' the film' is not a single token of this tokenizer$"):
+        stop_token_ids(tiny_tokenizer, " the film")
+
+
+def test_the_generation_settings_are_the_recipes_and_the_stop_tokens(tiny_tokenizer):
+    """What `generate()` is given: sampling with the recipe's temperature, top-k and top-p (or, with
+    row seeds, greedy over the one-hot the seeded processor writes), its response budget, the pad
+    token, every stop token (none: it never stops early) and the KV cache."""
+    from lora_ppo.rollout import generation_config
+
+    cfg = RolloutConfig(max_new_tokens=7, temperature=0.7, top_k=5, top_p=0.9)
+    sampled = generation_config(cfg, tiny_tokenizer, (2, 5))
+    assert (sampled.do_sample, sampled.temperature, sampled.top_k, sampled.top_p) == (True, 0.7, 5, 0.9)
+    assert (sampled.max_new_tokens, sampled.pad_token_id, sampled.eos_token_id, sampled.use_cache) == (
+        7, tiny_tokenizer.pad_token_id, [2, 5], True)
+    assert generation_config(cfg, tiny_tokenizer, ()).eos_token_id is None
+    seeded = generation_config(cfg, tiny_tokenizer, (2,), sample_in_processor=True)
+    assert seeded.do_sample is False and seeded.temperature is None and seeded.top_k is None
+    assert generation_config(cfg, tiny_tokenizer, (2,)).do_sample is True  # sampling unless told
+
+
+def test_rows_of_one_prompt_without_seeds_are_sampled_not_decoded_greedily(roles, tiny_tokenizer):
+    """Eight copies of one prompt, no row seeds: the rows differ (a path that fell to greedy decoding
+    would give eight equal responses, and a group baseline nothing to compare)."""
+    rows = prompt_rows(tiny_tokenizer, ["This movie was"] * 8)
+    torch.manual_seed(0)
+    samples = Sampler(roles, tiny_tokenizer, RolloutConfig(batch_size=8, max_new_tokens=6, stop_token=None)).sample(rows)
+    assert len({tuple(r) for r in samples.response_ids.tolist()}) > 4
+
+
 def test_a_models_saved_generation_config_names_its_end_tokens(tiny_model_dir, tmp_path):
     """Read as a run loads the model: generation_config.json beside the weights."""
     folder = tmp_path / "chat-model"
@@ -72,6 +116,7 @@ def test_a_models_saved_generation_config_names_its_end_tokens(tiny_model_dir, t
 
 @pytest.fixture(scope="module")
 def roles(make_roles):
+    torch.manual_seed(0)  # the fresh adapters' random init: the same whichever tests ran before
     return make_roles(seed=3, perturbed=("policy",))
 
 

@@ -168,3 +168,22 @@ def test_a_checkpoint_saved_quantized_computes_in_the_recipes_dtype(tmp_path, qu
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model.compute_dtype")]
     assert said == ([f"model.compute_dtype: {saved} was saved quantized to compute in bfloat16; its unquantized "
                      f"weights{layers} now compute in float32"] if dtype == "float32" else [])
+
+
+def test_the_tokenizer_pads_on_the_left_with_its_own_pad_token_or_else_its_eos(tiny_model_dir, tmp_path):
+    """Prompts are left-padded (generation continues from the last column); a tokenizer with a pad
+    token of its own keeps it, one without gets its eos."""
+    from lora_ppo.model import load_tokenizer
+
+    own = tmp_path / "own-pad"
+    shutil.copytree(tiny_model_dir, own)
+    config = json.loads((own / "tokenizer_config.json").read_text())
+    config["pad_token"] = "<|endoftext|>"
+    (own / "tokenizer_config.json").write_text(json.dumps(config))
+    none = tmp_path / "no-pad"
+    shutil.copytree(tiny_model_dir, none)
+    config.pop("pad_token")
+    (none / "tokenizer_config.json").write_text(json.dumps(config))
+    kept, filled = (load_tokenizer(ModelConfig(name=str(folder))) for folder in (own, none))
+    assert kept.pad_token == "<|endoftext|>" and filled.pad_token == filled.eos_token == "<|im_end|>"
+    assert kept.padding_side == filled.padding_side == "left"

@@ -258,6 +258,14 @@ def test_a_templated_pair_ends_with_the_token_the_template_closes_an_assistant_t
                                          turn_end)
     assert implicit.chosen_ids[-1] == implicit.rejected_ids[-1] == turn_end
     assert text.chosen_ids[-1] == text.rejected_ids[-1] == eos
+    # a tokenizer that puts a BOS first reads the same token after the answer (not its BOS)
+    bos_tokenizer = bos_first(tokenizer)
+    bos_tokenizer.chat_template = tokenizer.chat_template
+    assert PromptFormat(bos_tokenizer, False).assistant_turn_end() == turn_end
+    # a template that closes a turn with plain text (a blank line) has no end token of its own: the eos
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant: {% endif %}")
+    assert PromptFormat(tokenizer, False).assistant_turn_end() == eos
 
 
 def test_a_margin_that_is_missing_not_a_number_or_not_finite_drops_its_pair(tiny_tokenizer):
