@@ -5,6 +5,7 @@ row's other columns), drop and count unusable rows, and serve them in a seeded, 
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import logging
@@ -243,10 +244,11 @@ class PromptFormat:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template has them
         return PromptRow(prompt, text, tuple(ids), columns or {}, messages)
 
+    @functools.cached_property
     def assistant_turn_end(self) -> Optional[int]:
         """The token the chat template closes an assistant turn with, when it is a special token (the
         one a policy writes to end its answer: Gemma's `<end_of_turn>`, ChatML's `<|im_end|>`), else the
-        tokenizer's eos."""
+        tokenizer's eos. Read once per format."""
         eos = self.tokenizer.eos_token_id
         messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": TURN_END_MARKER}]
         try:
@@ -497,7 +499,7 @@ def make_pair(row: dict, cfg: PreferenceDataConfig, fmt: PromptFormat, eos_id: O
     prompt_ids = prompt_row.ids if prompt_row is not None else ()
     # A response is read as the policy writes it: its tokens, then the stop token (after a templated
     # prompt, the one the template closes an assistant turn with).
-    end = fmt.assistant_turn_end() if prompt_row is not None and prompt_row.messages is not None else eos_id
+    end = fmt.assistant_turn_end if prompt_row is not None and prompt_row.messages is not None else eos_id
     ends = (end,) if end is not None else ()
     sequences = [tuple(prompt_ids) + tuple(fmt.tokenizer(a, add_special_tokens=prompt is None)["input_ids"]) + ends
                  for a in answers]

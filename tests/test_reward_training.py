@@ -245,8 +245,8 @@ def test_a_templated_pair_ends_with_the_token_the_template_closes_an_assistant_t
     turn_end, eos = tokenizer.convert_tokens_to_ids("<|im_start|>"), tokenizer.eos_token_id
     assert turn_end != eos
     fmt = PromptFormat(tokenizer, False)
-    assert fmt.assistant_turn_end() == turn_end
-    assert PromptFormat(tiny_tokenizer, False).assistant_turn_end() == eos  # ChatML: <|im_end|>, the eos
+    assert fmt.assistant_turn_end == turn_end
+    assert PromptFormat(tiny_tokenizer, False).assistant_turn_end == eos  # ChatML: <|im_end|>, the eos
     rows = [{"prompt": [{"role": "user", "content": "Rate it"}], "chosen": " good", "rejected": " bad"},
             {"chosen": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}],
              "rejected": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "No"}]},
@@ -261,11 +261,11 @@ def test_a_templated_pair_ends_with_the_token_the_template_closes_an_assistant_t
     # a tokenizer that puts a BOS first reads the same token after the answer (not its BOS)
     bos_tokenizer = bos_first(tokenizer)
     bos_tokenizer.chat_template = tokenizer.chat_template
-    assert PromptFormat(bos_tokenizer, False).assistant_turn_end() == turn_end
+    assert PromptFormat(bos_tokenizer, False).assistant_turn_end == turn_end
     # a template that closes a turn with plain text (a blank line) has no end token of its own: the eos
     tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
                                "{% if add_generation_prompt %}assistant: {% endif %}")
-    assert PromptFormat(tokenizer, False).assistant_turn_end() == eos
+    assert PromptFormat(tokenizer, False).assistant_turn_end == eos
 
 
 def test_a_margin_that_is_missing_not_a_number_or_not_finite_drops_its_pair(tiny_tokenizer):
