@@ -172,7 +172,7 @@ class StaticDecoder:
         position = positions[:, -1:]
 
         stops, pad_id = gen_config.eos_token_id, gen_config.pad_token_id
-        stop_ids = None if stops is None else torch.tensor([stops] if isinstance(stops, int) else stops, device=device)
+        stop_ids = None if stops is None else torch.tensor(stops, device=device)  # an id or a list of them
         sequence = query_ids[:B]
         unfinished = torch.ones(B, dtype=torch.bool, device=device)
         stop_check = _StopCheck(self.stop_check_lag, device) if stop_ids is not None else None

@@ -24,7 +24,7 @@ from lora_ppo.rewards import RewardSources, build_reward_sources, check_classifi
 from lora_ppo.evaluation import Evaluation, evaluate
 from lora_ppo.library_notices import quiet_loading
 from lora_ppo.roles import RoleModel
-from lora_ppo.rollout import Sampler, model_end_tokens, stop_token_ids
+from lora_ppo.rollout import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
 def log_end_tokens(tokenizer, cfg: RolloutConfig, roles: RoleModel) -> None:
     """Say where responses end when the model's generation config names end tokens beside the
     tokenizer's eos (an instruction model's end of turn), which a run stops at as generate() does."""
-    stops = stop_token_ids(tokenizer, cfg.stop_token, model_end_tokens(roles.peft.get_base_model()))
+    stops = Sampler(roles, tokenizer, cfg).stop_ids
     if cfg.stop_token == "eos" and len(stops) > 1:
         log.info("rollout.stop_token eos: responses end at %s (the tokenizer's eos token and the end tokens the "
                  "model's generation config names)", ", ".join(tokenizer.convert_ids_to_tokens(list(stops))))
