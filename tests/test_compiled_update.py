@@ -114,6 +114,7 @@ def test_a_run_with_the_update_compiled_trains_as_one_without_and_compiles_once(
     compile_s = [metrics["time/compile"] for metrics in runs[True]]
     assert graphs[0] == 2 and graphs[2] == graphs[1] == graphs[0]
     assert compile_s[0] > 0 and compile_s[2] == compile_s[1] == compile_s[0]
+    assert compile_s[2] == trainer.update_settings.compiled_layers.compile_s  # the update's compiling, alone
 
 
 def test_layers_that_cannot_compile_run_eager_with_one_log_line(make_roles, tiny_tokenizer, caplog):

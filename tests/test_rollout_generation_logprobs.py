@@ -3,6 +3,8 @@ the ones a scoring pass computes, on left-padded prompts, at a temperature, with
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -118,3 +120,25 @@ def test_a_run_on_cpu_records_logprobs_by_default(tiny_model_dir, tmp_path):
 
     recipe = Recipe(**tiny_recipe_dict(tiny_model_dir, tmp_path / "run"))
     assert build(recipe).sampler(recipe).cfg.logprobs_from_generation is True  # fp32 on CPU
+
+
+def test_a_rollout_scores_the_reference_by_default_as_the_bare_base_model(roles, tokenizer, rows):
+    """collect_rollout's defaults score the reference role: with adapters disabled, the base model's
+    own forward, at the sampling temperature, on the tokens sampled."""
+    torch.manual_seed(3)
+    started = time.perf_counter()
+    rollout = collect_rollout(Sampler(roles, tokenizer, RolloutConfig(batch_size=4, max_new_tokens=6, temperature=0.9)),
+                              rows, RewardSources.of(count_letter_e))
+    wall = time.perf_counter() - started
+    assert set(rollout.timings) == {"generate", "score_forward", "reward"}
+    assert all(0 <= seconds <= wall for seconds in rollout.timings.values())
+    ids, mask, start = rollout.input_ids, rollout.attention_mask, rollout.response_start
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    with torch.no_grad(), roles.peft.disable_adapter():
+        logits = roles.peft(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+    by_hand = torch.log_softmax(logits[:, start - 1 : -1] / 0.9, dim=-1).gather(2, ids[:, start:, None])[..., 0]
+    m = rollout.response_mask
+    torch.testing.assert_close(rollout.ref_logprobs[m], by_hand[m], atol=1e-4, rtol=0)
+    assert (rollout.old_logprobs - rollout.ref_logprobs)[m].abs().max() > 1e-3  # the policy is not the base
+    # Rescored old logprobs, and generation's recorded beside them (check/generation_logprob_diff)
+    torch.testing.assert_close(rollout.generation_logprobs[m], rollout.old_logprobs[m], atol=1e-4, rtol=0)

@@ -42,10 +42,23 @@ def test_roles_scored_together_equal_one_forward_per_role(make_roles, tiny_token
     ids, mask, start = _batch(tiny_tokenizer)
     recorded = torch.randn(len(PROMPTS), ids.shape[1] - start) if recorded_old_logprobs else None
     context = dequantized_4bit_layers(roles.peft, torch.float32) if dequantized else contextlib.nullcontext()
+    rows_per_forward = {}
     with context:
         # forward_batch_size 3 over 4 sequences: a full micro-batch and a short one.
-        together = score_passes(roles, ids, mask, start, 0.7, 3, old_logprobs=recorded, together=True)
-        apart = score_passes(roles, ids, mask, start, 0.7, 3, old_logprobs=recorded, together=False)
+        for stacked in (True, False):
+            rows_seen = []
+            hook = roles.peft.get_input_embeddings().register_forward_hook(
+                lambda module, args, output: rows_seen.append(args[0].shape[0]))
+            try:
+                rows_per_forward[stacked] = rows_seen, score_passes(roles, ids, mask, start, 0.7, 3,
+                                                                    old_logprobs=recorded, together=stacked)
+            finally:
+                hook.remove()
+    (rows_together, together), (rows_apart, apart) = rows_per_forward[True], rows_per_forward[False]
+    # Off, each role has its own forward of at most forward_batch_size rows (the memory it saves).
+    roles_scored = 2 if recorded_old_logprobs else 3
+    assert rows_together == [3 * roles_scored, 1 * roles_scored]
+    assert rows_apart == [3] * roles_scored + [1] * roles_scored
     for a, b in zip(together, apart):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     if recorded is not None:

@@ -59,11 +59,17 @@ def test_critic_free_mode_needs_groups():
         lora_ppo.recipe_from_dict({"ppo": {"advantage_estimator": "grpo"}})
 
 
-def test_adaptive_kl_controller_moves_kl_coef(tmp_path, tiny_model_dir):
+def test_adaptive_kl_controller_moves_kl_coef(tmp_path, tiny_model_dir, monkeypatch):
+    from lora_ppo import ppo_math
+
+    measured = []  # the KL each step's controller is given: the batch's mean KL per response
+    real = ppo_math.adaptive_kl_coef
+    monkeypatch.setattr(ppo_math, "adaptive_kl_coef", lambda coef, kl, *rest: measured.append(kl) or real(coef, kl, *rest))
     _, metrics = _train(tmp_path, tiny_model_dir, [
         "ppo.target_kl=1e-6", "ppo.kl_horizon=10", "ppo.kl_coef=0.1", "ppo.kl_estimator=k3", "train.steps=3",
         "ppo.learning_rate=0.05",
     ])
+    assert measured == pytest.approx([m["objective/kl"] for m in metrics], rel=1e-6, abs=1e-12)
     coefs = [m["objective/kl_coef"] for m in metrics]
     assert coefs[0] == 0.1
     # The error is clipped to +-0.2, so each step multiplies kl_coef by 1 +- 0.2 * 4 samples / 10:

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import lora_ppo
 from lora_ppo import ppo_math
 from lora_ppo import trainer as trainer_module
 from lora_ppo.cli import app
+from lora_ppo.perf import StepWork
 from lora_ppo.rewards import RewardError
 from tests.conftest import adapter_tensors, tiny_recipe_dict, write_recipe
 
@@ -42,11 +44,31 @@ def _poison_advantages(monkeypatch, bad_steps: set[int], counter: list[int]) -> 
 
 def test_nan_advantages_skip_the_update_and_leave_adapters_untouched(tmp_path, tiny_model_dir, monkeypatch, caplog):
     _poison_advantages(monkeypatch, {2}, [0])
-    lora_ppo.PPOTrainer(_recipe(tiny_model_dir, tmp_path / "run", steps=4), progress=False).train()
+    checks = []
+    real_check = trainer_module.first_step_logprob_error
+    monkeypatch.setattr(trainer_module, "first_step_logprob_error", lambda *a: checks.append(a) or real_check(*a))
+    rated = []  # the seconds each step's perf/* divide by
+    real_rates = StepWork.metrics
+    monkeypatch.setattr(StepWork, "metrics", lambda self, shape, seconds: rated.append(seconds) or real_rates(self, shape, seconds))
+    recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run", ppo={"lr_schedule": "linear"},
+                                                        train={"save_every": 1, "steps": 4, "eval": False}))
+    started = time.perf_counter()
+    lora_ppo.PPOTrainer(recipe, progress=False).train()
+    wall = time.perf_counter() - started
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["guard/skipped"] for m in metrics] == [0.0, 1.0, 0.0, 0.0]
     assert [m["guard/consecutive_skips"] for m in metrics] == [0.0, 1.0, 0.0, 0.0]
+    assert metrics[1]["guard/skipped_minibatches"] == 2.0  # 1 epoch x 2 minibatches
     assert "step 2: non-finite advantages, update skipped" in caplog.text
+    # The linear schedule counts the skipped step's 2 updates too: after step n, 1e-2 x (1 - 2n / 8).
+    assert [m["lr/policy"] for m in metrics] == pytest.approx([7.5e-3, 5e-3, 2.5e-3, 0.0])
+    assert len(checks) == 1  # the logprob self-check stops a first step only; later ones are the alarms'
+    # An update's rate is logged where one ran, and its time lies within its step's, within the run's.
+    assert ["perf/update_tflops" in m for m in metrics] == [True, False, True, True]
+    assert [r["update"] for r in rated] == [m["time/update"] if i != 1 else 0.0 for i, m in enumerate(metrics)]
+    assert all(0 < m["time/update"] <= m["time/step"] for i, m in enumerate(metrics) if i != 1)
+    assert sum(m["time/step"] for m in metrics) <= wall
+    assert not any(key.startswith("dist/") for m in metrics for key in m)  # one process: nothing to compare
     ckpts = tmp_path / "run" / "checkpoints"
     for role in ("policy", "value"):
         step1, step2, step3 = (adapter_tensors(ckpts / f"step-{n}" / role) for n in (1, 2, 3))

@@ -118,6 +118,21 @@ def test_empty_response():
     assert lp.dtype == ent.dtype == torch.float32
 
 
+def test_an_empty_batch_gives_empty_logprobs():
+    lm_head, hidden, targets = make_inputs(5)
+    lp, ent = token_logprobs(lm_head, hidden[:0], targets[:0], temperature=0.7)
+    assert lp.shape == ent.shape == (0, T)
+
+
+def test_the_default_temperature_is_1():
+    lm_head, hidden, targets = make_inputs(6)
+    with torch.no_grad():
+        lp, ent = token_logprobs(lm_head, hidden, targets)
+        ref_lp, ref_ent = naive(lm_head, hidden, targets, 1.0)
+    torch.testing.assert_close(lp, ref_lp, **TOL)
+    torch.testing.assert_close(ent, ref_ent, **TOL)
+
+
 def test_logit_transform_by_hand():
     """Granite divides by logits_scaling (scale 1/4 here), Cohere multiplies, Gemma soft-caps:
     c * tanh(x / c); with both, the scale comes first (checked element by element with math)."""
