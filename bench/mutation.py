@@ -143,6 +143,8 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
     "lora_ppo/metrics.py": (["tests/test_step_metrics.py", "tests/test_kl_noise_floor.py", "tests/test_perf.py"], []),
     "lora_ppo/summary.py": (["tests/test_summary.py"], []),
     "lora_ppo/state.py": (["tests/test_state.py", "tests/test_checkpoint_files.py"], []),
+    "lora_ppo/devices.py": (["tests/test_devices.py"], []),
+    "lora_ppo/memory.py": (["tests/test_memory.py", "tests/test_devices.py"], []),
     "lora_ppo/config.py": (["tests/test_config.py", "tests/test_config_fuzz.py", "tests/test_recipes.py",
                             "tests/test_cli.py"], []),
 }
@@ -160,7 +162,8 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
 # and 40 min), the prompt and preference rows of data.py (its main functions: about 40 min), the
 # stages before PPO (adapter_training.py, reward_training.py, sft/trainer.py, sft/samples.py: about
 # 30, 13, 18 and 4 min), the recipe schema (config.py: about 35 min), a step's record (metrics.py:
-# about 4 min), the run's summary (summary.py: 1 min) and its saved state (state.py: 1 min).
+# about 4 min), the run's summary (summary.py: 1 min), its saved state (state.py: 1 min), the
+# device choice (devices.py: 2 min) and the peak memory per phase (memory.py: 6 min).
 DEFAULT_TARGETS = [
     "lora_ppo/atomic.py",
     "lora_ppo/verifiable.py",

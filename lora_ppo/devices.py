@@ -56,10 +56,9 @@ def device_map(dev: Optional[torch.device] = None) -> dict[str, Any]:
     return {"": str(dev)}  # "xpu:0", "mps", "cpu"
 
 
-def bf16_supported(kind: Optional[str] = None) -> bool:
-    """Whether the device (default: this machine's) computes in bfloat16; False on CPU, where
-    the recipe's rule never asks."""
-    kind = device_type() if kind is None else kind
+def bf16_supported(kind: str) -> bool:
+    """Whether a device of this type computes in bfloat16; False on CPU, where the recipe's rule
+    never asks."""
     if kind in ("cuda", "xpu"):
         return accelerator_module(kind).is_bf16_supported()
     if kind == "mps":

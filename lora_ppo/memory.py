@@ -42,12 +42,11 @@ def resident_bytes(field: str = "VmRSS") -> int:
     return 0
 
 
-def _reset_cpu_peak() -> bool:
+def _reset_cpu_peak() -> None:
     try:
         _CLEAR_REFS.write_text("5")  # "5" resets the peak RSS to the current RSS
-        return True
     except OSError:
-        return False
+        pass  # an older kernel or another OS: the peak stays the process-wide one
 
 
 def release_memory() -> None:

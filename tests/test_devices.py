@@ -115,6 +115,20 @@ def test_auto_compute_dtype_per_device(monkeypatch, available, bf16, expected):
     assert compute_dtype(ModelConfig(compute_dtype="float16")) is torch.float16  # the recipe's own choice wins
 
 
+@pytest.mark.parametrize("macos, expected", [((13, 6), False), ((14, 0), True), ((15, 1), True)])
+def test_mps_computes_in_bfloat16_from_macos_14(monkeypatch, macos, expected):
+    monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda major, minor: macos >= (major, minor))
+    assert devices.bf16_supported("mps") is expected
+
+
+def test_bfloat16_support_is_asked_of_the_named_device_and_never_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.xpu, "is_bf16_supported", lambda *a, **k: True)
+    _available(monkeypatch)  # this machine is a CPU: the answer is the named device's, not its own
+    assert devices.bf16_supported("cuda") and devices.bf16_supported("xpu")
+    assert devices.bf16_supported("cpu") is False
+
+
 class _Recorder:
     """Stands in for torch.cuda / torch.xpu / torch.mps: records the calls made to it."""
 

@@ -3,6 +3,9 @@ run-wide peak survives the per-phase resets."""
 
 from __future__ import annotations
 
+import gc
+import types
+
 import pytest
 import torch
 
@@ -51,3 +54,71 @@ def test_a_phase_cyclic_garbage_is_released_before_the_next_phase(resettable_pea
     with peaks.phase("small"):
         torch.ones(1000).sum()
     assert peaks.peaks_gb["big"] - peaks.peaks_gb["small"] > 0.25
+
+
+def test_garbage_that_outlived_a_young_collection_is_released_too(resettable_peak):
+    """A cycle promoted past generation 0 (the collector ran while the step still held it) is
+    freed between phases as well: the release collects generations 0 and 1."""
+    peaks = memory.PhasePeaks()
+    with peaks.phase("big"):
+        holder: dict = {"tensor": torch.ones(75_000_000)}  # 300 MB, touched
+        holder["tensor"] += 1
+        holder["self"] = holder
+        gc.collect(0)  # holder survives it, so it now sits in generation 1
+        del holder
+    with peaks.phase("small"):
+        torch.ones(1000).sum()
+    assert peaks.peaks_gb["big"] - peaks.peaks_gb["small"] > 0.25
+
+
+def test_freed_heap_memory_goes_back_to_the_system_between_phases():
+    """Many small blocks freed below one still in use stay in glibc's free lists (the process
+    keeps them resident) until the release trims them, so the next phase does not count them."""
+    blocks = [bytearray(8000) for _ in range(40_000)]  # 320 MB of malloc'd blocks, below mmap's threshold
+    keep = bytearray(8000)  # above them on the heap: free() alone cannot shrink the heap
+    held = memory.resident_bytes()
+    del blocks
+    if memory.resident_bytes() < held - 200e6:
+        pytest.skip("this C library hands freed heap blocks back by itself")
+    memory.release_memory()
+    assert memory.resident_bytes() < held - 250e6
+    del keep
+
+
+def test_resident_fields_are_read_from_proc_in_bytes(monkeypatch, tmp_path):
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmHWM:\t  2048 kB\nVmRSS:\t   1500 kB\n")
+    monkeypatch.setattr(memory, "_STATUS", status)
+    assert memory.resident_bytes() == 1500 * 1024
+    assert memory.resident_bytes("VmHWM") == 2048 * 1024
+    assert memory.resident_bytes("VmSwap") == 0  # a field the kernel does not give
+    monkeypatch.setattr(memory, "_STATUS", tmp_path / "absent")  # not Linux
+    assert memory.resident_bytes() == 0
+
+
+@pytest.mark.parametrize("platform, expected", [("linux", 3000 * 1024), ("darwin", 3000)])
+def test_without_proc_the_peak_is_the_rusage_maximum_in_bytes(monkeypatch, tmp_path, platform, expected):
+    """Off Linux there is no VmHWM: the peak is getrusage's ru_maxrss, which Linux counts in KiB
+    and macOS in bytes."""
+    monkeypatch.setattr(memory, "_STATUS", tmp_path / "absent")
+    monkeypatch.setattr(memory.resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=3000))
+    monkeypatch.setattr(memory.sys, "platform", platform)
+    assert memory.peak_bytes() == expected
+
+
+def test_the_run_peak_is_in_gb_and_the_largest_before_or_after_resets(monkeypatch):
+    monkeypatch.setattr(memory, "_run_peak", 3e9)
+    monkeypatch.setattr(memory, "peak_bytes", lambda: 2e9)
+    assert memory.run_peak_gb() == 3.0
+    monkeypatch.setattr(memory, "peak_bytes", lambda: 4.5e9)
+    assert memory.run_peak_gb() == 4.5
+
+
+def test_the_live_cpu_peak_counts_what_is_held_at_once_not_what_was_ever_allocated():
+    def run():
+        first = torch.empty(1_000_000)  # 4 MB, freed before the next two
+        del first
+        second, third = torch.empty(1_000_000), torch.empty(250_000)  # 5 MB at once
+        del second, third
+
+    assert memory.peak_live_cpu_bytes(run) == 5_000_000
