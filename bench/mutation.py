@@ -84,7 +84,12 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
                              "tests/test_generation_settings.py", "tests/test_sft_samples.py",
                              "tests/test_compiled_generation.py", "tests/test_scoring_together.py",
                              "tests/test_trim_padding.py", "tests/test_packing.py", "tests/test_distributed.py"], []),
-    "lora_ppo/model.py": (["tests/test_chat_template_kwargs.py", "tests/test_model.py"], []),
+    "lora_ppo/model.py": (["tests/test_devices.py", "tests/test_chat_template_kwargs.py", "tests/test_model.py",
+                           "tests/test_model_checks.py",
+                           "tests/test_fused_4bit_decode.py::test_decode_sized_no_grad_calls_take_the_kernel_and_give_the_models_logits",
+                           "tests/test_bnb_workarounds.py", "tests/test_memory_levers.py",
+                           "tests/test_sft_training.py::test_hostile_data_is_one_line_and_exit_2[rows longer than the context]"],
+                          []),
     "lora_ppo/compiled_generation.py": (["tests/test_compiled_generation.py"], []),
     "lora_ppo/roles.py": (["tests/test_positions.py", "tests/test_roles.py", "tests/test_scoring_together.py",
                            "tests/test_reward_training.py::test_pairs_are_scored_at_their_last_real_token_whatever_the_padding",
@@ -163,7 +168,8 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
 # stages before PPO (adapter_training.py, reward_training.py, sft/trainer.py, sft/samples.py: about
 # 30, 13, 18 and 4 min), the recipe schema (config.py: about 35 min), a step's record (metrics.py:
 # about 4 min), the run's summary (summary.py: 1 min), its saved state (state.py: 1 min), the
-# device choice (devices.py: 2 min) and the peak memory per phase (memory.py: 6 min).
+# device choice (devices.py: 2 min), the peak memory per phase (memory.py: 6 min) and the base model's
+# loading and free memory (model.py's functions but the tokenizer's: about 30 min).
 DEFAULT_TARGETS = [
     "lora_ppo/atomic.py",
     "lora_ppo/verifiable.py",

@@ -23,6 +23,7 @@ from lora_ppo.devices import device_type
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
+_MEMINFO = Path("/proc/meminfo")
 
 
 def _accelerator() -> Optional[str]:
@@ -31,15 +32,26 @@ def _accelerator() -> Optional[str]:
     return None if kind == "cpu" else kind
 
 
-def resident_bytes(field: str = "VmRSS") -> int:
-    """A /proc/self/status memory field in bytes (VmRSS now, VmHWM the peak); 0 off Linux."""
+def _proc_field_bytes(path: Path, field: str) -> Optional[int]:
+    """A `field:   N kB` line of a /proc file in bytes; None where there is no such file or line."""
     try:
-        for line in _STATUS.read_text().splitlines():
+        for line in path.read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
+
+
+def resident_bytes(field: str = "VmRSS") -> int:
+    """A /proc/self/status memory field in bytes (VmRSS now, VmHWM the peak); 0 off Linux."""
+    return _proc_field_bytes(_STATUS, field) or 0
+
+
+def available_cpu_bytes() -> Optional[int]:
+    """What the kernel says can still be allocated without swapping (Linux's MemAvailable), in
+    bytes; None off Linux."""
+    return _proc_field_bytes(_MEMINFO, "MemAvailable")
 
 
 def _reset_cpu_peak() -> None:

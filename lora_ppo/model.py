@@ -20,6 +20,7 @@ from lora_ppo.builtin_model import resolve_builtin
 from lora_ppo.config import AUTO_DEQUANTIZE_SHARE, BUILTIN_PREFIX, ModelConfig
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.fused_4bit_decode import fuse_4bit_decode
+from lora_ppo.memory import available_cpu_bytes
 from lora_ppo.model_checks import fused_expert_parameters, unconverted_linears
 from lora_ppo.devices import accelerator_module, device, device_map
 from lora_ppo.quantization import compute_dtype, compute_in, quantization_config
@@ -317,15 +318,9 @@ def free_memory_bytes(dev: torch.device) -> Optional[int]:
         # The driver's free memory ignores the cap: a 12 GB cap on an 80 GB card reads ~80 GB free.
         fraction = getattr(gpu, "get_per_process_memory_fraction", None)
         cap = fraction(dev) if fraction is not None else None
-        if isinstance(cap, float) and 0.0 < cap < 1.0:
+        if isinstance(cap, float) and cap < 1.0:  # 1.0: no cap; 0.0 a cap of nothing (torch takes 0 to 1)
             available = min(available, int(cap * total) - allocated)
         return max(0, available)
     if dev.type == "mps":
         return torch.mps.recommended_max_memory() - torch.mps.current_allocated_memory()
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return available_cpu_bytes()

@@ -10,7 +10,7 @@ import torch
 import lora_ppo.model as model_module
 from lora_ppo.bnb_workarounds import (KEPT_COPY, dequantized_4bit_bytes, dequantized_4bit_layers,
                                       release_dequantized_copies)
-from lora_ppo.config import ModelConfig
+from lora_ppo.config import AUTO_DEQUANTIZE_SHARE, ModelConfig
 from lora_ppo.model import dequantized_once
 from lora_ppo.roles import POLICY, VALUE
 from tests.conftest import bnb_4bit_layers, prompt_and_random_response, tiny_recipe_dict
@@ -79,6 +79,23 @@ def test_dequantize_auto_holds_the_copy_only_when_it_takes_half_the_free_memory_
     monkeypatch.setattr(model_module, "free_memory_bytes", lambda device: 10**12 if not held else 1)
     with dequantized_once(roles.peft, cfg):  # the first decision stands for the run
         assert all("forward" in vars(m) for m in bnb_4bit_layers(roles)) is held
+
+
+@pytest.mark.parametrize("budget_of_copy, free_of_copy, held", [
+    (10.0, 2.2, True),  # a budget above the whole copy: the copy is what must fit, and it does
+    (10.0, 2.0, True),  # exactly half the free memory is still a fit
+    (0.25, 1.0, True),  # a budget below it: only the budget's layers are held, and they fit
+    (0.25, 0.4, False),  # those do not fit either
+])
+def test_dequantize_auto_with_a_budget_asks_only_what_the_budget_holds_to_fit(
+        make_roles, monkeypatch, budget_of_copy, free_of_copy, held):
+    roles = make_roles(seed=1, scale=0.5)  # a model of its own: auto decides once per model
+    copy = dequantized_4bit_bytes(roles.peft, torch.float32)
+    assert AUTO_DEQUANTIZE_SHARE == 0.5  # the free memory a copy may take
+    monkeypatch.setattr(model_module, "free_memory_bytes", lambda device: int(free_of_copy * copy))
+    cfg = ModelConfig(name="tiny", dequantize_per_step="auto", dequantize_budget_gb=budget_of_copy * copy / 1e9)
+    with dequantized_once(roles.peft, cfg):
+        assert any("forward" in vars(m) for m in bnb_4bit_layers(roles)) is held
 
 
 def test_a_dequantization_budget_holds_the_layers_that_fit_and_keeps_the_numbers(roles, tokenizer):

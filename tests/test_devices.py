@@ -223,6 +223,7 @@ def test_free_memory_per_device(monkeypatch, dev, expected):
     (1.0, 1000 + 300 - 200),  # no cap: what the driver and the allocator's cache leave
     (0.5, 1000 + 300 - 200),  # a cap of 2500 bytes of 5000 leaves 2300: the driver's 1100 binds
     (0.1, 500 - 200),  # a cap of 500 bytes: 300 more may be allocated, whatever the driver says
+    (0.0, 0),  # a cap of nothing: the 200 held are already past it
 ])
 @pytest.mark.parametrize("kind", ["cuda", "xpu"])
 def test_free_memory_honours_the_process_allocator_cap(monkeypatch, kind, fraction, expected):

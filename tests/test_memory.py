@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lora_ppo import memory
+from lora_ppo.model import free_memory_bytes
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU (resident memory) path")
 
@@ -94,6 +95,15 @@ def test_resident_fields_are_read_from_proc_in_bytes(monkeypatch, tmp_path):
     assert memory.resident_bytes("VmSwap") == 0  # a field the kernel does not give
     monkeypatch.setattr(memory, "_STATUS", tmp_path / "absent")  # not Linux
     assert memory.resident_bytes() == 0
+
+
+def test_the_cpu_memory_free_is_the_kernels_available_figure_in_bytes(monkeypatch, tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:    9000000 kB\n")
+    monkeypatch.setattr(memory, "_MEMINFO", meminfo)
+    assert free_memory_bytes(torch.device("cpu")) == 9_000_000 * 1024  # not MemFree: caches give way
+    monkeypatch.setattr(memory, "_MEMINFO", tmp_path / "absent")  # not Linux: unknown
+    assert free_memory_bytes(torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("platform, expected", [("linux", 3000 * 1024), ("darwin", 3000)])

@@ -4,6 +4,8 @@ its stated error), resumes exactly, and is refused with one line where it cannot
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -35,6 +37,9 @@ def test_embeddings_looked_up_on_the_cpu_give_the_same_hidden_states(tiny_untied
     # first parameter's, where transformers sends inputs) is the layers'.
     assert all(p is not embedding.weight for p in offloaded.parameters())
     assert torch.equal(embedding.weight, plain.get_input_embeddings().weight)
+    # What transformers asks of an embedding (resizing, a model card's sizes) is the table's.
+    assert (embedding.num_embeddings, embedding.embedding_dim) == tuple(embedding.weight.shape) == (320, 64)
+    assert embedding.staged_for_generation is False  # no copy on the device until the memory plan says
     with torch.no_grad():
         same = offloaded.model(input_ids=IDS).last_hidden_state
         expected = plain.model(input_ids=IDS).last_hidden_state
@@ -89,6 +94,25 @@ def test_levers_that_need_their_own_lm_head_are_refused_for_tied_embeddings(tiny
     for lever in ("offload_embeddings", "quantize_lm_head"):
         with pytest.raises(RecipeError, match=rf"model.{lever}: .* ties its embeddings to the LM head"):
             _model(tiny_model_dir, **{lever: True})
+
+
+@pytest.mark.parametrize("top, text, tied", [
+    ({"tie_word_embeddings": False}, {"tie_word_embeddings": True}, True),  # a composite config: its text model ties
+    ({"tie_word_embeddings": True}, {"tie_word_embeddings": False}, True),
+    ({}, {"tie_word_embeddings": False}, False),  # a config that does not say: not tied
+    ({"tie_word_embeddings": False}, {}, False),
+])
+def test_tied_embeddings_are_read_from_the_config_or_its_text_config(monkeypatch, top, text, tied):
+    from lora_ppo import model as model_module
+
+    config = types.SimpleNamespace(**top, get_text_config=lambda: types.SimpleNamespace(**text))
+    monkeypatch.setattr(model_module, "model_config", lambda cfg: config)
+    check = lambda: model_module._check_tied_levers(ModelConfig(offload_embeddings=True))  # noqa: E731
+    if tied:
+        with pytest.raises(RecipeError, match="ties its embeddings to the LM head"):
+            check()
+    else:
+        check()
 
 
 def test_a_model_that_cannot_be_read_is_one_line_with_the_levers_on(tmp_path):

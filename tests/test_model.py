@@ -5,16 +5,20 @@ Python code never runs unless the recipe trusts it."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
+import types
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from lora_ppo.cli import app
+from lora_ppo import model as model_module
 from lora_ppo.config import ModelConfig
-from lora_ppo.model import load_base_model
+from lora_ppo.errors import RecipeError
+from lora_ppo.model import check_context, check_row_length, load_base_model, model_context, resolve_model_path
 from tests.conftest import tiny_recipe_dict, write_recipe
 
 
@@ -187,3 +191,61 @@ def test_the_tokenizer_pads_on_the_left_with_its_own_pad_token_or_else_its_eos(t
     kept, filled = (load_tokenizer(ModelConfig(name=str(folder))) for folder in (own, none))
     assert kept.pad_token == "<|endoftext|>" and filled.pad_token == filled.eos_token == "<|im_end|>"
     assert kept.padding_side == filled.padding_side == "left"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "HuggingFaceTB/SmolLM2-135M-Instruct"])
+def test_a_hub_id_goes_to_from_pretrained_as_given(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)  # no folder of that name here
+    assert resolve_model_path(name) == name
+
+
+@pytest.mark.parametrize("name", ["./model", "/no/such/model", "~/no-such-model", "runs/last/policy"])
+def test_a_name_that_can_only_be_a_folder_is_refused_when_the_folder_is_missing(tmp_path, monkeypatch, name):
+    """A leading ., / or ~, or more than one slash (a hub id has one at most), means a local folder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(RecipeError, match=rf"^model.name: folder not found: {re.escape(name)}$"):
+        resolve_model_path(name)
+
+
+def test_an_existing_folder_is_loaded_from_disk_even_where_it_reads_like_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    assert resolve_model_path("org/name") == "org/name"  # the folder here, by the same relative path
+    assert resolve_model_path("org") == "org"
+    assert resolve_model_path("~/models/mine") == str(tmp_path / "models" / "mine")  # ~ expanded
+
+
+@pytest.mark.parametrize("text, expected", [
+    ({"max_position_embeddings": 512, "n_positions": 64}, 512),
+    ({"n_positions": 1024}, 1024),  # GPT-2 style names
+    ({}, None),  # ALiBi (Bloom): no fixed limit
+])
+def test_the_context_is_read_from_either_name_of_the_position_table(monkeypatch, text, expected):
+    config = types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(**text))
+    monkeypatch.setattr(model_module, "model_config", lambda cfg: config)
+    assert model_context(ModelConfig()) == expected
+
+
+def test_a_sequence_as_long_as_the_context_fits_and_one_token_more_does_not(tiny_model_dir):
+    cfg = ModelConfig(name=str(tiny_model_dir))  # 256 positions
+    check_context(cfg, 200, 56)
+    check_row_length(cfg, 256, "data.max_length")
+    with pytest.raises(RecipeError, match="exceed the model's context of 256 tokens"):
+        check_context(cfg, 200, 57)
+    with pytest.raises(RecipeError, match="^data.max_length: rows of up to 257 tokens exceed"):
+        check_row_length(cfg, 257, "data.max_length")
+
+
+def test_the_loaded_base_is_frozen_and_decodes_with_its_cache(tmp_path, tiny_model_dir):
+    """Only adapters train, and a checkpoint saved with `use_cache: false` (as training with
+    gradient checkpointing leaves it) still decodes from its KV cache, not the whole prefix per token."""
+    folder = tmp_path / "saved_without_cache"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "use_cache": False}))
+    model = load_base_model(ModelConfig(name=str(folder)))
+    assert not [name for name, p in model.named_parameters() if p.requires_grad]
+    assert model.config.use_cache is True

@@ -55,21 +55,33 @@ def test_the_refusal_names_the_model_type_and_the_numbers():
     assert "largest logprob difference 2.5" in message and "soft-cap 30" in message and "\n" not in message
 
 
-def test_unquantized_parts_of_a_4bit_load_are_found(tmp_path):
-    """Qwen3-MoE's fused experts (3-D) and Falcon's FalconLinear layers stay at full precision."""
+def test_unquantized_parts_of_a_4bit_load_are_found(tmp_path, caplog):
+    """Qwen3-MoE's fused experts (3-D) and Falcon's FalconLinear layers stay at full precision, and
+    a quantized load says so (an unquantized one has nothing to say)."""
     from lora_ppo.config import ModelConfig
     from lora_ppo.model import load_base_model
     from lora_ppo.model_checks import fused_expert_parameters, unconverted_linears
     from tests.architectures import build_model
     from tests.conftest import build_tiny_tokenizer
 
-    found = {}
+    found, said = {}, {}
     for name in ("qwen3_moe", "falcon", "llama"):
         folder = tmp_path / name
         folder.mkdir()
         build_model(name, folder, len(build_tiny_tokenizer(folder)))
-        model = load_base_model(ModelConfig(name=str(folder)))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lora_ppo.model"):
+            model = load_base_model(ModelConfig(name=str(folder)))
         found[name] = (fused_expert_parameters(model), unconverted_linears(model))
+        said[name] = [r.getMessage() for r in caplog.records if r.name == "lora_ppo.model"]
+    assert [m.split(" (")[0] for m in said["qwen3_moe"]] == ["model.quantization 4bit leaves 4 fused MoE expert weights"]
+    assert [m.split(" (")[0] for m in said["falcon"]] == ["model.quantization 4bit leaves 8 linear layers of a Linear subclass"]
+    assert all("unquantized in float32: bitsandbytes converts exact nn.Linear layers only" in m
+               for m in said["qwen3_moe"] + said["falcon"]) and said["llama"] == []
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lora_ppo.model"):
+        load_base_model(ModelConfig(name=str(tmp_path / "falcon"), quantization="none"))
+    assert not [r for r in caplog.records if r.name == "lora_ppo.model"]
     experts, _ = found["qwen3_moe"]
     # 2 layers x (gate_up [4, 64, 64] + down [4, 64, 32]) as the config gives them.
     assert experts == {f"model.layers.{i}.mlp.experts.{p}": n for i in range(2)
