@@ -149,6 +149,10 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
     "lora_ppo/summary.py": (["tests/test_summary.py"], []),
     "lora_ppo/state.py": (["tests/test_state.py", "tests/test_checkpoint_files.py"], []),
     "lora_ppo/devices.py": (["tests/test_devices.py"], []),
+    "lora_ppo/quantization.py": (["tests/test_devices.py", "tests/test_adapter_autocast.py", "tests/test_model.py",
+                                  "tests/test_rewards.py::test_the_head_is_every_top_level_module_outside_the_base_model",
+                                  "tests/test_rewards.py::test_a_model_that_is_its_own_base_keeps_no_head_and_quantizes_its_layers",
+                                  "tests/test_memory_levers.py"], []),
     "lora_ppo/memory.py": (["tests/test_memory.py", "tests/test_devices.py"], []),
     "lora_ppo/config.py": (["tests/test_config.py", "tests/test_config_fuzz.py", "tests/test_recipes.py",
                             "tests/test_cli.py"], []),
@@ -169,7 +173,8 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
 # 30, 13, 18 and 4 min), the recipe schema (config.py: about 35 min), a step's record (metrics.py:
 # about 4 min), the run's summary (summary.py: 1 min), its saved state (state.py: 1 min), the
 # device choice (devices.py: 2 min), the peak memory per phase (memory.py: 6 min) and the base model's
-# loading and free memory (model.py's functions but the tokenizer's: about 30 min).
+# loading and free memory (model.py's functions but the tokenizer's: about 30 min) and its number formats
+# (quantization.py: about 14 min).
 DEFAULT_TARGETS = [
     "lora_ppo/atomic.py",
     "lora_ppo/verifiable.py",

@@ -249,3 +249,33 @@ def test_the_loaded_base_is_frozen_and_decodes_with_its_cache(tmp_path, tiny_mod
     model = load_base_model(ModelConfig(name=str(folder)))
     assert not [name for name, p in model.named_parameters() if p.requires_grad]
     assert model.config.use_cache is True
+
+
+def _saved_quantized_stand_in(pre_quantized=True) -> torch.nn.Module:
+    """A model as transformers hands back a pre-quantized checkpoint: a quantizer that says so, and
+    the modules its class keeps in float32 at any dtype."""
+    model = torch.nn.Module()
+    model.hf_quantizer = types.SimpleNamespace() if pre_quantized is None else \
+        types.SimpleNamespace(pre_quantized=pre_quantized)
+    model._keep_in_fp32_modules, model._keep_in_fp32_modules_strict = ["router"], ["gate"]
+    for name, dtype in (("embed", torch.float16), ("router", torch.float32), ("gate", torch.float32),
+                        ("norm", torch.float32), ("routerx", torch.float32)):
+        model.add_module(name, torch.nn.Linear(2, 2, bias=False, dtype=dtype))
+    model.codes = torch.nn.Parameter(torch.zeros(2, dtype=torch.uint8), requires_grad=False)
+    return model
+
+
+def test_a_pre_quantized_checkpoint_is_cast_to_the_recipes_dtype_but_what_its_class_keeps_in_float32():
+    from lora_ppo.quantization import compute_in
+
+    model = _saved_quantized_stand_in()
+    compute_in(model, torch.bfloat16, "m")
+    assert {name: p.dtype for name, p in model.named_parameters()} == {
+        "embed.weight": torch.bfloat16, "norm.weight": torch.bfloat16,
+        "router.weight": torch.float32, "gate.weight": torch.float32,  # kept, by either list
+        "routerx.weight": torch.bfloat16,  # a module name matches whole, not as a prefix
+        "codes": torch.uint8}  # quantized codes are not floats: left as they are
+    for untouched in (_saved_quantized_stand_in(pre_quantized=False), _saved_quantized_stand_in(pre_quantized=None)):
+        before = {name: p.dtype for name, p in untouched.named_parameters()}
+        compute_in(untouched, torch.bfloat16, "m")  # quantized at load: already in the recipe's dtype
+        assert {name: p.dtype for name, p in untouched.named_parameters()} == before

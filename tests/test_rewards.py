@@ -459,6 +459,19 @@ def test_the_head_is_every_top_level_module_outside_the_base_model(arch, expecte
     assert not any(name == base or name.startswith(base + ".") for name in kept)
 
 
+def test_a_model_that_is_its_own_base_keeps_no_head_and_quantizes_its_layers():
+    """A bare decoder (no head around a base model) has no top-level module outside its base: its
+    layers are what 4-bit quantizes."""
+    from transformers import LlamaConfig, LlamaModel
+
+    from lora_ppo.quantization import modules_kept_unquantized
+
+    config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    assert "layers" not in modules_kept_unquantized(model)
+
+
 def test_classifier_scores_the_label_asked_for_in_batches_of_its_size(tiny_classifier_dir):
     """`reward.label: 0` scores the first logit; `batch_size` 2 over three completions scores each
     as it scores alone; a label past the last logit is refused when the classifier loads."""
