@@ -1,4 +1,5 @@
-"""Peak memory per phase (generate, score, update), and handing freed memory back between phases.
+"""Peak memory per phase (generate, score, update), handing freed memory back between phases, and
+the CPU memory still available (Linux's MemAvailable, for the free memory a run plans with).
 
 On CUDA and XPU the peak is the allocator's `max_memory_allocated` (what the tensors need); MPS
 keeps no peak, so there it is what the Metal driver holds at the phase's end (freed blocks stay
