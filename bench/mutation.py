@@ -154,6 +154,12 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
                                   "tests/test_rewards.py::test_a_model_that_is_its_own_base_keeps_no_head_and_quantizes_its_layers",
                                   "tests/test_memory_levers.py"], []),
     "lora_ppo/memory.py": (["tests/test_memory.py", "tests/test_devices.py"], []),
+    "lora_ppo/model_checks.py": (["tests/test_model_checks.py",
+                                  "tests/test_sft_model.py::test_packing_is_refused_where_attention_crosses_rows",
+                                  "tests/test_library_notices.py::test_parity_greedy_decoding_uses_the_cache_keyword_and_matches_generate",
+                                  "tests/test_compiled_generation.py::test_a_forward_that_takes_its_cache_as_past_key_values_decodes_with_its_context",
+                                  "tests/test_model_architectures.py::test_a_model_whose_logit_transform_is_missed_is_refused_at_load",
+                                  "tests/test_packing.py::test_packing_is_refused_where_attention_crosses_rows"], []),
     "lora_ppo/config.py": (["tests/test_config.py", "tests/test_config_fuzz.py", "tests/test_recipes.py",
                             "tests/test_cli.py"], []),
 }

@@ -89,3 +89,84 @@ def test_unquantized_parts_of_a_4bit_load_are_found(tmp_path, caplog):
     _, falcon_linears = found["falcon"]
     assert len(falcon_linears) == 2 * 4 and all("transformer.h." in n for n in falcon_linears)
     assert found["llama"] == ({}, {})
+
+
+@pytest.mark.parametrize("dtype, limit", [
+    (torch.float32, 1e-3), (torch.bfloat16, 0.25), (torch.float16, 0.25),
+    (torch.float64, 0.25),  # a format the table does not name gets the half-precision limit
+])
+def test_the_probe_limit_per_format_is_the_one_docs_models_md_gives(dtype, limit):
+    """docs/models.md: within 1e-3 nats in float32, 0.25 in bf16/fp16; at the limit is fine."""
+    check_logit_path(limit, LogitTransform(), dtype, "llama")
+    with pytest.raises(RecipeError, match=f"limit {limit:g};"):
+        check_logit_path(limit * 1.2, LogitTransform(), dtype, "llama")
+
+
+def test_a_transform_that_passed_the_probe_is_said_once_with_its_error(caplog):
+    with caplog.at_level("INFO", logger="lora_ppo.model_checks"):
+        check_logit_path(2e-5, LogitTransform(scale=0.25, softcap=30.0), torch.float32, "granite")
+        check_logit_path(0.0, LogitTransform(), torch.float32, "llama")  # nothing to say
+    assert [r.getMessage() for r in caplog.records] == [
+        "logit transform: x0.25, soft-cap 30 (checked against the model's forward: largest logprob difference 2e-05)"]
+
+
+@pytest.mark.parametrize("transform, said", [
+    (LogitTransform(), "none"), (LogitTransform(scale=2.0), "x2"), (LogitTransform(softcap=50.0), "soft-cap 50"),
+    (LogitTransform(scale=1 / 8, softcap=30.0), "x0.125, soft-cap 30"),
+])
+def test_a_transform_is_described_by_what_it_does(transform, said):
+    from lora_ppo.model_checks import describe
+
+    assert describe(transform) == said
+
+
+class PositionalDecoder(torch.nn.Module):
+    """A stand-in decoder whose hidden state at a token is [its position x `scale`, its token's id x
+    `scale`, `error` where positions were passed]: rows apart by construction, with a chosen
+    difference between a packed row and the row alone. `crosses`: every position also adds the
+    sum of the ids before it in the sequence, as attention blind to the packed rows would."""
+
+    def __init__(self, dtype, scale=1.0, error=0.0, crosses=False):
+        super().__init__()
+        self.dtype_, self.scale, self.error, self.crosses = dtype, scale, error, crosses
+
+    def forward(self, input_ids, position_ids=None, use_cache=False):
+        from types import SimpleNamespace
+
+        given = position_ids is not None
+        positions = position_ids if given else torch.arange(input_ids.shape[1])[None]
+        hidden = torch.stack([positions.double() * self.scale, input_ids.double() * self.scale,
+                              torch.full(input_ids.shape, self.error if given else 0.0, dtype=torch.float64)], -1)
+        if self.crosses:
+            hidden[..., 1] += (torch.cumsum(input_ids, 1) - input_ids).double()
+        return SimpleNamespace(last_hidden_state=hidden.to(self.dtype_))
+
+
+def check_packing_on(decoder, vocab=50):
+    from lora_ppo.model_checks import check_packing
+
+    check_packing(decoder, vocab, torch.device("cpu"), "stand-in", "ppo.packing")
+
+
+@pytest.mark.parametrize("dtype, share", [
+    (torch.float32, 1e-4), (torch.bfloat16, 5e-2), (torch.float16, 5e-2),
+    (torch.float64, 5e-2),  # a format the table does not name gets the half-precision share
+])
+def test_a_packed_row_may_differ_from_itself_alone_by_rounding_only(dtype, share):
+    """The limit is `share` of the row's largest |hidden value|, counted as at least 1: at or
+    within it a packed row is its row alone (rounding), past it the positions were not used."""
+    ids = (torch.arange(4, 7) * 7919 % 50).double()  # the probe's second row: the tokens the check runs alone
+    for scale in (0.25 / float(ids.max()), 4.0 / float(ids.max())):  # largest |hidden| 0.25 and 4.0
+        limit = share * max(1.0, float((ids * scale).max()))
+        for error in (0.0, 0.8 * limit):
+            check_packing_on(PositionalDecoder(dtype, scale, error))
+        if dtype == torch.float64:  # exactly representable: the limit itself is within
+            check_packing_on(PositionalDecoder(dtype, scale, limit))
+        with pytest.raises(RecipeError, match="^ppo.packing: stand-in does not count a packed row's positions from 0 "
+                                              "as given; set ppo.packing: false$"):
+            check_packing_on(PositionalDecoder(dtype, scale, 1.25 * limit))
+
+
+def test_a_packed_row_that_sees_the_row_before_it_is_refused_first():
+    with pytest.raises(RecipeError, match="^ppo.packing: stand-in's attention lets a packed row see the row before it"):
+        check_packing_on(PositionalDecoder(torch.float32, crosses=True))
