@@ -226,8 +226,8 @@ class LoraSettings(Section):
     target_modules: Union[Literal["all-linear"], list[str]] = "all-linear"
     """Which linear layers get LoRA: `all-linear`, or a list of module names such as `[q_proj, v_proj]`. All
     of them by default, as QLoRA found adapting every layer works best. On an MoE model whose experts are
-    fused 3-D weights (transformers 5), `all-linear` means the linear layers only (attention and any dense
-    MLP), not the experts or the router: see `target_parameters` (docs/models.md).
+    fused 3-D weights (transformers 5), `all-linear` and a list both mean linear layers only (attention and
+    any dense MLP or shared expert), not the experts or the router: see `target_parameters` (docs/models.md).
     """
     target_parameters: list[str] = []
     """3-D weight parameters to adapt as well, by name suffix, e.g. `[mlp.experts.gate_up_proj,

@@ -48,9 +48,8 @@ BASE = "__base__"
 FROM_REWARD = "reward"
 
 
-def lora_config(settings: LoraSettings, dropout: float = 0.0, all_linear: Union[str, list[str]] = "all-linear"):
-    """PEFT's LoraConfig for `settings`; `all_linear` is what `target_modules: all-linear` means on
-    this model (see `linear_targets`)."""
+def lora_config(settings: LoraSettings, base_model: nn.Module, dropout: float = 0.0):
+    """PEFT's LoraConfig for `settings` on `base_model` (its target modules as `module_targets` reads them)."""
     from peft import LoraConfig
 
     return LoraConfig(
@@ -59,22 +58,28 @@ def lora_config(settings: LoraSettings, dropout: float = 0.0, all_linear: Union[
         # No dropout in PPO: its ratios must be exactly 1 before the first update. Only reward
         # training passes some, and it is active only inside `RewardModel.training_mode()`.
         lora_dropout=dropout,
-        target_modules=all_linear if settings.target_modules == "all-linear" else settings.target_modules,
+        target_modules=module_targets(base_model, settings.target_modules),
         target_parameters=list(settings.target_parameters) or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
 
 
-def linear_targets(base_model: nn.Module) -> Union[str, list[str]]:
-    """What `target_modules: all-linear` adapts on `base_model`: PEFT's `all-linear`, except on a
-    model with fused MoE experts, where PEFT would also adapt the 3-D expert weights and the router
-    (one adapter per expert, no mixed-adapter batches): there, the linear layers' names only."""
+def module_targets(base_model: nn.Module, target_modules: Union[str, list[str]]) -> Union[str, list[str]]:
+    """What PEFT is given for `target_modules` on `base_model`. As written, except on a model with
+    fused MoE experts, where it becomes the full names of the Linear layers meant (for `all-linear`,
+    every one but the LM head): PEFT's `all-linear` would also adapt the 3-D expert weights and the
+    router (one adapter per expert, no mixed-adapter batches), and PEFT 0.22 reads a leaf name such as
+    `down_proj` on a model with shared experts (Qwen2-MoE and the models built like it) as the
+    transformers-4 name of the fused experts too. Experts get LoRA only through `target_parameters`."""
     if not fused_expert_parameters(base_model):
-        return "all-linear"
+        return target_modules
     head = base_model.get_output_embeddings()
-    return sorted({name.rsplit(".", 1)[-1] for name, module in base_model.named_modules()
-                   if isinstance(module, nn.Linear) and module is not head})
+    linears = [name for name, module in base_model.named_modules() if isinstance(module, nn.Linear)]
+    if target_modules == "all-linear":
+        return sorted(name for name in linears if base_model.get_submodule(name) is not head)
+    named = sorted(name for name in linears if any(name == t or name.endswith(f".{t}") for t in target_modules))
+    return named or target_modules  # none: PEFT's own error names what was not found
 
 
 def check_adapter_dir(path: str, field: str, head: Optional[str] = None) -> None:
@@ -317,17 +322,18 @@ class RoleModel(Backbone):
                  numerics: AdapterNumerics = AdapterNumerics(), trim_padding: bool = True, packing: bool = False):
         from peft import PeftModel, get_peft_model
 
-        all_linear = linear_targets(base_model)
         starts = self.adapter_starts(adapters, reward_adapter)
+        # Both read off the bare model: once PEFT wraps a layer, its LoRA matrices are Linear layers too.
+        policy_config, value_config = lora_config(adapters.policy, base_model), lora_config(adapters.value, base_model)
         if starts.policy:
             peft = PeftModel.from_pretrained(base_model, starts.policy, adapter_name=POLICY, is_trainable=True)
         else:
-            peft = get_peft_model(base_model, lora_config(adapters.policy, all_linear=all_linear), adapter_name=POLICY)
+            peft = get_peft_model(base_model, policy_config, adapter_name=POLICY)
         self.has_value = with_value
         if with_value and starts.value:
             peft.load_adapter(starts.value, adapter_name=VALUE, is_trainable=True)
         elif with_value:
-            peft.add_adapter(VALUE, lora_config(adapters.value, all_linear=all_linear))
+            peft.add_adapter(VALUE, value_config)
         # The reference is either the bare base (adapters disabled) or a frozen adapter of its own,
         # e.g. the SFT adapter the policy started from: then the policy trains a copy of it.
         self.reference_adapter: Optional[str] = starts.reference
@@ -593,7 +599,7 @@ class SingleAdapterModel(Backbone):
         if self.start:
             peft = PeftModel.from_pretrained(base_model, self.start, adapter_name=adapter_name, is_trainable=True)
         else:
-            peft = get_peft_model(base_model, lora_config(settings, dropout, linear_targets(base_model)),
+            peft = get_peft_model(base_model, lora_config(settings, base_model, dropout),
                                   adapter_name=adapter_name)
         super().__init__(peft, base_name, numerics)
         self.adapter_name = adapter_name

@@ -49,6 +49,10 @@ def configs(vocab: int) -> dict:
         "qwen3": tf.Qwen3Config(**_llama_like(vocab, head_dim=16)),
         "qwen3_moe": tf.Qwen3MoeConfig(**_llama_like(vocab, head_dim=16), moe_intermediate_size=32, num_experts=4,
                                        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[]),
+        # Not in the zoo below: the shared experts beside fused ones that PEFT 0.22 reads as transformers-4 names.
+        "qwen2_moe": tf.Qwen2MoeConfig(**_llama_like(vocab), moe_intermediate_size=32, num_experts=4,
+                                       num_experts_per_tok=2, shared_expert_intermediate_size=48, decoder_sparse_step=1,
+                                       mlp_only_layers=[]),
         "gemma2": tf.Gemma2Config(**_llama_like(vocab, head_dim=16), final_logit_softcapping=GEMMA_SOFTCAP,
                                   attn_logit_softcapping=50.0, query_pre_attn_scalar=16, sliding_window=64),
         "gemma3": tf.Gemma3TextConfig(**_llama_like(vocab, head_dim=16), final_logit_softcapping=GEMMA_SOFTCAP,

@@ -395,15 +395,12 @@ def test_lora_parameters_match_peft(name):
     Linear layers' names (docs/models.md); r=4 on the meta-device model."""
     from peft import LoraConfig, get_peft_model
 
+    from lora_ppo.roles import module_targets
+
     config = _config(name)
     model = _meta_model(config)
-    head = model.get_output_embeddings()
-    targets = "all-linear"
-    if any(p.ndim == 3 for p in model.parameters()):
-        targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                          if isinstance(m, torch.nn.Linear) and m is not head})
     with torch.device("meta"):
-        peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
+        peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=module_targets(model, "all-linear")))
     real = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
     assert ModelShape.from_config(config).lora_params(4, "all-linear") == real
 

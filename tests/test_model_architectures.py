@@ -112,18 +112,32 @@ def test_mixed_adapter_batches_fall_back_where_peft_refuses_them(arch_dir):
     assert REFERENCE and VALUE  # the roles the probe tried
 
 
-def test_moe_experts_stay_out_of_all_linear_and_train_when_named(arch_dir, tmp_path):
-    from safetensors.torch import load_file
-
+@pytest.mark.parametrize("name, shared_expert", [("qwen3_moe", False), ("qwen2_moe", True)])
+def test_moe_experts_stay_out_of_module_targets(name, shared_expert, arch_dir):
+    """`all-linear`, or a list naming the shared expert's `down_proj` (PEFT 0.22 reads that name on
+    Qwen2-MoE as the fused experts' too), adapts Linear layers only. Mixed batches work on Qwen3-MoE;
+    Qwen2-MoE's block flattens [B, T, H] to [B*T, H] before its shared expert, as OPT does."""
     from lora_ppo.config import AdaptersConfig, ModelConfig
     from lora_ppo.model import load_base_model
     from lora_ppo.roles import RoleModel
 
-    folder = arch_dir("qwen3_moe")
-    roles = RoleModel(load_base_model(ModelConfig(name=str(folder))), AdaptersConfig())
-    adapted = {n for n, _ in roles.peft.named_parameters() if "lora_" in n}
-    assert adapted and not any("experts" in n or "mlp.gate" in n for n in adapted)
+    model = ModelConfig(name=str(arch_dir(name)))
+    linears = {n for n, m in load_base_model(model).named_modules()
+               if type(m).__name__ in ("Linear4bit", "Linear") and n != "lm_head"}
+    named = {"policy": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "down_proj"]}}
+    for adapters, expected in ((AdaptersConfig(), linears),
+                               (AdaptersConfig(**named), {n for n in linears if n.endswith(("q_proj", "down_proj"))})):
+        roles = RoleModel(load_base_model(model), adapters)
+        wrapped = {n.split(".lora_A.")[0] for n, _ in roles.peft.named_parameters() if ".lora_A.policy" in n}
+        assert {n.removeprefix("base_model.model.") for n in wrapped} == expected
+        assert any(".shared_expert." in n for n in expected) == shared_expert
+        assert roles.mixed_batches == {False: not shared_expert, True: not shared_expert}
 
+
+def test_moe_experts_train_when_named(arch_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    folder = arch_dir("qwen3_moe")
     experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     lora = {"r": 4, "alpha": 8, "target_parameters": experts}
     steps = train_one_step(folder, tmp_path / "run", adapters={"policy": lora, "value": lora})
