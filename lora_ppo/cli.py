@@ -12,6 +12,7 @@ from typing import List, Optional
 import typer
 
 from lora_ppo.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, RecipeError, first_line, user_frames
+from lora_ppo.library_notices import quiet_hub_kernel_notices
 
 
 class _Commands(typer.core.TyperGroup):
@@ -102,9 +103,7 @@ def _quiet_libraries() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    # bitsandbytes warns at import that an optional hub-downloaded CPU kernel is missing;
-    # it falls back to its own kernel, and the hub is off limits anyway.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    quiet_hub_kernel_notices()
     # Offline, the hub client logs each retry; the one-line error at the end says it all.
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     import warnings

@@ -1,5 +1,5 @@
 """The libraries' notices a run does not need to show, kept out of the Python API as the CLI keeps
-them out of its output: loading bars, a bitsandbytes notice about an optional kernel, and PEFT's
+them out of its output: loading bars, notices about an optional bitsandbytes kernel, and PEFT's
 read of a transformers property that transformers has renamed.
 """
 
@@ -13,9 +13,10 @@ from typing import Callable, Iterator, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
-# bitsandbytes logs at import that an optional CPU kernel from the hub is missing; it falls back
-# to its own kernel, and lora_ppo never reaches a hub for code.
-BNB_KERNEL_LOGGER = "bitsandbytes.backends.cpu.ops"
+# At import on a CPU with AVX512-BF16, bitsandbytes asks the `kernels` package (a dependency of
+# transformers since 5.25) for an optional 4-bit CPU kernel from the hub; offline or without it,
+# both log a notice and bitsandbytes uses its own kernel. Nothing for a user to act on.
+HUB_KERNEL_LOGGERS = ("bitsandbytes.backends.cpu.ops", "kernels")
 # PEFT 0.21 reads `model.is_gradient_checkpointing` when it wraps a model; transformers renamed it
 # `is_activation_checkpointing` (the old name goes in v6). lora_ppo reads neither: it checkpoints
 # layers itself (RoleModel.gradient_checkpointing), so the notice is PEFT's to act on, not the user's.
@@ -34,13 +35,19 @@ def without_peft_rename_notice(fn: F) -> F:
     return wrapped  # type: ignore[return-value]
 
 
+def quiet_hub_kernel_notices() -> None:
+    """Keep HUB_KERNEL_LOGGERS' notices (they come once, at bitsandbytes' first import) out of the output."""
+    for name in HUB_KERNEL_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 @contextmanager
 def quiet_loading() -> Iterator[None]:
-    """Load a model without transformers' loading bar or bitsandbytes' kernel notice; the bar's
+    """Load a model without transformers' loading bar or the hub kernel notices; the bar's
     setting comes back afterwards (a user's own loads keep theirs)."""
     from transformers.utils import logging as hf_logging
 
-    logging.getLogger(BNB_KERNEL_LOGGER).setLevel(logging.ERROR)
+    quiet_hub_kernel_notices()
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
