@@ -103,7 +103,7 @@ class RewardTrainer(AdapterTrainer):
                     loss.backward()
                 totals["loss"] += float(loss.detach())
                 totals["accuracy"] += float(pair_wins(chosen, rejected).sum()) / len(pairs)
-                totals["margin"] += float((chosen - rejected).sum()) / len(pairs)
+                totals["margin"] += float((chosen - rejected).detach().sum()) / len(pairs)
         stepped = self.step_optimizer(self.model.parameters())
         seconds = time.perf_counter() - t0
         return {"step": self.state.step, **totals, **stepped, "time/step": seconds, "memory/peak_gb": run_peak_gb()}
