@@ -8,6 +8,7 @@ dtype. An architecture not in the table is refused rather than guessed.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Union
 
@@ -288,11 +289,20 @@ class ModelShape:
         return sum(numel * count for numel, count in self.lora_tensors(r, target_modules, target_parameters))
 
     def lora_tensors(self, r: int, target_modules, target_parameters=()) -> list[tuple[int, int]]:
-        """(elements, how many) of each LoRA tensor `lora_params` counts: A (r x in) and B (out x r)."""
-        linears = [lin for lin in self.all_linears
-                   if target_modules == "all-linear" or any(lin.matches(m) for m in target_modules)]
-        experts = [e for e in self.fused_experts if any(e.matches(p) for p in target_parameters)]
-        return [pair for lin in linears + experts for pair in ((r * lin.fan_in, lin.count), (r * lin.fan_out, lin.count))]
+        """(elements, how many) of each LoRA tensor `lora_params` counts: A (r x in) and B (out x r).
+        A target with a layer's index in it (`model.layers.3.self_attn.q_proj`: PEFT 0.22 saves `all-linear`
+        so in adapter_config.json, and lora_ppo names an MoE model's layers so) is that one layer's module."""
+        if target_modules == "all-linear":
+            linears = [(lin, lin.count) for lin in self.all_linears]
+        else:
+            def layers_named(lin: Linear) -> int:
+                named = [t for t in target_modules if lin.matches(t) or t.endswith("." + lin.name)]
+                return lin.count if any(not re.search(r"\.\d+\.", t) for t in named) else len(named)
+
+            linears = [(lin, layers_named(lin)) for lin in self.all_linears]
+        experts = [(e, e.count) for e in self.fused_experts if any(e.matches(p) for p in target_parameters)]
+        return [pair for lin, count in linears + experts if count
+                for pair in ((r * lin.fan_in, count), (r * lin.fan_out, count))]
 
 
 def load_shape(name: str, trust_remote_code: bool = False) -> ModelShape:

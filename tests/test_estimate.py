@@ -40,6 +40,22 @@ def test_parameter_counts_by_hand():
     per_layer = 4 * ((64 + 64) + (64 + 32) * 2 + (64 + 64) + (64 + 128) * 2 + (128 + 64))
     assert TINY.lora_params(4, "all-linear") == 2 * per_layer == 8192
     assert TINY.lora_params(4, ["q_proj", "v_proj"]) == 2 * 4 * ((64 + 64) + (64 + 32))
+    # Full names (what lora_ppo hands PEFT on an MoE model, and saves): one layer's module each.
+    one_layer = ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
+    assert TINY.lora_params(4, one_layer) == 2 * 4 * (64 + 64) + 4 * (128 + 64)
+    assert TINY.lora_params(4, ["q_proj", *one_layer]) == 2 * 4 * (64 + 64) + 4 * (128 + 64)
+
+
+def test_a_reward_adapter_counts_what_its_saved_config_names(tmp_path):
+    """PEFT 0.22 saves `all-linear` as every layer's full module name: a frozen reward adapter of
+    r=8 on all of TINY's layers is 2 x 8192 LoRA parameters (see above) plus its head's 65."""
+    import json
+
+    names = [f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj", "self_attn.k_proj",
+             "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "target_modules": names}))
+    recipe = _recipe(reward={"kind": "adapter", "adapter": str(tmp_path), "function": None})
+    assert est._adapter_params(TINY, recipe) == (8192 * 2 + 65, 2 * 8192 + 65)
 
 
 def test_static_components_by_hand():
@@ -402,7 +418,10 @@ def test_lora_parameters_match_peft(name):
     with torch.device("meta"):
         peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=module_targets(model, "all-linear")))
     real = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
-    assert ModelShape.from_config(config).lora_params(4, "all-linear") == real
+    shape = ModelShape.from_config(config)
+    assert shape.lora_params(4, "all-linear") == real
+    # What a saved adapter_config.json names (full names on an MoE model) counts the same.
+    assert shape.lora_params(4, peft_model.peft_config["default"].target_modules) == real
 
 
 def test_lora_on_fused_experts_holds_one_pair_per_expert():
