@@ -70,8 +70,8 @@ def module_targets(base_model: nn.Module, target_modules: Union[str, list[str]])
     fused MoE experts, where it becomes the full names of the Linear layers meant (for `all-linear`,
     every one but the LM head): PEFT's `all-linear` would also adapt the 3-D expert weights and the
     router (one adapter per expert, no mixed-adapter batches), and PEFT 0.22 reads a leaf name such as
-    `down_proj` on a model with shared experts (Qwen2-MoE and the models built like it) as the
-    transformers-4 name of the fused experts too. Experts get LoRA only through `target_parameters`."""
+    `down_proj` on Qwen2-MoE and the model types it converts alike (Qwen3-MoE, DeepSeek, GLM-4.5 MoE)
+    as the transformers-4 name of the fused experts too. Experts get LoRA only through `target_parameters`."""
     if not fused_expert_parameters(base_model):
         return target_modules
     head = base_model.get_output_embeddings()
