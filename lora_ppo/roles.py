@@ -24,6 +24,7 @@ from lora_ppo.bnb_workarounds import eval_on_training_kernel
 from lora_ppo.compiled_update import CompiledLayers, layer_step
 from lora_ppo.fused_lora import adapters_cast_once, fused_layers, route_lora_layers
 from lora_ppo.library_notices import without_peft_rename_notice
+from lora_ppo.peft_workarounds import targets_kept_as_named
 from lora_ppo.model_checks import (check_logit_path, check_packing, fused_expert_parameters, logit_path_error,
                                    logit_transform_of, probe_ids)
 from lora_ppo.quantization import AdapterNumerics
@@ -325,23 +326,24 @@ class RoleModel(Backbone):
         starts = self.adapter_starts(adapters, reward_adapter)
         # Both read off the bare model: once PEFT wraps a layer, its LoRA matrices are Linear layers too.
         policy_config, value_config = lora_config(adapters.policy, base_model), lora_config(adapters.value, base_model)
-        if starts.policy:
-            peft = PeftModel.from_pretrained(base_model, starts.policy, adapter_name=POLICY, is_trainable=True)
-        else:
-            peft = get_peft_model(base_model, policy_config, adapter_name=POLICY)
-        self.has_value = with_value
-        if with_value and starts.value:
-            peft.load_adapter(starts.value, adapter_name=VALUE, is_trainable=True)
-        elif with_value:
-            peft.add_adapter(VALUE, value_config)
-        # The reference is either the bare base (adapters disabled) or a frozen adapter of its own,
-        # e.g. the SFT adapter the policy started from: then the policy trains a copy of it.
-        self.reference_adapter: Optional[str] = starts.reference
-        if self.reference_adapter:
-            peft.load_adapter(self.reference_adapter, adapter_name=REFERENCE, is_trainable=False)
-        self.reward_adapter = starts.reward
-        if self.reward_adapter:
-            peft.load_adapter(self.reward_adapter, adapter_name=REWARD, is_trainable=False)
+        with targets_kept_as_named():  # each adapter after the first keeps its layers on an MoE model
+            if starts.policy:
+                peft = PeftModel.from_pretrained(base_model, starts.policy, adapter_name=POLICY, is_trainable=True)
+            else:
+                peft = get_peft_model(base_model, policy_config, adapter_name=POLICY)
+            self.has_value = with_value
+            if with_value and starts.value:
+                peft.load_adapter(starts.value, adapter_name=VALUE, is_trainable=True)
+            elif with_value:
+                peft.add_adapter(VALUE, value_config)
+            # The reference is either the bare base (adapters disabled) or a frozen adapter of its own,
+            # e.g. the SFT adapter the policy started from: then the policy trains a copy of it.
+            self.reference_adapter: Optional[str] = starts.reference
+            if self.reference_adapter:
+                peft.load_adapter(self.reference_adapter, adapter_name=REFERENCE, is_trainable=False)
+            self.reward_adapter = starts.reward
+            if self.reward_adapter:
+                peft.load_adapter(self.reward_adapter, adapter_name=REWARD, is_trainable=False)
         super().__init__(peft, base_name, numerics)
         # ppo.trim_padding: the scoring and update micro-batches cut to the columns their rows use.
         self.trim_padding = trim_padding

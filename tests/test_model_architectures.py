@@ -134,6 +134,39 @@ def test_moe_experts_stay_out_of_module_targets(name, shared_expert, arch_dir):
         assert roles.mixed_batches == {False: not shared_expert, True: not shared_expert}
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_every_adapter_on_an_moe_model_holds_the_same_layers_and_loads_whole(name, arch_dir, tmp_path):
+    """The value adapter, added second, and a saved adapter loaded as the reference after the policy
+    wrap the policy's layers, and the reference holds the saved weights bit for bit. PEFT 0.22 took a
+    layer another adapter had wrapped for a fused expert (its wrapper is no nn.Linear) and dropped
+    Qwen2-MoE's shared expert from every adapter but the first."""
+    from safetensors.torch import load_file
+
+    from lora_ppo.config import AdaptersConfig, ModelConfig
+    from lora_ppo.model import load_base_model
+    from lora_ppo.roles import POLICY, REFERENCE, VALUE, RoleModel
+
+    def layers(roles, adapter):
+        return {n.split(".lora_A.")[0] for n, _ in roles.peft.named_parameters() if f".lora_A.{adapter}." in n}
+
+    model = ModelConfig(name=str(arch_dir(name)))
+    first = RoleModel(load_base_model(model), AdaptersConfig())
+    assert layers(first, VALUE) == layers(first, POLICY)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in first.peft.named_parameters():
+            if f".lora_B.{POLICY}." in n:
+                p.normal_()  # LoRA B starts at 0: make the saved adapter tell its layers apart
+    first.save_adapter(POLICY, tmp_path / "start")
+    saved = load_file(str(tmp_path / "start" / "adapter_model.safetensors"))
+
+    second = RoleModel(load_base_model(model), AdaptersConfig(policy={"init_from": str(tmp_path / "start")}))
+    assert second.reference_adapter and layers(second, REFERENCE) == layers(second, POLICY) == layers(first, POLICY)
+    reference = {n.replace(f".{REFERENCE}.", "."): p for n, p in second.peft.named_parameters() if f".{REFERENCE}." in n}
+    assert reference.keys() == saved.keys()
+    assert all(torch.equal(reference[k], saved[k]) for k in saved)
+
+
 def test_moe_experts_train_when_named(arch_dir, tmp_path):
     from safetensors.torch import load_file
 
