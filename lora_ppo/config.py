@@ -224,8 +224,8 @@ class LoraSettings(Section):
     choice.
     """
     target_modules: Union[Literal["all-linear"], list[str]] = "all-linear"
-    """Which linear layers get LoRA: `all-linear`, or a list of module names such as `[q_proj, v_proj]`. All
-    of them by default, as QLoRA found adapting every layer works best. On an MoE model whose experts are
+    """Which linear layers get LoRA: `all-linear`, or a list of module names such as `[q_proj, v_proj]` (a name
+    no module has is refused when the model loads, with the names there are). All of them by default, as QLoRA found adapting every layer works best. On an MoE model whose experts are
     fused 3-D weights (transformers 5), `all-linear` and a list both mean linear layers only (attention and
     any dense MLP or shared expert), not the experts or the router: see `target_parameters` (docs/models.md).
     """

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +50,9 @@ BASE = "__base__"
 FROM_REWARD = "reward"
 
 
-def lora_config(settings: LoraSettings, base_model: nn.Module, dropout: float = 0.0):
-    """PEFT's LoraConfig for `settings` on `base_model` (its target modules as `module_targets` reads them)."""
+def lora_config(settings: LoraSettings, base_model: nn.Module, field: str, dropout: float = 0.0):
+    """PEFT's LoraConfig for `settings` (the recipe's section `field`) on `base_model`, its target
+    modules as `module_targets` reads them."""
     from peft import LoraConfig
 
     return LoraConfig(
@@ -59,28 +61,43 @@ def lora_config(settings: LoraSettings, base_model: nn.Module, dropout: float = 
         # No dropout in PPO: its ratios must be exactly 1 before the first update. Only reward
         # training passes some, and it is active only inside `RewardModel.training_mode()`.
         lora_dropout=dropout,
-        target_modules=module_targets(base_model, settings.target_modules),
+        target_modules=module_targets(base_model, settings.target_modules, field),
         target_parameters=list(settings.target_parameters) or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
 
 
-def module_targets(base_model: nn.Module, target_modules: Union[str, list[str]]) -> Union[str, list[str]]:
-    """What PEFT is given for `target_modules` on `base_model`. As written, except on a model with
-    fused MoE experts, where it becomes the full names of the Linear layers meant (for `all-linear`,
-    every one but the LM head): PEFT's `all-linear` would also adapt the 3-D expert weights and the
-    router (one adapter per expert, no mixed-adapter batches), and PEFT 0.22 reads a leaf name such as
-    `down_proj` on Qwen2-MoE and the model types it converts alike (Qwen3-MoE, DeepSeek, GLM-4.5 MoE)
-    as the transformers-4 name of the fused experts too. Experts get LoRA only through `target_parameters`."""
+def module_targets(base_model: nn.Module, target_modules: Union[str, list[str]], section: str) -> Union[str, list[str]]:
+    """What PEFT is given for `target_modules` (the recipe's `section`, e.g. `adapters.policy`) on
+    `base_model`. As written, except on a model with fused MoE experts, where it becomes the full names
+    of the Linear layers meant (for `all-linear`, every one but the LM head): PEFT's `all-linear` would
+    also adapt the 3-D expert weights and the router (one adapter per expert, no mixed-adapter batches),
+    and PEFT 0.22 reads a leaf name such as `down_proj` on Qwen2-MoE and the model types it converts
+    alike (Qwen3-MoE, DeepSeek, GLM-4.5 MoE) as the transformers-4 name of the fused experts too.
+    Experts get LoRA only through `target_parameters`. RecipeError naming the field for a name no
+    module has (PEFT's matching: the whole name or its dotted end)."""
+    def names(name: str, target: str) -> bool:
+        return name == target or name.endswith(f".{target}")
+
+    head = base_model.get_output_embeddings()
+    linears = [name for name, module in base_model.named_modules()
+               if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"]  # GPT-2's layers
+    if target_modules != "all-linear":
+        modules = [name for name, _ in base_model.named_modules()]
+        missing = [t for t in target_modules if not any(names(m, t) for m in modules)]
+        if missing:
+            layers = sorted({n.rsplit(".", 1)[-1] for n in linears if base_model.get_submodule(n) is not head})
+            experts = sorted(re.sub(r"^.*?\.\d+\.", "", n) for n in fused_expert_parameters(base_model)
+                             if any(names(n, t) for t in missing))
+            hint = f"; expert weights go in {section}.target_parameters ({experts[0]})" if experts else ""
+            raise RecipeError(f"{section}.target_modules: {', '.join(map(repr, missing))} names no module of this "
+                              f"model; its linear layers: {', '.join(layers)}{hint}")
     if not fused_expert_parameters(base_model):
         return target_modules
-    head = base_model.get_output_embeddings()
-    linears = [name for name, module in base_model.named_modules() if isinstance(module, nn.Linear)]
     if target_modules == "all-linear":
         return sorted(name for name in linears if base_model.get_submodule(name) is not head)
-    named = sorted(name for name in linears if any(name == t or name.endswith(f".{t}") for t in target_modules))
-    return named or target_modules  # none: PEFT's own error names what was not found
+    return sorted(name for name in linears if any(names(name, t) for t in target_modules)) or target_modules
 
 
 def check_adapter_dir(path: str, field: str, head: Optional[str] = None) -> None:
@@ -325,7 +342,8 @@ class RoleModel(Backbone):
 
         starts = self.adapter_starts(adapters, reward_adapter)
         # Both read off the bare model: once PEFT wraps a layer, its LoRA matrices are Linear layers too.
-        policy_config, value_config = lora_config(adapters.policy, base_model), lora_config(adapters.value, base_model)
+        policy_config, value_config = lora_config(adapters.policy, base_model, "adapters.policy"), \
+            lora_config(adapters.value, base_model, "adapters.value")
         with targets_kept_as_named():  # each adapter after the first keeps its layers on an MoE model
             if starts.policy:
                 peft = PeftModel.from_pretrained(base_model, starts.policy, adapter_name=POLICY, is_trainable=True)
@@ -601,7 +619,7 @@ class SingleAdapterModel(Backbone):
         if self.start:
             peft = PeftModel.from_pretrained(base_model, self.start, adapter_name=adapter_name, is_trainable=True)
         else:
-            peft = get_peft_model(base_model, lora_config(settings, base_model, dropout),
+            peft = get_peft_model(base_model, lora_config(settings, base_model, "adapter", dropout),
                                   adapter_name=adapter_name)
         super().__init__(peft, base_name, numerics)
         self.adapter_name = adapter_name

@@ -67,6 +67,24 @@ def test_bad_model_path_and_data_fail_before_any_output(tmp_path, tiny_model_dir
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("command, section", [("train", "adapters.policy"), ("train", "adapters.value"),
+                                              ("train-sft", "adapter")])
+def test_a_target_module_no_layer_has_is_one_line_and_exit_2(tmp_path, tiny_model_dir, command, section):
+    from tests.sft_helpers import demonstration_rows, sft_recipe_dict, write_jsonl
+
+    if command == "train":
+        recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "run")
+    else:
+        rows = write_jsonl(tmp_path / "d.jsonl", demonstration_rows(8))
+        recipe = sft_recipe_dict(tiny_model_dir, rows, rows, tmp_path / "run")
+    override = f"{section}.target_modules=[q_proj, qproj]"
+    result = runner.invoke(app, [command, str(_write(tmp_path / "r.yaml", recipe)), override, "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (f"error: {section}.target_modules: 'qproj' names no module of this model; its "
+                                     "linear layers: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj")
+    assert not (tmp_path / "run").exists()
+
+
 def test_empty_dataset_refuses_to_start(tmp_path, tiny_model_dir):
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "   "}) + "\n" + json.dumps({"prompt": "word " * 200}) + "\n")

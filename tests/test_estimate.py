@@ -416,7 +416,7 @@ def test_lora_parameters_match_peft(name):
     config = _config(name)
     model = _meta_model(config)
     with torch.device("meta"):
-        peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=module_targets(model, "all-linear")))
+        peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=module_targets(model, "all-linear", "adapters.policy")))
     real = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
     shape = ModelShape.from_config(config)
     assert shape.lora_params(4, "all-linear") == real

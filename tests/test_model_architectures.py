@@ -115,18 +115,29 @@ def test_mixed_adapter_batches_fall_back_where_peft_refuses_them(arch_dir):
 @pytest.mark.parametrize("name, shared_expert", [("qwen3_moe", False), ("qwen2_moe", True)])
 def test_moe_experts_stay_out_of_module_targets(name, shared_expert, arch_dir):
     """`all-linear`, or a list naming the shared expert's `down_proj` (PEFT 0.22 reads that name on
-    Qwen2-MoE as the fused experts' too), adapts Linear layers only. Mixed batches work on Qwen3-MoE;
-    Qwen2-MoE's block flattens [B, T, H] to [B*T, H] before its shared expert, as OPT does."""
+    Qwen2-MoE as the fused experts' too), adapts Linear layers only; on Qwen3-MoE, whose only
+    `down_proj` is the experts' weight, that list is refused with where expert weights go. Mixed
+    batches work on Qwen3-MoE; Qwen2-MoE's block flattens [B, T, H] to [B*T, H] before its shared
+    expert, as OPT does."""
     from lora_ppo.config import AdaptersConfig, ModelConfig
+    from lora_ppo.errors import RecipeError
     from lora_ppo.model import load_base_model
     from lora_ppo.roles import RoleModel
 
     model = ModelConfig(name=str(arch_dir(name)))
     linears = {n for n, m in load_base_model(model).named_modules()
                if type(m).__name__ in ("Linear4bit", "Linear") and n != "lm_head"}
-    named = {"policy": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "down_proj"]}}
-    for adapters, expected in ((AdaptersConfig(), linears),
-                               (AdaptersConfig(**named), {n for n in linears if n.endswith(("q_proj", "down_proj"))})):
+    named = AdaptersConfig(policy={"r": 4, "alpha": 8, "target_modules": ["q_proj", "down_proj"]})
+    if not shared_expert:
+        with pytest.raises(RecipeError, match=r"^adapters.policy.target_modules: 'down_proj' names no module of this "
+                                              r"model; its linear layers: k_proj, o_proj, q_proj, v_proj; expert "
+                                              r"weights go in adapters.policy.target_parameters "
+                                              r"\(mlp.experts.down_proj\)$"):
+            RoleModel(load_base_model(model), named)
+    cases = [(AdaptersConfig(), linears)]
+    if shared_expert:
+        cases.append((named, {n for n in linears if n.endswith(("q_proj", "down_proj"))}))
+    for adapters, expected in cases:
         roles = RoleModel(load_base_model(model), adapters)
         wrapped = {n.split(".lora_A.")[0] for n, _ in roles.peft.named_parameters() if ".lora_A.policy" in n}
         assert {n.removeprefix("base_model.model.") for n in wrapped} == expected

@@ -354,3 +354,19 @@ def test_roles_switched_through_pefts_own_calls_compute_what_the_fast_switch_com
     with roles.as_role(POLICY):  # as many rows as that batch had: each one the policy's
         twice = roles.hidden_states(ids.repeat(2, 1), mask.repeat(2, 1))
     torch.testing.assert_close(twice, fast[POLICY].repeat(2, 1, 1), atol=1e-6, rtol=1e-5)
+
+
+def test_a_target_module_no_layer_has_names_the_layers_there_are():
+    """GPT-2's layers are Conv1D, not nn.Linear: they are the names a misspelt target is shown."""
+    from transformers import AutoModelForCausalLM
+
+    from lora_ppo.errors import RecipeError
+    from lora_ppo.roles import module_targets
+    from tests.architectures import configs
+
+    with torch.device("meta"):
+        gpt2 = AutoModelForCausalLM.from_config(configs(vocab=320)["gpt2"])
+    assert module_targets(gpt2, ["c_attn", "h.0.mlp.c_fc"], "adapters.value") == ["c_attn", "h.0.mlp.c_fc"]
+    with pytest.raises(RecipeError, match=r"^adapters.value.target_modules: 'c_atn', 'mlp.c_fc.x' names no module of "
+                                          r"this model; its linear layers: c_attn, c_fc, c_proj$"):
+        module_targets(gpt2, ["c_atn", "c_attn", "mlp.c_fc.x"], "adapters.value")
