@@ -372,11 +372,11 @@ def report(run_dir: Path = typer.Argument(..., help="A run folder (it holds metr
     typer.echo(str(page))
 
 
-def _load_trained(source: Path):
+def _load_trained(source: Path, with_prompts: bool = True, with_rewards: bool = True):
     from lora_ppo.trained import load_trained
 
     try:
-        return load_trained(source)
+        return load_trained(source, with_prompts, with_rewards)
     except RecipeError as err:
         _fail(str(err))
 
@@ -405,7 +405,7 @@ def eval_command(
     from lora_ppo.run_dir import write_jsonl
     from lora_ppo.trained import evaluate_trained, prompts_from_file
 
-    trained = _load_trained(source)
+    trained = _load_trained(source, with_prompts=prompts is None)
     try:
         rows = prompts_from_file(trained, str(prompts)) if prompts is not None else None
         count = len(rows if rows is not None else trained.parts.eval_prompts.rows)
@@ -444,7 +444,7 @@ def generate(
     from lora_ppo.rewards import RewardError
     from lora_ppo.trained import generate as sample_trained
 
-    trained = _load_trained(source)
+    trained = _load_trained(source, with_prompts=False, with_rewards=False)
     try:
         records = sample_trained(trained, prompts, compare_reference, max_new_tokens, seed)
     except RecipeError as err:

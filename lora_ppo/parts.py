@@ -67,7 +67,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
+def build(recipe: Recipe, reward_fn: Optional[Callable] = None, with_prompts: bool = True,
+          with_rewards: bool = True) -> Parts:
     """Everything a run needs, seeded with train.seed (the fresh adapters' initial weights come
     from it) and loaded in an order that fails fast: the tokenizer and the data (seconds) before
     the model weights (minutes for a large model).
@@ -75,6 +76,9 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
     Args:
         reward_fn: a Python reward `f(prompts, completions) -> list[float]` that replaces the
             recipe's reward section.
+        with_prompts, with_rewards: False leaves the data (no prompt sets) or the reward (no
+            source, no reward adapter) out: what sampling a trained run on other prompts needs
+            once its data or reward code is no longer where the recipe says.
     """
     seed_everything(recipe.train.seed)
     tokenizer = load_tokenizer(recipe.model)
@@ -82,15 +86,17 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
     field = "rollout.max_new_tokens" if not rollout.episodic else \
         "rollout.max_episode_tokens" if rollout.max_episode_tokens else "rollout.max_turns"
     check_context(recipe.model, recipe.data.max_prompt_tokens, rollout.response_tokens, field)
-    train_prompts, eval_prompts = load_prompt_sets(recipe.data, tokenizer, recipe.train.seed)
-    check_reward_columns(recipe.reward, train_prompts.columns + (["messages"] if recipe.rollout.episodic else []),
-                         recipe.data.source, reward_fn)
+    train_prompts, eval_prompts = load_prompt_sets(recipe.data, tokenizer, recipe.train.seed) if with_prompts \
+        else (PromptSet([]), PromptSet([]))
+    if with_prompts and with_rewards:
+        check_reward_columns(recipe.reward, train_prompts.columns + (["messages"] if rollout.episodic else []),
+                             recipe.data.source, reward_fn)
     episodes = episode_settings(recipe.rollout, tokenizer)  # imported before the weights load: a typo fails fast
     if not recipe.adapters.reference_enabled:
         log.warning("adapters.reference is 'none': no KL penalty; the policy may drift far from the base model")
-    reward_adapter = None if reward_fn is not None else recipe.reward.adapter_path
+    reward_adapter = None if reward_fn is not None or not with_rewards else recipe.reward.adapter_path
     RoleModel.adapter_starts(recipe.adapters, reward_adapter)  # the adapter folders too: a typo fails fast
-    if reward_fn is None:
+    if reward_fn is None and with_rewards:
         check_classifiers(recipe.reward, recipe.model)  # and a reward classifier's name
     with quiet_loading():  # the Python API shows what the CLI shows: no loading bar or kernel notice
         roles = RoleModel(load_base_model(recipe.model), recipe.adapters, with_value=recipe.uses_critic,
@@ -99,7 +105,8 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None) -> Parts:
                           packing=recipe.ppo.packing)
         # After the roles: a reward adapter lives on their backbone, and a classifier loads its weights.
         rewards = build_reward_sources(recipe.reward, recipe.model, reward_fn,
-                                       roles.reward_scores if reward_adapter else None)
+                                       roles.reward_scores if reward_adapter else None) if with_rewards \
+            else RewardSources([])
     log_end_tokens(tokenizer, recipe.rollout, roles)
     optimizer, scheduler = build_optimizer(roles, recipe.ppo, recipe.train.steps)
     return Parts(tokenizer, train_prompts, eval_prompts, rewards, roles, optimizer, scheduler, episodes)

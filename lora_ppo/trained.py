@@ -12,11 +12,12 @@ from typing import Optional, Sequence
 from lora_ppo import checkpoint
 from lora_ppo.agents.episodes import run_episodes, transcript_text
 from lora_ppo.config import Recipe, SFTRecipe, load_recipe
-from lora_ppo.data import PromptRow, load_rows, prepare_rows, text_prompt_format
+from lora_ppo.data import PromptRow, load_rows, prepare_rows, text_prompt_format, trained_on_conversations
 from lora_ppo.errors import RecipeError
 from lora_ppo.evaluation import Evaluation
 from lora_ppo.model import dequantized_once
 from lora_ppo.parts import Parts, build, evaluate_policy
+from lora_ppo.rewards import check_reward_columns
 from lora_ppo.roles import POLICY, REFERENCE
 from lora_ppo.run_dir import find_checkpoint
 
@@ -30,24 +31,25 @@ class Trained:
     folder: Path  # the checkpoint the policy adapter came from
     step: Optional[int]
     parts: Parts
-
-    @property
-    def conversational(self) -> bool:
-        """The run trained on conversations: text prompts given now go through the chat template."""
-        return any(isinstance(row.prompt, list) for row in self.parts.train_prompts.rows[:1])
+    conversational: bool  # the run trained on conversations: text prompts given now go through the chat template
 
 
-def load_trained(source: str | Path) -> Trained:
+def load_trained(source: str | Path, with_prompts: bool = True, with_rewards: bool = True) -> Trained:
     """The run's recipe and parts, with the policy adapter of `source` (a run folder: its final/;
-    or a checkpoint folder) loaded. Raises RecipeError for a missing or unusable checkpoint."""
+    or a checkpoint folder) loaded. Raises RecipeError for a missing or unusable checkpoint.
+
+    `with_prompts` / `with_rewards` False: the run's data / reward are not loaded (`generate`, and
+    `eval --prompts`, on a run copied to a machine without its data or its reward's code)."""
     found = find_checkpoint(source)
     recipe = load_recipe(found.run.recipe, schema=None)
     if not isinstance(recipe, Recipe):
         kind = "an SFT" if isinstance(recipe, SFTRecipe) else "a reward-model"
         raise RecipeError(f"{source}: {kind} run; eval and generate take a PPO run")
-    parts = build(recipe)
+    parts = build(recipe, with_prompts=with_prompts, with_rewards=with_rewards)
     checkpoint.load_adapters(found.folder, parts.roles, (POLICY,))
-    return Trained(recipe, found.folder, found.step, parts)
+    conversational = any(isinstance(row.prompt, list) for row in parts.train_prompts.rows[:1]) if with_prompts \
+        else trained_on_conversations(recipe.data)
+    return Trained(recipe, found.folder, found.step, parts, conversational)
 
 
 def prompts_from_file(trained: Trained, path: str) -> list[PromptRow]:
@@ -59,6 +61,7 @@ def prompts_from_file(trained: Trained, path: str) -> list[PromptRow]:
     prompts = prepare_rows(rows, cfg.prompt_column, fmt, MAX_PROMPT_TOKENS, path)
     if not prompts.rows:
         raise RecipeError(f"--prompts: no usable prompt in {path!r}")
+    check_reward_columns(trained.recipe.reward, prompts.columns, path)  # an answer column the reward reads
     return prompts.rows
 
 

@@ -140,3 +140,99 @@ def test_a_run_on_conversations_formats_later_text_prompts_in_its_chat_template(
     tokenizer = trained.parts.tokenizer
     probes = [tokenizer.decode(ids) for ids in probe_ids(tokenizer, trained.recipe.data, conversational=True)]
     assert probes[0] == f"<|im_start|>user\n{PROBE_PROMPTS[0]}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _run_on_a_prompts_file(tmp_path, model_dir, rows=None, **data) -> tuple:
+    """A 1-step run whose prompts come from a file of its own: (run folder, the file)."""
+    import lora_ppo
+    from tests.conftest import tiny_recipe_dict
+
+    source = tmp_path / "prompts.jsonl"
+    rows = rows or [{"prompt": f"The film number {i} was"} for i in range(8)]
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    d = tiny_recipe_dict(model_dir, tmp_path / "run", data={"source": str(source), "eval_size": 2, **data},
+                         train={"steps": 1, "eval": False})
+    lora_ppo.PPOTrainer(lora_ppo.recipe_from_dict(d), progress=False).train()
+    return tmp_path / "run", source
+
+
+def test_a_run_copied_without_its_data_or_reward_code_still_generates_and_evaluates_other_prompts(
+        tmp_path, tiny_model_dir):
+    """A run folder taken to a machine without its prompts file, or without the module of its
+    reward function: `generate` needs neither and samples the same completions; `eval --prompts`
+    needs the reward alone; `eval` of the held-out prompts needs the data and says so."""
+    run, source = _run_on_a_prompts_file(tmp_path, tiny_model_dir)
+    args = ["generate", str(run), "The film opens with", "My favourite scene", "--compare-reference", "--json"]
+    before = runner.invoke(app, args)
+    assert before.exit_code == 0, before.output
+
+    others = tmp_path / "others.jsonl"
+    others.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("A quiet drama", "The sequel")),
+                      encoding="utf-8")
+    source.unlink()
+    recipe_file = run / "recipe.yaml"
+    recipe = yaml.safe_load(recipe_file.read_text())
+    recipe["reward"]["function"] = "module_not_on_this_machine:score"
+    recipe_file.write_text(yaml.safe_dump(recipe))
+
+    after = runner.invoke(app, args)
+    assert after.exit_code == 0, after.output
+    assert after.stdout == before.stdout  # the same policy and reference, sampled with the same seed
+
+    no_reward = runner.invoke(app, ["eval", str(run), "--prompts", str(others), "--json", "--no-progress"])
+    assert no_reward.exit_code == 2 and "module_not_on_this_machine" in no_reward.stderr
+    assert len(no_reward.stderr.strip().splitlines()) == 1, no_reward.stderr
+
+    recipe["reward"]["function"] = "tests.reward_fns:count_letter_e"
+    recipe_file.write_text(yaml.safe_dump(recipe))
+    records = tmp_path / "records.jsonl"
+    scored = runner.invoke(app, ["eval", str(run), "--prompts", str(others), "--out", str(records), "--json",
+                                 "--no-progress"])
+    assert scored.exit_code == 0, scored.output
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    assert [r["prompt"] for r in lines] == ["A quiet drama", "The sequel"]
+    by_hand = [float(r["completion"].count("e")) for r in lines]  # tests.reward_fns.count_letter_e
+    assert [r["score"] for r in lines] == by_hand
+    assert json.loads(scored.stdout)["score"] == sum(by_hand) / 2
+
+    held_out = runner.invoke(app, ["eval", str(run), "--no-progress"])
+    assert held_out.exit_code == 2 and f"data.source: file not found: {source}" in held_out.stderr
+
+
+def test_eval_prompts_without_the_column_the_reward_reads_is_one_line_naming_both(tmp_path, tiny_model_dir):
+    """A verifiable reward reads its answers from the --prompts file too: a file without that
+    column is refused by name, not as a KeyError from inside the reward."""
+    source = tmp_path / "qa.jsonl"
+    source.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) + "\n" for i in range(8)),
+                      encoding="utf-8")
+    import lora_ppo
+    from tests.conftest import tiny_recipe_dict
+
+    d = tiny_recipe_dict(tiny_model_dir, tmp_path / "run", data={"source": str(source), "eval_size": 2},
+                         reward={"kind": "exact_match", "answer_column": "answer", "function": None},
+                         train={"steps": 1, "eval": False})
+    lora_ppo.PPOTrainer(lora_ppo.recipe_from_dict(d), progress=False).train()
+    questions = tmp_path / "questions.txt"
+    questions.write_text("2 + 2 =\n3 + 3 =\n", encoding="utf-8")
+
+    result = runner.invoke(app, ["eval", str(tmp_path / "run"), "--prompts", str(questions), "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (f"error: reward.answer_column: column 'answer' not in '{questions}' "
+                                     "(columns besides the prompt: none)")
+
+
+def test_a_run_on_conversations_read_without_its_prompts_still_knows_it_trained_on_them(tmp_path, tiny_model_dir,
+                                                                                         caplog):
+    """Loaded without its prompt sets (as `generate` loads it), a run on `messages` still formats
+    text prompts in the chat template, read off its data's first row; with the data gone, by
+    data.chat_template alone, and it says so."""
+    from lora_ppo.trained import load_trained
+
+    chats = [{"messages": [{"role": "user", "content": f"Ticket {i}"}]} for i in range(8)]
+    run, source = _run_on_a_prompts_file(tmp_path, tiny_model_dir, chats, prompt_column="messages")
+    trained = load_trained(run, with_prompts=False, with_rewards=False)
+    assert trained.conversational and not trained.parts.train_prompts.rows and not trained.parts.rewards.sources
+    source.unlink()
+    with caplog.at_level("WARNING"):
+        assert load_trained(run, with_prompts=False, with_rewards=False).conversational is False
+    assert "text prompts are formatted by data.chat_template alone" in caplog.text
