@@ -5,6 +5,7 @@ from it beside the reference (`lora-ppo generate`).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -12,17 +13,21 @@ from typing import Optional, Sequence
 from lora_ppo import checkpoint
 from lora_ppo.agents.episodes import run_episodes, transcript_text
 from lora_ppo.config import Recipe, SFTRecipe, load_recipe
-from lora_ppo.data import PromptRow, load_rows, prepare_rows, text_prompt_format, trained_on_conversations
+from lora_ppo.data import (TOO_LONG, PromptRow, load_rows, prepare_rows, text_prompt_format,
+                           trained_on_conversations)
 from lora_ppo.errors import RecipeError
 from lora_ppo.evaluation import Evaluation
-from lora_ppo.model import dequantized_once
+from lora_ppo.model import dequantized_once, model_context
 from lora_ppo.parts import Parts, build, evaluate_policy
 from lora_ppo.rewards import check_reward_columns
 from lora_ppo.roles import POLICY, REFERENCE
 from lora_ppo.run_dir import find_checkpoint
 
-# Prompts of a --prompts file may be longer than the training limit, but not without bound.
+# Prompts of a --prompts file may be longer than the training limit, but not without bound (and
+# never past what the model's context leaves beside the new tokens).
 MAX_PROMPT_TOKENS = 4096
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,11 +63,35 @@ def prompts_from_file(trained: Trained, path: str) -> list[PromptRow]:
     cfg = trained.recipe.data
     rows, _ = load_rows(path, "train", field_name="--prompts")
     fmt = text_prompt_format(trained.parts.tokenizer, cfg, trained.conversational)
-    prompts = prepare_rows(rows, cfg.prompt_column, fmt, MAX_PROMPT_TOKENS, path)
+    room = prompt_room(trained, trained.recipe.rollout.response_tokens, "rollout.max_new_tokens")
+    prompts = prepare_rows(rows, cfg.prompt_column, fmt, room, path)
     if not prompts.rows:
-        raise RecipeError(f"--prompts: no usable prompt in {path!r}")
+        raise RecipeError(f"--prompts: no usable prompt in {path!r} (a prompt may have up to {room} tokens)")
+    if prompts.dropped.get(TOO_LONG):
+        log.warning("--prompts: %d of the prompts in %s have more than %d tokens and are left out (%s)",
+                    prompts.dropped[TOO_LONG], path, room, _room_reason(trained, room))
     check_reward_columns(trained.recipe.reward, prompts.columns, path)  # an answer column the reward reads
     return prompts.rows
+
+
+def prompt_room(trained: Trained, new_tokens: int, field: str) -> int:
+    """The most tokens a prompt given now may have: what the model's context leaves beside
+    `new_tokens` (set by `field`), at most MAX_PROMPT_TOKENS. Past the context a model with a
+    position table fails inside its forward."""
+    context = model_context(trained.recipe.model)
+    if context is None:
+        return MAX_PROMPT_TOKENS
+    if new_tokens >= context:
+        raise RecipeError(f"{field}: {new_tokens} new tokens leave no room for a prompt in the model's "
+                          f"context of {context} tokens")
+    return min(MAX_PROMPT_TOKENS, context - new_tokens)
+
+
+def _room_reason(trained: Trained, room: int) -> str:
+    context = model_context(trained.recipe.model)
+    if context is None or room == MAX_PROMPT_TOKENS:
+        return "the limit on prompts given after training"
+    return f"the model's context of {context} tokens less {context - room} new ones"
 
 
 def evaluate_trained(trained: Trained, prompts: Optional[Sequence[PromptRow]] = None, samples: Optional[int] = None,
@@ -81,13 +110,18 @@ def generate(trained: Trained, prompts: Sequence[str], compare_reference: bool =
     import torch
 
     recipe, parts = trained.recipe, trained.parts
-    fmt = text_prompt_format(parts.tokenizer, recipe.data, trained.conversational)
-    rows = prepare_rows([{"prompt": p} for p in prompts], "prompt", fmt, MAX_PROMPT_TOKENS, "the command line").rows
-    if len(rows) != len(prompts):
-        raise RecipeError("generate: a prompt is empty")
     sampler = parts.sampler(recipe)
     if max_new_tokens is not None:
         sampler = sampler.with_settings(max_new_tokens=max_new_tokens)
+    field = "--max-new-tokens" if max_new_tokens is not None else "rollout.max_new_tokens"
+    room = prompt_room(trained, sampler.cfg.response_tokens, field)
+    fmt = text_prompt_format(parts.tokenizer, recipe.data, trained.conversational)
+    prepared = prepare_rows([{"prompt": p} for p in prompts], "prompt", fmt, room, "the command line")
+    if prepared.dropped.get(TOO_LONG):
+        raise RecipeError(f"generate: a prompt has more than {room} tokens ({_room_reason(trained, room)})")
+    if prepared.dropped:
+        raise RecipeError("generate: a prompt is empty")
+    rows = prepared.rows
     roles = [POLICY, REFERENCE] if compare_reference else [POLICY]
     if compare_reference and not recipe.adapters.reference_enabled:
         raise RecipeError("--compare-reference: this run has no reference (adapters.reference: none)")

@@ -236,3 +236,51 @@ def test_a_run_on_conversations_read_without_its_prompts_still_knows_it_trained_
     with caplog.at_level("WARNING"):
         assert load_trained(run, with_prompts=False, with_rewards=False).conversational is False
     assert "text prompts are formatted by data.chat_template alone" in caplog.text
+
+
+def test_new_tokens_or_prompts_past_the_models_context_are_refused_in_one_line_not_a_crash(tmp_path, caplog):
+    """GPT-2's positions are a table of 256 rows here: a prompt and its new tokens past it crashed
+    generate with an IndexError inside the embedding. The room a prompt has is the context less
+    the new tokens; at the edge it samples, past it generate refuses in one line and eval --prompts
+    leaves the long prompt out, saying so."""
+    import lora_ppo
+    from tests.architectures import build_model
+    from tests.conftest import build_tiny_tokenizer, tiny_recipe_dict
+
+    model_dir = tmp_path / "gpt2"
+    model_dir.mkdir()
+    tokenizer = build_tiny_tokenizer(model_dir)
+    build_model("gpt2", model_dir, len(tokenizer))
+    context = 256  # tests.architectures' n_positions for gpt2
+    run = tmp_path / "run"
+    lora_ppo.PPOTrainer(lora_ppo.recipe_from_dict(
+        tiny_recipe_dict(model_dir, run, train={"steps": 1, "eval": False})), progress=False).train()
+    prompt = "The film was"
+    prompt_tokens = len(tokenizer(prompt)["input_ids"])
+
+    edge = runner.invoke(app, ["generate", str(run), prompt, "--max-new-tokens", str(context - prompt_tokens),
+                               "--json", "--seed", "3"])
+    assert edge.exit_code == 0, edge.output
+    assert 1 <= json.loads(edge.stdout)["policy_tokens"] <= context - prompt_tokens
+
+    cases = [
+        (str(context - prompt_tokens + 1),
+         f"error: generate: a prompt has more than {prompt_tokens - 1} tokens (the model's context of {context} "
+         f"tokens less {context - prompt_tokens + 1} new ones)"),
+        (str(context), f"error: --max-new-tokens: {context} new tokens leave no room for a prompt in the model's "
+                       f"context of {context} tokens"),
+    ]
+    for new_tokens, message in cases:
+        result = runner.invoke(app, ["generate", str(run), prompt, "--max-new-tokens", new_tokens])
+        assert result.exit_code == 2 and result.stderr.strip() == message, result.output
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("word " * 300 + "\nA short one\n", encoding="utf-8")
+    records = tmp_path / "records.jsonl"
+    with caplog.at_level("WARNING"):
+        result = runner.invoke(app, ["eval", str(run), "--prompts", str(prompts), "--out", str(records),
+                                     "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert [json.loads(line)["prompt"] for line in records.read_text().splitlines()] == ["A short one"]
+    assert (f"1 of the prompts in {prompts} have more than {context - 6} tokens and are left out (the model's "
+            f"context of {context} tokens less 6 new ones)") in caplog.text  # tiny_recipe_dict's max_new_tokens
