@@ -328,9 +328,16 @@ def start_run_folder(run: RunDir, recipe_yaml: str, resume_from: Optional[Path],
                      lines: tuple[int, int]) -> None:
     """Write the run folder's start: a new run's, or a resumed one's with the checkpoint's `lines`
     (metrics, samples) of its logs, copied from the checkpoint's run when it continues in another
-    train.output_dir. With train.overwrite the old run is moved out of the way, and the log says where."""
+    train.output_dir. With train.overwrite the old run is moved out of the way, and the log says where.
+
+    Once per trainer: a second `train()` (run again after Ctrl-C in a notebook, or on a finished
+    run) would take its own run for an old one, move it aside and log the rest in a new folder."""
+    if run.started:
+        raise RuntimeError(f"train(): this trainer's run in {run.root} has started already; to go on, make a new "
+                           "trainer with resume='auto' (it continues from the newest checkpoint, final/ included)")
     resumed_run = None if resume_from is None else run_of(resume_from, run)
     moved = run.open(recipe_yaml, None if resume_from is None else lines, resumed_run)
+    run.started = True
     if moved is not None:
         log.warning("%s held a run: moved it to %s", run.root, moved)
 

@@ -73,6 +73,7 @@ class RunDir:
         self.metrics, self.samples = self.root / METRICS_FILE, self.root / SAMPLES_FILE
         self.checkpoints, self.final = self.root / CHECKPOINTS_DIR, self.root / FINAL_DIR
         self.eval_before, self.eval_after = self.root / EVAL_BEFORE_FILE, self.root / EVAL_AFTER_FILE
+        self.started = False  # a trainer started its run here (checkpoint.start_run_folder)
 
     def step_checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step-{step}"

@@ -3,6 +3,8 @@ reloads with plain PEFT and reproduces the trained model's logits."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -144,3 +146,47 @@ def test_summary_reports_heldout_standard_error(tmp_path, tiny_model_dir):
     first = format_summary(summary).splitlines()[0]
     assert f"(± {summary['heldout_score_se_before']:.3f})" in first
     assert "score_se" not in format_summary(summary)
+
+
+def test_train_again_on_the_same_trainer_is_refused_and_leaves_its_run_where_it_is(tmp_path, tiny_model_dir,
+                                                                                   monkeypatch):
+    """train() a second time (a notebook cell run again after Ctrl-C, or on a finished run) took
+    the trainer's own run for an old one: it moved it aside and logged the rest in a new folder.
+    It is refused, naming what does go on: a new trainer resumed from the newest checkpoint."""
+    import os
+    import signal
+
+    from lora_ppo import trainer as trainer_module
+
+    run = tmp_path / "run"
+    recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(tiny_model_dir, run,
+                                                        train={"steps": 3, "eval": False, "save_every": 0}))
+    real_step = trainer_module.PPOTrainer.train_step
+
+    def interrupted_in_step_2(self):
+        if self.steps_done == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: step 2 finishes and is saved
+        return real_step(self)
+
+    monkeypatch.setattr(trainer_module.PPOTrainer, "train_step", interrupted_in_step_2)
+    trainer = lora_ppo.PPOTrainer(recipe, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    monkeypatch.undo()
+
+    def files() -> list:
+        return sorted((str(p.relative_to(tmp_path)), p.stat().st_size) for p in tmp_path.rglob("*"))
+
+    before = files()
+    with pytest.raises(RuntimeError, match=r"has started already; to go on, make a new trainer with resume='auto'"):
+        trainer.train()
+    assert files() == before  # nothing moved aside, nothing written
+
+    again = lora_ppo.PPOTrainer(recipe, progress=False, resume="auto")
+    assert again.steps_done == 2
+    assert again.train()["steps"] == 3
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    finished = files()
+    with pytest.raises(RuntimeError, match="has started already"):
+        again.train()
+    assert files() == finished and not list(tmp_path.glob("run.old-*"))

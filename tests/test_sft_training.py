@@ -317,3 +317,15 @@ def test_hostile_data_is_one_line_and_exit_2(tmp_path, tiny_model_dir, case):
     assert len(lines) == 1 and re.match("error: " + message.format(source=re.escape(str(tmp_path / "d.jsonl"))),
                                         lines[0]), lines
     assert not (tmp_path / "run").exists()  # nothing half-written
+
+
+def test_train_again_on_a_finished_trainer_is_refused_and_leaves_its_run_where_it_is(tmp_path, tiny_model_dir,
+                                                                                     sft_data):
+    """As PPO's: a second train() would have moved the trainer's own finished run aside."""
+    trainer = SFTTrainer(recipe_from_dict(sft_recipe_dict(tiny_model_dir, *sft_data, tmp_path / "run", eval_every=0),
+                                          schema=SFTRecipe), progress=False)
+    trainer.train()
+    before = sorted((str(p.relative_to(tmp_path)), p.stat().st_size) for p in tmp_path.rglob("*"))
+    with pytest.raises(RuntimeError, match=r"has started already; to go on, make a new trainer with resume='auto'"):
+        trainer.train()
+    assert sorted((str(p.relative_to(tmp_path)), p.stat().st_size) for p in tmp_path.rglob("*")) == before
