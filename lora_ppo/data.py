@@ -78,6 +78,7 @@ def load_rows(source: str, split: str, name: Optional[str] = None, revision: Opt
         return _builtin_rows(source[len(BUILTIN_PREFIX):], name, split, field_name)
     import datasets
 
+    builder = None
     try:
         files = _local_files(source, field_name)
         if files is not None:
@@ -98,7 +99,10 @@ def load_rows(source: str, split: str, name: Optional[str] = None, revision: Opt
     except Exception as err:  # datasets raises many types; all mean "this source is unusable"
         config = f" (data.name {name!r})" if name else ""
         raise RecipeError(f"{field_name}: cannot load {source!r}{config}: {first_line(err)}") from None
-    return dataset.to_list(), list(dataset.column_names)
+    rows = dataset.to_list()
+    if builder == "text":  # datasets keeps the byte-order mark (Windows editors write one) in a file's first line
+        rows = [{**row, "prompt": row["prompt"].removeprefix(BOM)} for row in rows]
+    return rows, list(dataset.column_names)
 
 
 def _builtin_rows(key: str, name: Optional[str], split: str, field_name: str) -> tuple[list[dict], list[str]]:
@@ -142,6 +146,7 @@ def _local_files(source: str, field_name: str) -> Optional[list[str]]:
 # Text formats read line by line: checked here first, since datasets reports a bad line as "An
 # error occurred while generating the dataset" and an empty file as StopIteration.
 TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".txt")
+BOM = "\ufeff"
 
 
 def check_text_file(path: Path, field_name: str) -> None:
@@ -153,10 +158,10 @@ def check_text_file(path: Path, field_name: str) -> None:
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a byte-order mark first
             except UnicodeDecodeError as err:
                 raise RecipeError(f"{field_name}: {path} line {number}: not UTF-8 text (byte "
-                                  f"0x{raw[err.start]:02x} at column {err.start + 1})") from None
+                                  f"0x{err.object[err.start]:02x} at column {err.start + 1})") from None
             if not line.strip():
                 continue
             blank = False

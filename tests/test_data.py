@@ -370,6 +370,8 @@ def test_held_out_prompts_of_a_users_file_come_from_that_file(tmp_path, tiny_tok
     (b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n', "line 2: not UTF-8 text (byte 0xe9 at column 16)"),
     # The line ends after its 29 characters where a comma or a brace was due.
     (b'{"prompt": "fine"}\n\n{"prompt": "no closing brace"\n', "line 3: not JSON (Expecting ',' delimiter at column 30)"),
+    # After a byte-order mark the column counts from the text a editor shows, and names the bad byte.
+    (b'\xef\xbb\xbf{"prompt": "caf\xe9"}\n', "line 1: not UTF-8 text (byte 0xe9 at column 16)"),
 ])
 def test_a_broken_data_file_is_one_line_naming_the_file_and_line(tmp_path, content, expected):
     source = tmp_path / "prompts.jsonl"
@@ -377,6 +379,29 @@ def test_a_broken_data_file_is_one_line_naming_the_file_and_line(tmp_path, conte
     with pytest.raises(RecipeError) as raised:
         load_rows(str(source), "train")
     assert str(raised.value) == f"data.source: {source} {expected}"
+
+
+@pytest.mark.parametrize("suffix, text", [
+    (".jsonl", '{"prompt": "The film opens", "answer": "1"}\n{"prompt": "A quiet drama", "answer": "2"}\n'),
+    (".json", '[{"prompt": "The film opens", "answer": "1"}, {"prompt": "A quiet drama", "answer": "2"}]'),
+    (".csv", "prompt,answer\nThe film opens,1\nA quiet drama,2\n"),
+    (".txt", "The film opens\nA quiet drama\n"),
+])
+def test_a_file_saved_with_a_byte_order_mark_reads_as_the_same_file_without_one(tmp_path, tiny_tokenizer, suffix,
+                                                                                  text):
+    """Windows editors (Notepad, PowerShell 5's utf8) start a UTF-8 file with U+FEFF: a .jsonl so
+    saved was refused as "not JSON", and a .txt's first prompt began with the invisible character
+    (its own tokens before the text)."""
+    plain, marked = tmp_path / f"plain{suffix}", tmp_path / f"marked{suffix}"
+    plain.write_text(text, encoding="utf-8")
+    marked.write_text(text, encoding="utf-8-sig")
+    assert marked.read_bytes()[:3] == b"\xef\xbb\xbf"
+    rows, columns = load_rows(str(marked), "train")
+    assert (rows, columns) == load_rows(str(plain), "train")
+    assert rows[0]["prompt"] == "The film opens"
+    fmt = PromptFormat(tiny_tokenizer, False)
+    assert prepare_rows(rows, "prompt", fmt, 64, str(marked)).rows[0].ids == tuple(
+        tiny_tokenizer("The film opens")["input_ids"])
 
 
 def test_a_conversation_saved_as_json_text_is_refused_not_read_as_a_prompt(tmp_path, tiny_tokenizer):
