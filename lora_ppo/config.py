@@ -1355,6 +1355,29 @@ RECIPE_KINDS: dict[type[Section], tuple[str, str]] = {
 }
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that names a key twice: PyYAML keeps the last one
+    silently, so a section written twice (`ppo:` at the top, again at the bottom) lost the first's
+    settings to their defaults."""
+
+    def construct_mapping(self, node, deep=False):
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be set again
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                seen = key in first_line
+            except TypeError:  # an unhashable key: the base class refuses it
+                continue
+            if seen:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"{key!r} is set twice, at lines {first_line[key] + 1} and {key_node.start_mark.line + 1} "
+                            "(YAML would keep the last alone): keep one")
+            first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def load_recipe(path: str | Path, overrides: list[str] = (), schema: Optional[type[Section]] = Recipe) -> Any:
     """Read and validate a YAML recipe file: a `Recipe`, the `schema` given, or with
     `schema=None` whichever the file is (`recipe_schema`)."""
@@ -1366,7 +1389,7 @@ def load_recipe(path: str | Path, overrides: list[str] = (), schema: Optional[ty
     except (OSError, UnicodeDecodeError) as err:
         raise RecipeError(f"recipe file {path} cannot be read: {err}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -57,7 +57,9 @@ INTRO = f"""\
 
 A recipe is YAML with up to seven sections: {", ".join(f"`{name}`" for name in Recipe.model_fields)}.
 Every field has a default, so a recipe names only what it changes. Unknown keys are errors:
-a misspelt key is named in a one-line error, with the closest known field when there is one.
+a misspelt key is named in a one-line error, with the closest known field when there is one, and
+so is a key set twice in one mapping (a section written again lower down), which YAML alone would
+read as the last one, dropping the first's settings.
 
 Any field can be overridden on the command line as `section.field=value`; values are YAML
 (`3`, `true`, `[q_proj, v_proj]`). `~section.field` removes a field the recipe sets, so its default

@@ -320,6 +320,35 @@ def test_invalid_yaml_names_the_problem_and_where(tmp_path):
     assert str(err.value) == f"recipe {path}: mapping values are not allowed here at line 3, column 13"
 
 
+@pytest.mark.parametrize("text, key, lines", [
+    # A section written again at the bottom: PyYAML kept the second alone, so the learning rate
+    # went back to its default without a word.
+    ("ppo:\n  learning_rate: 1.0e-5\ntrain:\n  steps: 3\nppo:\n  kl_coef: 0.2\n", "ppo", (1, 5)),
+    ("ppo:\n  kl_coef: 0.1\n  kl_coef: 0.2\n", "kl_coef", (2, 3)),
+])
+def test_a_key_set_twice_is_refused_naming_both_lines(tmp_path, text, key, lines):
+    from lora_ppo.config import load_recipe
+
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert str(err.value) == (f"recipe {path}: {key!r} is set twice, at lines {lines[0]} and {lines[1]} "
+                              "(YAML would keep the last alone): keep one")
+
+
+def test_a_yaml_merge_key_may_still_be_set_again_after_it(tmp_path):
+    """`<<: *anchor` then a key of the anchor: YAML's override, not a key set twice."""
+    from lora_ppo.config import load_recipe
+
+    path = tmp_path / "merged.yaml"
+    path.write_text("ppo: &ppo\n  kl_coef: 0.1\n  learning_rate: 1.0e-5\n")
+    assert load_recipe(path).ppo.kl_coef == 0.1
+    path.write_text("train: {steps: 3}\nppo:\n  <<: {kl_coef: 0.1, learning_rate: 1.0e-5}\n  kl_coef: 0.3\n")
+    recipe = load_recipe(path)
+    assert (recipe.ppo.kl_coef, recipe.ppo.learning_rate, recipe.train.steps) == (0.3, 1.0e-5, 3)
+
+
 def test_local_paths_and_matching_globs_are_made_absolute_and_hub_ids_kept(tmp_path, monkeypatch):
     """recipe.yaml in the run folder must work from any folder: a model folder and a data glob named
     relative to where the run started become absolute; a hub id (no such local path) and a glob
