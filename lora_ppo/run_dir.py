@@ -192,10 +192,24 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Every record of a JSONL file (an empty list when it does not exist)."""
+    """Every record of a JSONL file (an empty list when it does not exist). A last line cut short
+    (no line break, not JSON: a run writing it now, or one killed while it did) is left out; a bad
+    line before it is refused, naming the file and the line."""
     if not Path(path).exists():
         return []
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    *complete, last = Path(path).read_text(encoding="utf-8").split("\n")
+    records = []
+    for number, line in enumerate(complete, start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise RecipeError(f"{path} line {number}: not JSON ({err.msg} at column {err.colno})") from None
+    try:
+        records.extend([json.loads(last)] if last.strip() else [])
+    except json.JSONDecodeError:
+        pass  # cut short
+    return records
 
 
 def copy_lines(source: Path, target: Path, keep: Optional[int]) -> None:

@@ -137,3 +137,32 @@ def test_an_environment_run_plots_its_episodes(tmp_path, finished_run):
     for name in ("episode", "episode_return"):
         pixels = _pixels(run / "report" / "plots" / f"{name}.png")
         assert len({tuple(px) for px in pixels.reshape(-1, pixels.shape[-1])[::7].tolist()}) > 20, name
+
+
+def test_a_metrics_line_being_written_is_left_out_and_a_broken_one_before_it_named(tmp_path, finished_run):
+    """The report of a running run (or one killed mid-write) meets a last line cut short: it
+    crashed with a JSONDecodeError traceback; now that line waits for the next report. A line
+    broken before the last is corruption: one line naming it, exit 2."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    complete = run.joinpath("metrics.jsonl").read_text(encoding="utf-8")
+    steps = [json.loads(line)["step"] for line in complete.splitlines()]
+    with open(run / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"step": 4, "objective/kl": 0.')
+    result = runner.invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == steps == [1, 2, 3]
+
+    lines = complete.splitlines()
+    lines[1] = lines[1][:-1]  # its closing brace lost
+    run.joinpath("metrics.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    broken = runner.invoke(app, ["report", str(run)])
+    assert broken.exit_code == 2
+    assert broken.stderr.startswith(f"error: {run / 'metrics.jsonl'} line 2: not JSON (")
+    assert len(broken.stderr.strip().splitlines()) == 1
+
+
+def test_a_last_line_without_its_line_break_is_read_when_it_is_whole(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text('{"a": 1}\n\n{"a": 2}', encoding="utf-8")  # as a hand-edited file may end
+    assert read_jsonl(path) == [{"a": 1}, {"a": 2}]
