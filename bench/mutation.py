@@ -167,6 +167,15 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
                                   "tests/test_packing.py::test_packing_is_refused_where_attention_crosses_rows"], []),
     "lora_ppo/config.py": (["tests/test_config.py", "tests/test_config_fuzz.py", "tests/test_recipes.py",
                             "tests/test_cli.py"], []),
+    "lora_ppo/trained.py": (["tests/test_trained.py"], []),
+    "lora_ppo/signals.py": (["tests/test_trainer_guards.py",
+                             "tests/test_sft_training.py::test_ctrl_c_saves_a_checkpoint_after_the_step_and_says_how_to_resume"],
+                            []),
+    "lora_ppo/tracking.py": (["tests/test_tracking.py", "tests/test_adapter_training.py"], []),
+    "lora_ppo/bnb_workarounds.py": (["tests/test_bnb_workarounds.py", "tests/test_memory_levers.py",
+                                     "tests/test_fused_4bit_decode.py"], []),
+    "lora_ppo/step_log.py": (["tests/test_step_metrics.py", "tests/test_alarms.py", "tests/test_progress.py",
+                              "tests/test_tracking.py", "tests/test_agent_episodes.py"], []),
 }
 
 # The numerical code issue #32 asks about (trainer, rollout and roles only in part), the layouts

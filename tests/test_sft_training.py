@@ -191,6 +191,7 @@ def test_ctrl_c_saves_a_checkpoint_after_the_step_and_says_how_to_resume(tmp_pat
     recipe.write_text(yaml.safe_dump(sft_recipe_dict(tiny_model_dir, *sft_data, tmp_path / "run", eval_every=0)))
     result = CliRunner().invoke(app, ["train-sft", str(recipe), "--no-progress"])
     assert result.exit_code == 130, result.output
+    assert "stopping after this step to save a checkpoint (again to abandon the step)" in result.stderr
     assert "interrupted at step 2: checkpoint saved to" in result.stderr
     assert f"resume with: lora-ppo train-sft {recipe} --resume auto" in result.stderr
     assert (tmp_path / "run" / "checkpoints" / "step-2" / "manifest.json").is_file()

@@ -124,13 +124,15 @@ def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(tmp_path, tiny_m
     recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run", save_every=0, eval=False)
     result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress"])
     assert result.exit_code == 130
+    assert "stopping after this step to save a checkpoint (again to abandon the step)" in result.stderr
     assert "interrupted at step 2: checkpoint saved to" in result.stderr
     assert f"resume with: lora-ppo train {recipe} --resume auto" in result.stderr
     assert (tmp_path / "run" / "checkpoints" / "step-2" / "manifest.json").is_file()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-def test_one_sigterm_abandons_a_step_stuck_in_a_reward_function_without_timeout(tmp_path, tiny_model_dir, monkeypatch):
+def test_one_sigterm_abandons_a_step_stuck_in_a_reward_function_without_timeout(tmp_path, tiny_model_dir, monkeypatch,
+                                                                                 capfd):
     """A reward with no reward.timeout_s that hangs at step 2: the first SIGTERM (sent from inside
     it, so the moment is fixed) abandons the step once it has been stuck STUCK_GRACE_S (0 here),
     instead of waiting for a second signal. Exit 130, step 1's checkpoint resumes."""
@@ -157,9 +159,44 @@ def test_one_sigterm_abandons_a_step_stuck_in_a_reward_function_without_timeout(
     finally:
         released.set()
     assert len(calls) == 2 and trainer.steps_done == 1
+    assert ("reward function hangs_at_step_2 is still running 0 s after the stop request: abandoning the step (the "
+            "run resumes from its newest checkpoint)") in capfd.readouterr().err
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-1"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     assert lora_ppo.PPOTrainer(recipe, reward_fn=hangs_at_step_2, progress=False, resume="auto").steps_done == 1
+
+
+def test_a_stuck_step_is_abandoned_before_the_kill_of_docker_stop():
+    """docker stop sends SIGKILL 10 s after its SIGTERM (Kubernetes after 30): a step stuck in
+    user code must be given up, with its line said, before that."""
+    from lora_ppo.signals import POLL_S, STUCK_GRACE_S
+
+    assert STUCK_GRACE_S + POLL_S < 10
+
+
+def test_the_watch_for_a_stuck_step_ends_with_the_steps(monkeypatch):
+    """A stop asked (the watch started) and the loop left: user code run afterwards (an evaluation's
+    reward, a later call from Python) is not interrupted by the finished run's watch."""
+    import threading
+
+    from lora_ppo import signals
+    from lora_ppo.rewards import USER_CODE
+
+    monkeypatch.setattr(signals, "STUCK_GRACE_S", 1e-6)  # above 0: no step is in user code while asked
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        with signals.stop_on_signals(announce=False) as request:
+            os.kill(os.getpid(), signal.SIGINT)  # the first: a stop is asked, the watch starts
+            assert request.requested and not received
+        watch = [t for t in threading.enumerate() if t.name == "stop-watch"]
+        monkeypatch.setattr(USER_CODE, "since", 0.0)  # now in user code, stuck since long ago
+        monkeypatch.setattr(USER_CODE, "what", "reward function late")
+        for thread in watch:
+            thread.join(timeout=60)
+        assert not any(t.is_alive() for t in watch) and received == []
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_step_is_stuck_only_while_in_user_code_after_the_request():
