@@ -123,7 +123,7 @@ def _check_choice(value: str, choices: tuple[str, ...], what: str) -> str:
     return value
 
 
-def _check_out(out: Path, checkpoint: Checkpoint, force: bool) -> Path:
+def _check_out(out: Path, checkpoint: Checkpoint, force: bool, model_name: str) -> Path:
     out = Path(out).expanduser()
     # Resolve the parent only: a link at `out` is replaced by the export, never followed.
     out = out.parent.resolve() / out.name
@@ -133,6 +133,12 @@ def _check_out(out: Path, checkpoint: Checkpoint, force: bool) -> Path:
     run_root = checkpoint.run.root.resolve()
     if any(run_root == o or run_root in o.parents for o in (out, out.resolve())):
         raise RecipeError(f"out: {out} is inside the run folder {run_root}; export to a folder outside it")
+    # Even with --force: the run's every later load (resume, eval, another export) would take the
+    # merged model for its base, and the original weights would be gone.
+    base = Path(model_name).expanduser()
+    if base.is_dir() and any(o == base.resolve() or o in base.resolve().parents for o in (out, out.resolve())):
+        raise RecipeError(f"out: {out} holds the base model the run trained on (model.name: {model_name}); "
+                          "export to another folder")
     if out.exists() or out.is_symlink():
         if not force:
             raise RecipeError(f"out: {out} already exists; pass --force (force=True) to replace it")
@@ -270,7 +276,7 @@ def merge_and_export(
     checkpoint = find_checkpoint(source)
     adapter_dir = check_adapter(checkpoint, adapter)
     recipe = load_recipe(checkpoint.run.recipe, schema=None)  # a PPO or a reward-model run
-    out = _check_out(Path(out), checkpoint, force)
+    out = _check_out(Path(out), checkpoint, force, recipe.model.name)
     if not adapter_only and base == "dequantized" and recipe.model.quantization == "none":
         raise RecipeError("base=dequantized: this run trained on unquantized weights "
                           "(model.quantization: none); use base=original")

@@ -177,6 +177,26 @@ def test_out_may_not_hold_the_checkpoint(run_copy):
     assert (run_copy / "final" / "policy" / "adapter_model.safetensors").is_file()
 
 
+def test_out_may_not_hold_the_base_model_even_with_force(run_copy, tiny_model_dir, tmp_path):
+    """`--out` naming the base model's folder (or one above it) with --force replaced the
+    original weights with the merged model, which every later load of the run then took for
+    its base."""
+    import yaml
+
+    base = tmp_path / "models" / "tiny"
+    shutil.copytree(tiny_model_dir, base)
+    recipe = yaml.safe_load((run_copy / "recipe.yaml").read_text())
+    recipe["model"]["name"] = str(base)
+    (run_copy / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    weights = (base / "model.safetensors").read_bytes()
+    for out in (base, base.parent):
+        result = runner.invoke(app, ["merge-and-export", str(run_copy), "--out", str(out), "--force"])
+        _one_error_line(result, 2, f"out: {out} holds the base model the run trained on (model.name: {base}); "
+                                   "export to another folder")
+    assert (base / "model.safetensors").read_bytes() == weights
+    assert merge_and_export(run_copy, tmp_path / "merged").out == tmp_path / "merged"  # elsewhere it exports
+
+
 @pytest.mark.parametrize("inside", ["final/merged", "exports/policy"])
 def test_out_may_not_be_inside_the_run(run_copy, inside):
     """An export inside final/ wrote hundreds of MB into the checkpoint; anywhere in the run it
