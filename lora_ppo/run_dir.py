@@ -35,6 +35,10 @@ EVAL_AFTER_FILE = "eval_after.jsonl"  # ... and after
 REPORT_DIR = "report"
 CHECKPOINTS_DIR = "checkpoints"
 FINAL_DIR = "final"
+# What a run writes in its folder (tracking.py's tracker folders too): anything else, hidden names
+# aside, is someone else's, and a folder holding it is not given to a run.
+RUN_ENTRIES = frozenset({RECIPE_FILE, METRICS_FILE, SAMPLES_FILE, SUMMARY_FILE, EVAL_BEFORE_FILE, EVAL_AFTER_FILE,
+                         REPORT_DIR, CHECKPOINTS_DIR, FINAL_DIR, "tensorboard", "wandb"})
 # Written last into a checkpoint: a folder with a manifest is complete, anything else is not.
 MANIFEST_FILE = "manifest.json"
 STATE_FILE = "trainer_state.json"
@@ -134,9 +138,27 @@ class RunDir:
         os.replace(self.root, target)
         return target
 
+    def foreign_entries(self) -> list[str]:
+        """The names in this folder that no run writes (hidden ones aside)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.name not in RUN_ENTRIES and not p.name.startswith("."))
+
     def refuse_if_taken(self, overwrite: bool) -> None:
         """A folder that holds a run with a checkpoint is refused unless the recipe says to start
-        over; one stopped before its first checkpoint is moved aside by `open` instead."""
+        over; one stopped before its first checkpoint is moved aside by `open` instead. A folder
+        holding anything else (a project with its own recipe.yaml, data and reward code) is never
+        taken: moving it aside would move the project."""
+        foreign = self.foreign_entries()
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise RecipeError(f"train.output_dir: {str(self.root)!r} holds files no run writes ({shown}); give the "
+                              "run a folder of its own (a new run moves an old one's folder aside)")
+        cwd = Path.cwd().resolve()
+        if self.holds_run() and (cwd == self.root.resolve() or self.root.resolve() in cwd.parents):
+            # Moved aside, the folder would take the shell's current folder with it, and `.` with it.
+            raise RecipeError(f"train.output_dir: {str(self.root)!r} holds a run and the current folder, which a new "
+                              "run cannot move aside; give the run a folder of its own")
         if self.has_checkpoint() and not overwrite:
             raise RecipeError(
                 f"train.output_dir: {str(self.root)!r} already holds a run; choose another folder "

@@ -4,6 +4,7 @@ run started over an old one keeps the old one."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -240,3 +241,75 @@ def test_write_jsonl_replaces_a_file_with_one_record_per_line(tmp_path):
     path.write_text('{"old": true}\n')
     write_jsonl(path, [{"prompt": "a", "score": 1.5}, {"prompt": "b", "score": -2}])
     assert path.read_text() == '{"prompt": "a", "score": 1.5}\n{"prompt": "b", "score": -2}\n'
+
+
+def _project(folder: Path) -> dict:
+    """A user's project folder: their own recipe.yaml, data and reward code. Returns its files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {"recipe.yaml": "train:\n  steps: 2\n", "prompts.jsonl": '{"prompt": "The film"}\n',
+             "my_reward.py": "def score(prompts, completions):\n    return [0.0] * len(completions)\n"}
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return files
+
+
+def test_a_project_folder_given_as_output_dir_is_refused_before_anything_loads_and_left_where_it_is(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """Its own recipe.yaml made the project folder look like a run stopped before its first
+    checkpoint: the run moved the whole project aside (recipe, data, reward code) and took its
+    place, overwrite or not."""
+    from typer.testing import CliRunner
+
+    from lora_ppo import parts
+    from lora_ppo.cli import app
+    from tests.conftest import write_recipe
+
+    monkeypatch.setattr(parts, "load_base_model", lambda cfg: pytest.fail("loaded the model first"))
+    project = tmp_path / "project"
+    files = _project(project)
+    for overwrite in ("false", "true"):
+        recipe = write_recipe(tmp_path / "r.yaml", tiny_model_dir, project)
+        result = CliRunner().invoke(app, ["train", str(recipe), f"train.overwrite={overwrite}", "--no-progress"])
+        assert result.exit_code == 2
+        assert result.stderr.strip() == (f"error: train.output_dir: {str(project)!r} holds files no run writes "
+                                         "(my_reward.py, prompts.jsonl); give the run a folder of its own (a new run "
+                                         "moves an old one's folder aside)")
+    assert {p.name: p.read_text() for p in project.iterdir()} == files
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("project")] == ["project"]
+
+
+def test_what_a_run_writes_is_a_run_folder_hidden_files_too(tmp_path):
+    """A run folder with its tracker logs, its report and a file the desktop adds (.DS_Store) is
+    still a run's: the next run with train.overwrite moves it aside whole."""
+    from lora_ppo.tracking import TENSORBOARD_DIR
+
+    run = RunDir(tmp_path / "run")
+    for name in ("recipe.yaml", "metrics.jsonl", "summary.json", ".DS_Store"):
+        (tmp_path / "run").mkdir(exist_ok=True)
+        (run.root / name).write_text("x")
+    for folder in (TENSORBOARD_DIR, "wandb", "report", "final", "checkpoints"):
+        (run.root / folder).mkdir()
+    _checkpoint(run.final / "done")
+    assert run.foreign_entries() == []
+    run.refuse_if_taken(overwrite=True)
+    (run.root / "notes.txt").write_text("mine")
+    assert run.foreign_entries() == ["notes.txt"]
+    with pytest.raises(RecipeError, match=r"holds files no run writes \(notes.txt\)"):
+        run.refuse_if_taken(overwrite=True)
+
+
+def test_the_current_folder_holding_a_run_is_refused_not_moved_with_the_shell_in_it(tmp_path, monkeypatch):
+    """`train.output_dir: .` a second time: moving the current folder aside took `.` with it, so
+    the new run wrote into the old one's folder."""
+    (tmp_path / "recipe.yaml").write_text("the last run's\n")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "checkpoints").mkdir()
+    for cwd in (tmp_path, tmp_path / "checkpoints"):  # the folder itself, and a folder inside it
+        monkeypatch.chdir(cwd)
+        for root in (".", str(tmp_path)) if cwd == tmp_path else ("..",):
+            with pytest.raises(RecipeError, match=f"^train.output_dir: {re.escape(repr(root))} holds a run and the "
+                                                  "current folder, which a new run cannot move aside"):
+                RunDir(root).refuse_if_taken(overwrite=True)
+    assert (tmp_path / "recipe.yaml").read_text() == "the last run's\n"
+    monkeypatch.chdir(tmp_path.parent)
+    RunDir(tmp_path).refuse_if_taken(overwrite=True)  # from elsewhere: moved aside as any old run
