@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -312,8 +313,8 @@ def estimate(
 
     if device not in ("cuda", "cpu"):
         _fail(f"--device must be cuda or cpu, got {device!r}")
-    if gpu_gb is not None and gpu_gb <= 0:
-        _fail(f"--gpu-gb must be > 0, got {gpu_gb:g}")
+    if gpu_gb is not None and not 0 < gpu_gb < math.inf:  # nan too
+        _fail(f"--gpu-gb must be a number of GB > 0, got {gpu_gb:g}")
     if num_processes < 1:
         _fail(f"--num-processes must be >= 1, got {num_processes}")
     cfg = _load_recipe(recipe, overrides, schema=None)

@@ -275,7 +275,10 @@ def test_estimate_says_when_it_does_not_fit(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("args, expected", [
     (["--device", "tpu"], "--device must be cuda or cpu"),
-    (["--gpu-gb", "-3"], "--gpu-gb must be > 0"),
+    (["--gpu-gb", "-3"], "--gpu-gb must be a number of GB > 0, got -3"),
+    # nan compared false with every size: "no batch size fits", exit 1, as if the card were too small
+    (["--gpu-gb", "nan"], "--gpu-gb must be a number of GB > 0, got nan"),
+    (["--gpu-gb", "inf"], "--gpu-gb must be a number of GB > 0, got inf"),
     (["model.name=/nonexistent/folder"], "model.name: folder not found"),
 ])
 def test_estimate_bad_input_is_one_line_exit_2(tiny_model_dir, tmp_path, args, expected):
