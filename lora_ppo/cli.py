@@ -441,6 +441,8 @@ def generate(
 
     if max_new_tokens is not None and max_new_tokens < 1:
         _fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if seed is not None and not 0 <= seed < 2**63:  # as train.seed; torch takes no more
+        _fail(f"--seed must be in [0, 2**63), got {seed}")
     _quiet_libraries()
     from lora_ppo.rewards import RewardError
     from lora_ppo.trained import generate as sample_trained

@@ -81,6 +81,9 @@ def test_bad_sources_and_options_fail_in_one_line(finished_run, tmp_path):
         (["eval", str(finished_run), "--samples", "0"], "--samples must be >= 1"),
         (["eval", str(finished_run), "--prompts", str(tmp_path / "none.txt")], "--prompts"),
         (["generate", str(finished_run), "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        # past 2**63 torch.manual_seed raised an overflow traceback; below 0 train.seed is refused too
+        (["generate", str(finished_run), "x", "--seed", str(2**64)], f"--seed must be in [0, 2**63), got {2**64}"),
+        (["generate", str(finished_run), "x", "--seed", "-1"], "--seed must be in [0, 2**63), got -1"),
         (["generate", str(finished_run), ""], "generate: a prompt is empty"),
     ]
     for args, expected in cases:
