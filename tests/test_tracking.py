@@ -56,6 +56,9 @@ def test_tensorboard_event_files_hold_every_step(tracked_run):
         assert [e.step for e in events] == [1, 2]
         assert [e.value for e in events] == pytest.approx([m[key] for m in metrics], rel=1e-6)
     assert "samples" in " ".join(acc.Tags()["tensors"])  # the samples table, as Markdown text
+    # Every number of a step's record, under its own name, and the step as the x-axis, not a metric.
+    assert set(acc.Tags()["scalars"]) == {k for m in metrics for k, v in m.items()
+                                          if k != "step" and isinstance(v, (int, float))}
 
 
 def _wandb_records(path: Path) -> list:
@@ -108,6 +111,9 @@ def test_trackio_writes_locally(tracked_run):
     assert proc.returncode == 0, proc.stderr[-2000:]
     logs = [entry for entry in json.loads(proc.stdout) if "objective/scores" in entry]
     assert [entry["step"] for entry in logs] == [1, 2]
+    tables = [(e["step"], e["samples"]["_value"]) for e in json.loads(proc.stdout) if "samples" in e]
+    written = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert tables == [(step, [r for r in written if r["step"] == step]) for step in (1, 2)]
     assert [entry["objective/scores"] for entry in logs] == pytest.approx(
         [m["objective/scores"] for m in _metrics(out)])
     assert list((root / "trackio").glob("*.db"))
@@ -162,6 +168,35 @@ def test_unknown_tracker_names_the_choices(tmp_path, tiny_model_dir):
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     result = CliRunner().invoke(app, ["validate", str(tmp_path / "r.yaml")])
     assert result.exit_code == 2 and "train.report_to" in result.stderr and "tensorboard" in result.stderr
+
+
+def test_a_python_caller_gets_its_tensorboard_logs_when_the_run_ends_and_the_samples_as_markdown(tmp_path):
+    """In a notebook the process does not exit after train(): the trackers are finished, so the
+    event file holds the steps (TensorBoard buffers them for two minutes). One sample row, with a
+    `|` and a line break of its own, is one row of the Markdown table."""
+    from accelerate import PartialState
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lora_ppo.tracking import TENSORBOARD_DIR, Trackers
+
+    PartialState()  # accelerate's trackers log from the main process, which this names
+    trackers = Trackers(["tensorboard"], tmp_path, "run")
+    trackers.start({"ppo": {"clip_eps": 0.2}})
+    trackers.log({"step": 3, "objective/scores": 0.25, "alarm/nan": 1.0}, step=3)
+    trackers.log_samples([{"step": 3, "prompt": "a | b", "completion": "one\ntwo", "score": 0.25}], step=3)
+    trackers.finish()
+    # Closed: a next run in the process (train.overwrite moves this folder aside) holds no file of it open.
+    assert trackers.trackers[0].writer.all_writers is None
+
+    acc = EventAccumulator(str(next((tmp_path / TENSORBOARD_DIR).rglob("events.out.tfevents.*")).parent))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == {"objective/scores", "alarm/nan"}
+    assert [(e.step, e.value) for e in acc.Scalars("objective/scores")] == [(3, 0.25)]
+    [text] = [t for t in acc.Tags()["tensors"] if "samples" in t]
+    [event] = acc.Tensors(text)
+    markdown = event.tensor_proto.string_val[0].decode()
+    assert markdown == ("| step | prompt | completion | score |\n|---|---|---|---|\n"
+                        "| 3 | a \\| b | one two | 0.25 |\n")
 
 
 def test_flat_config_joins_sections():
