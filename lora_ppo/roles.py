@@ -100,6 +100,32 @@ def module_targets(base_model: nn.Module, target_modules: Union[str, list[str]],
     return sorted(name for name in linears if any(names(name, t) for t in target_modules)) or target_modules
 
 
+@contextlib.contextmanager
+def adapter_of_this_model(base_model: nn.Module, folder: str, field: str) -> Iterator[None]:
+    """Load the adapter in `folder` (the recipe's `field`) inside this block, or refuse it in one
+    line as one trained on another model: PEFT fails with a traceback on layers this model does not
+    have (a GPT-2 adapter on a Llama) or on weights of other shapes (another size of the family)."""
+    config = json.loads((Path(folder) / "adapter_config.json").read_text(encoding="utf-8"))
+    trained_on = f"was trained on {config.get('base_model_name_or_path') or 'another model'}"
+    targets = config.get("target_modules")
+    if isinstance(targets, list):  # a string is a regular expression: PEFT says what it matched
+        modules = [name for name, _ in base_model.named_modules()]
+        missing = sorted(t for t in targets if not any(m == t or m.endswith(f".{t}") for m in modules))
+        if missing:
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise RecipeError(f"{field}: {folder} {trained_on}: this model has no layer {shown}")
+    try:
+        yield
+    except RuntimeError as err:
+        mismatch = re.search(r"size mismatch for (\S+): copying a param with shape (torch\.Size\(\[[\d, ]*\]\)) "
+                             r"from checkpoint, the shape in current model is (torch\.Size\(\[[\d, ]*\]\))", str(err))
+        if mismatch is None:
+            raise
+        name, theirs, ours = mismatch.groups()
+        raise RecipeError(f"{field}: {folder} {trained_on}: its weights have other shapes than this model's "
+                          f"({name.removeprefix('base_model.model.')}: {theirs[11:-1]} there, {ours[11:-1]} here)") from None
+
+
 def check_adapter_dir(path: str, field: str, head: Optional[str] = None) -> None:
     if not (Path(path) / "adapter_config.json").is_file():
         raise RecipeError(f"{field}: {path!r} is not a PEFT adapter folder (no adapter_config.json)")
@@ -346,22 +372,26 @@ class RoleModel(Backbone):
             lora_config(adapters.value, base_model, "adapters.value")
         with targets_kept_as_named():  # each adapter after the first keeps its layers on an MoE model
             if starts.policy:
-                peft = PeftModel.from_pretrained(base_model, starts.policy, adapter_name=POLICY, is_trainable=True)
+                with adapter_of_this_model(base_model, starts.policy, "adapters.policy.init_from"):
+                    peft = PeftModel.from_pretrained(base_model, starts.policy, adapter_name=POLICY, is_trainable=True)
             else:
                 peft = get_peft_model(base_model, policy_config, adapter_name=POLICY)
             self.has_value = with_value
             if with_value and starts.value:
-                peft.load_adapter(starts.value, adapter_name=VALUE, is_trainable=True)
+                with adapter_of_this_model(base_model, starts.value, "adapters.value.init_from"):
+                    peft.load_adapter(starts.value, adapter_name=VALUE, is_trainable=True)
             elif with_value:
                 peft.add_adapter(VALUE, value_config)
             # The reference is either the bare base (adapters disabled) or a frozen adapter of its own,
             # e.g. the SFT adapter the policy started from: then the policy trains a copy of it.
             self.reference_adapter: Optional[str] = starts.reference
             if self.reference_adapter:
-                peft.load_adapter(self.reference_adapter, adapter_name=REFERENCE, is_trainable=False)
+                with adapter_of_this_model(base_model, self.reference_adapter, "adapters.reference"):
+                    peft.load_adapter(self.reference_adapter, adapter_name=REFERENCE, is_trainable=False)
             self.reward_adapter = starts.reward
             if self.reward_adapter:
-                peft.load_adapter(self.reward_adapter, adapter_name=REWARD, is_trainable=False)
+                with adapter_of_this_model(base_model, self.reward_adapter, "reward.adapter"):
+                    peft.load_adapter(self.reward_adapter, adapter_name=REWARD, is_trainable=False)
         super().__init__(peft, base_name, numerics)
         # ppo.trim_padding: the scoring and update micro-batches cut to the columns their rows use.
         self.trim_padding = trim_padding
@@ -617,7 +647,8 @@ class SingleAdapterModel(Backbone):
 
         self.start = self.start_folder(settings)
         if self.start:
-            peft = PeftModel.from_pretrained(base_model, self.start, adapter_name=adapter_name, is_trainable=True)
+            with adapter_of_this_model(base_model, self.start, "adapter.init_from"):
+                peft = PeftModel.from_pretrained(base_model, self.start, adapter_name=adapter_name, is_trainable=True)
         else:
             peft = get_peft_model(base_model, lora_config(settings, base_model, "adapter", dropout),
                                   adapter_name=adapter_name)

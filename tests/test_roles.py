@@ -4,6 +4,8 @@ adapter keeps that adapter frozen as its reference."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -370,3 +372,63 @@ def test_a_target_module_no_layer_has_names_the_layers_there_are():
     with pytest.raises(RecipeError, match=r"^adapters.value.target_modules: 'c_atn', 'mlp.c_fc.x' names no module of "
                                           r"this model; its linear layers: c_attn, c_fc, c_proj$"):
         module_targets(gpt2, ["c_atn", "c_attn", "mlp.c_fc.x"], "adapters.value")
+
+
+def _foreign_adapter(folder, model, name: str) -> str:
+    """A LoRA adapter of `model` (another base than the tiny Llama's, known as `name`), saved as PEFT
+    saves one."""
+    from peft import LoraConfig, get_peft_model
+
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
+    targets = sorted(names & {"q_proj", "c_attn"})
+    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets)).save_pretrained(str(folder))
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": name}))
+    return str(folder)
+
+
+def test_an_adapter_of_another_model_is_refused_in_one_line_naming_the_field(tmp_path, tiny_model_dir):
+    """PEFT's own errors were tracebacks of 160 lines: an adapter whose layers this model lacks
+    (GPT-2's `c_attn` on a Llama), and one of a Llama with another hidden size (weights of other
+    shapes). Both are one line naming the recipe's field, through `train` and `train-sft`, before
+    any run folder is made."""
+    import yaml
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from typer.testing import CliRunner
+
+    from lora_ppo.cli import app
+    from tests.architectures import configs
+    from tests.conftest import tiny_recipe_dict
+    from tests.sft_helpers import demonstration_rows, sft_recipe_dict, write_jsonl
+
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    gpt2 = _foreign_adapter(tmp_path / "gpt2-adapter", AutoModelForCausalLM.from_config(configs(300)["gpt2"]),
+                            "org/tiny-gpt2")
+    narrow = _foreign_adapter(tmp_path / "narrow-adapter", LlamaForCausalLM(LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2)), "org/narrow-llama")
+
+    recipe = tmp_path / "ppo.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe_dict(tiny_model_dir, tmp_path / "run")))
+    result = CliRunner().invoke(app, ["train", str(recipe), f"adapters.policy.init_from={gpt2}", "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: adapters.policy.init_from: {gpt2} was trained on org/tiny-gpt2: this model has no layer c_attn")
+
+    result = CliRunner().invoke(app, ["train", str(recipe), f"adapters.reference={narrow}", "--no-progress"])
+    assert result.exit_code == 2 and result.stderr.strip().splitlines()[-1].startswith(
+        f"error: adapters.reference: {narrow} was trained on org/narrow-llama: its weights have other shapes"), \
+        result.output
+
+    data = write_jsonl(tmp_path / "d.jsonl", demonstration_rows(8))
+    sft = tmp_path / "sft.yaml"
+    sft.write_text(yaml.safe_dump(sft_recipe_dict(tiny_model_dir, data, data, tmp_path / "sft-run")))
+    result = CliRunner().invoke(app, ["train-sft", str(sft), f"adapter.init_from={narrow}", "--no-progress"])
+    assert result.exit_code == 2, result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: adapter.init_from: {narrow} was trained on org/narrow-llama: its weights have other "
+                           "shapes than this model's (model.layers.0.self_attn.q_proj.lora_A.")
+    assert last.endswith(".weight: [4, 32] there, [4, 64] here)")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "sft-run").exists()
