@@ -72,7 +72,7 @@ def test_packed_and_padded_batches_give_the_same_loss_and_gradients(trainer_for)
         for batch in batches:
             part = -trainer.model.target_logprobs(batch).sum() / targets
             part.backward()
-            loss += float(part)
+            loss += float(part.detach())
         return loss, [p.grad.clone() for p in params]
 
     padded = run([padded_batch(rows[:3], pad), padded_batch(rows[3:], pad)])
