@@ -77,8 +77,8 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None, with_prompts: bo
         reward_fn: a Python reward `f(prompts, completions) -> list[float]` that replaces the
             recipe's reward section.
         with_prompts, with_rewards: False leaves the data (no prompt sets) or the reward (no
-            source, no reward adapter) out: what sampling a trained run on other prompts needs
-            once its data or reward code is no longer where the recipe says.
+            source, no reward adapter, and no critic: nothing scores) out: what sampling a trained
+            run on other prompts needs once its data or reward code is no longer where the recipe says.
     """
     seed_everything(recipe.train.seed)
     tokenizer = load_tokenizer(recipe.model)
@@ -95,11 +95,12 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None, with_prompts: bo
     if not recipe.adapters.reference_enabled:
         log.warning("adapters.reference is 'none': no KL penalty; the policy may drift far from the base model")
     reward_adapter = None if reward_fn is not None or not with_rewards else recipe.reward.adapter_path
-    RoleModel.adapter_starts(recipe.adapters, reward_adapter)  # the adapter folders too: a typo fails fast
+    with_value = recipe.uses_critic and with_rewards  # sampling alone needs no critic (nor the reward it starts from)
+    RoleModel.adapter_starts(recipe.adapters, reward_adapter, with_value)  # the adapter folders too: a typo fails fast
     if reward_fn is None and with_rewards:
         check_classifiers(recipe.reward, recipe.model)  # and a reward classifier's name
     with quiet_loading():  # the Python API shows what the CLI shows: no loading bar or kernel notice
-        roles = RoleModel(load_base_model(recipe.model), recipe.adapters, with_value=recipe.uses_critic,
+        roles = RoleModel(load_base_model(recipe.model), recipe.adapters, with_value=with_value,
                           reward_adapter=reward_adapter, base_name=portable_name(recipe.model.name),
                           numerics=adapter_numerics(recipe.model), trim_padding=recipe.ppo.trim_padding,
                           packing=recipe.ppo.packing)

@@ -366,7 +366,7 @@ class RoleModel(Backbone):
                  numerics: AdapterNumerics = AdapterNumerics(), trim_padding: bool = True, packing: bool = False):
         from peft import PeftModel, get_peft_model
 
-        starts = self.adapter_starts(adapters, reward_adapter)
+        starts = self.adapter_starts(adapters, reward_adapter, with_value)
         # Both read off the bare model: once PEFT wraps a layer, its LoRA matrices are Linear layers too.
         policy_config, value_config = lora_config(adapters.policy, base_model, "adapters.policy"), \
             lora_config(adapters.value, base_model, "adapters.value")
@@ -441,14 +441,15 @@ class RoleModel(Backbone):
         return True
 
     @classmethod
-    def adapter_starts(cls, adapters: AdaptersConfig, reward_adapter: Optional[str]) -> AdapterStarts:
+    def adapter_starts(cls, adapters: AdaptersConfig, reward_adapter: Optional[str],
+                       with_value: bool = True) -> AdapterStarts:
         """The adapter folders the roles load, from the recipe's paths (RecipeError naming the field
         when one holds no adapter). Only the file system is read: `parts.build` asks before the base
         model's weights load, which takes minutes for a large model."""
         reward = adapter_folder(reward_adapter, "reward.adapter", (REWARD,), REWARD_HEAD_FILE) if reward_adapter else None
         policy = adapters.policy.init_from
         policy = adapter_folder(policy, "adapters.policy.init_from") if policy else None
-        value, value_head = cls._value_start(adapters.value.init_from, reward)
+        value, value_head = cls._value_start(adapters.value.init_from, reward) if with_value else (None, None)
         reference = adapters.reference_adapter_path
         reference = adapter_folder(reference, "adapters.reference") if reference else None
         return AdapterStarts(policy, value, value_head, reference, reward)

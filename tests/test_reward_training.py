@@ -504,3 +504,27 @@ def test_a_split_never_takes_more_than_a_fifth_of_the_pairs(tiny_tokenizer, tmp_
         train, held = load_preference_sets(PreferenceDataConfig(source=str(data)), tiny_tokenizer, seed=3)
     assert (len(train.pairs), len(held.pairs)) == (24, 6)
     assert "data.eval_size 256 would leave 0 of 30 pairs to train on: held out 6 (20%" in caplog.text
+
+
+def test_generate_samples_a_run_whose_critic_started_from_its_reward_adapter(reward_run, tiny_model_dir, tmp_path):
+    """`generate` loads neither the run's data nor its reward (a run folder copied without them
+    samples too), and no critic: one started from the reward adapter (`adapters.value.init_from:
+    reward`) was refused for want of the reward adapter generate had left out."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from lora_ppo import PPOTrainer, recipe_from_dict
+    from lora_ppo.cli import app
+    from tests.conftest import tiny_recipe_dict
+
+    run = tmp_path / "ppo"
+    recipe = recipe_from_dict(tiny_recipe_dict(
+        tiny_model_dir, run, reward={"kind": "adapter", "adapter": str(tmp_path / "reward"), "function": None},
+        adapters={"value": {"init_from": "reward"}}, train={"steps": 1, "eval": False}))
+    shutil.copytree(reward_run, tmp_path / "reward")
+    PPOTrainer(recipe, progress=False).train()
+    shutil.rmtree(tmp_path / "reward")  # the run taken to a machine without its reward model
+    result = CliRunner().invoke(app, ["generate", str(run), "The film was", "--json", "--max-new-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    assert 1 <= json.loads(result.stdout)["policy_tokens"] <= 3
