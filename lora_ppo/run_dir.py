@@ -138,6 +138,11 @@ class RunDir:
         os.replace(self.root, target)
         return target
 
+    def holds_run_records(self) -> bool:
+        """Whether a run wrote more here than its recipe (a project's own recipe.yaml looks like one):
+        files beside those are the user's additions to the run, and move aside with it."""
+        return any(p.exists() for p in (self.metrics, self.summary, self.eval_before, self.checkpoints, self.final))
+
     def foreign_entries(self) -> list[str]:
         """The names in this folder that no run writes (hidden ones aside)."""
         if not self.root.is_dir():
@@ -147,10 +152,10 @@ class RunDir:
     def refuse_if_taken(self, overwrite: bool) -> None:
         """A folder that holds a run with a checkpoint is refused unless the recipe says to start
         over; one stopped before its first checkpoint is moved aside by `open` instead. A folder
-        holding anything else (a project with its own recipe.yaml, data and reward code) is never
-        taken: moving it aside would move the project."""
+        holding other files and no run's records (a project with its own recipe.yaml, data and reward
+        code) is never taken: the next run would move the project aside."""
         foreign = self.foreign_entries()
-        if foreign:
+        if foreign and not self.holds_run_records():
             shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
             raise RecipeError(f"train.output_dir: {str(self.root)!r} holds files no run writes ({shown}); give the "
                               "run a folder of its own (a new run moves an old one's folder aside)")

@@ -278,22 +278,25 @@ def test_a_project_folder_given_as_output_dir_is_refused_before_anything_loads_a
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("project")] == ["project"]
 
 
-def test_what_a_run_writes_is_a_run_folder_hidden_files_too(tmp_path):
+def test_what_a_run_writes_is_a_run_folder_and_a_users_file_in_a_run_moves_aside_with_it(tmp_path):
     """A run folder with its tracker logs, its report and a file the desktop adds (.DS_Store) is
-    still a run's: the next run with train.overwrite moves it aside whole."""
+    a run's; so is one where the user saved a file of their own (eval records, notes) beside the
+    run's records: the next run with train.overwrite moves it aside whole. A recipe.yaml alone
+    beside such a file is not a run's."""
     from lora_ppo.tracking import TENSORBOARD_DIR
 
     run = RunDir(tmp_path / "run")
-    for name in ("recipe.yaml", "metrics.jsonl", "summary.json", ".DS_Store"):
-        (tmp_path / "run").mkdir(exist_ok=True)
+    run.root.mkdir()
+    for name in ("recipe.yaml", "summary.json", ".DS_Store"):
         (run.root / name).write_text("x")
-    for folder in (TENSORBOARD_DIR, "wandb", "report", "final", "checkpoints"):
+    for folder in (TENSORBOARD_DIR, "wandb", "report", "checkpoints"):
         (run.root / folder).mkdir()
-    _checkpoint(run.final / "done")
     assert run.foreign_entries() == []
-    run.refuse_if_taken(overwrite=True)
     (run.root / "notes.txt").write_text("mine")
     assert run.foreign_entries() == ["notes.txt"]
+    for records in ("summary.json", "checkpoints"):  # each alone is a run's record
+        run.refuse_if_taken(overwrite=True)
+        (run.root / records).unlink() if records.endswith(".json") else (run.root / records).rmdir()
     with pytest.raises(RecipeError, match=r"holds files no run writes \(notes.txt\)"):
         run.refuse_if_taken(overwrite=True)
 
