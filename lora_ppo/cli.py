@@ -404,8 +404,13 @@ def eval_command(
     from lora_ppo.evaluation import format_evaluation
     from lora_ppo.rewards import RewardError
     from lora_ppo.run_dir import write_jsonl
-    from lora_ppo.trained import evaluate_trained, prompts_from_file
+    from lora_ppo.trained import check_records_file, evaluate_trained, prompts_from_file
 
+    if out is not None:
+        try:
+            check_records_file(out, source)
+        except RecipeError as err:
+            _fail(str(err))
     trained = _load_trained(source, with_prompts=prompts is None)
     try:
         rows = prompts_from_file(trained, str(prompts)) if prompts is not None else None
@@ -418,7 +423,10 @@ def eval_command(
     except RewardError as err:
         _fail(str(err), code=1)
     if out is not None:
-        write_jsonl(out, evaluation.records)
+        try:
+            write_jsonl(out, evaluation.records)
+        except OSError as err:
+            _fail(f"--out: cannot write {out}: {err.strerror or first_line(err)}")
     if as_json:
         typer.echo(json.dumps({"checkpoint": str(trained.folder), "step": trained.step, **evaluation.scores}))
     else:

@@ -21,7 +21,7 @@ from lora_ppo.model import dequantized_once, model_context
 from lora_ppo.parts import Parts, build, evaluate_policy
 from lora_ppo.rewards import check_reward_columns
 from lora_ppo.roles import POLICY, REFERENCE
-from lora_ppo.run_dir import find_checkpoint
+from lora_ppo.run_dir import RUN_ENTRIES, find_checkpoint
 
 # Prompts of a --prompts file may be longer than the training limit, but not without bound (and
 # never past what the model's context leaves beside the new tokens).
@@ -55,6 +55,20 @@ def load_trained(source: str | Path, with_prompts: bool = True, with_rewards: bo
     conversational = any(isinstance(row.prompt, list) for row in parts.train_prompts.rows[:1]) if with_prompts \
         else trained_on_conversations(recipe.data)
     return Trained(recipe, found.folder, found.step, parts, conversational)
+
+
+def check_records_file(out: Path, source: str | Path) -> None:
+    """Refuse, before anything loads, an `eval --out` file that cannot take the records: a folder,
+    or a file of the run being evaluated (its checkpoints, metrics, held-out records), which the
+    records would replace."""
+    out = Path(out).expanduser()
+    if out.is_dir():
+        raise RecipeError(f"--out: {out} is a folder; name the file to write")
+    run = find_checkpoint(source).run
+    root, target = run.root.resolve(), out.parent.resolve() / out.name
+    inside = [folder.resolve() for folder in (run.checkpoints, run.final)]
+    if any(folder in target.parents for folder in inside) or (target.parent == root and target.name in RUN_ENTRIES):
+        raise RecipeError(f"--out: {out} is a file of the run {run.root}; name one outside its records")
 
 
 def prompts_from_file(trained: Trained, path: str) -> list[PromptRow]:

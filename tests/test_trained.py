@@ -80,6 +80,12 @@ def test_bad_sources_and_options_fail_in_one_line(finished_run, tmp_path):
         (["eval", str(tmp_path / "missing")], "checkpoint not found"),
         (["eval", str(finished_run), "--samples", "0"], "--samples must be >= 1"),
         (["eval", str(finished_run), "--prompts", str(tmp_path / "none.txt")], "--prompts"),
+        # Refused before the minutes of evaluating: a folder crashed the write at the end, and a file
+        # of the run was replaced by the records (a checkpoint's adapter_config.json, metrics.jsonl).
+        (["eval", str(finished_run), "--out", str(tmp_path)], f"--out: {tmp_path} is a folder; name the file"),
+        (["eval", str(finished_run), "--out", str(finished_run / "final" / "policy" / "adapter_config.json")],
+         f"is a file of the run {finished_run}; name one outside its records"),
+        (["eval", str(finished_run), "--out", str(finished_run / "eval_after.jsonl")], "is a file of the run"),
         (["generate", str(finished_run), "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         # past 2**63 torch.manual_seed raised an overflow traceback; below 0 train.seed is refused too
         (["generate", str(finished_run), "x", "--seed", str(2**64)], f"--seed must be in [0, 2**63), got {2**64}"),
@@ -287,3 +293,19 @@ def test_new_tokens_or_prompts_past_the_models_context_are_refused_in_one_line_n
     assert [json.loads(line)["prompt"] for line in records.read_text().splitlines()] == ["A short one"]
     assert (f"1 of the prompts in {prompts} have more than {context - 6} tokens and are left out (the model's "
             f"context of {context} tokens less 6 new ones)") in caplog.text  # tiny_recipe_dict's max_new_tokens
+
+
+def test_eval_records_that_cannot_be_written_are_one_line(finished_run, tmp_path, monkeypatch):
+    """A disk that fills up while the records are written: one line, exit 2, no traceback."""
+    import errno
+
+    from lora_ppo import run_dir
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run_dir, "write_file_atomically", full)
+    out = tmp_path / "records.jsonl"
+    result = runner.invoke(app, ["eval", str(finished_run), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: --out: cannot write {out}: No space left on device"
