@@ -27,8 +27,10 @@ def tracked_run(tmp_path_factory, tiny_model_dir):
     their folders from the environment at import)."""
     root = tmp_path_factory.mktemp("tracked")
     out = root / "run"
-    recipe = tiny_recipe_dict(tiny_model_dir, out, train={"steps": 2, "sample_every": 1, "eval": False,
-                                                          "report_to": ["tensorboard", "wandb", "trackio"]})
+    # 8 responses a step: the samples logged are 4 of them (train.sample_every's doc), in every tracker.
+    recipe = tiny_recipe_dict(tiny_model_dir, out, rollout={"batch_size": 8, "forward_batch_size": 4},
+                              train={"steps": 2, "sample_every": 1, "eval": False,
+                                     "report_to": ["tensorboard", "wandb", "trackio"]})
     (root / "r.yaml").write_text(yaml.safe_dump(recipe))
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
            "TRACKIO_DIR": str(root / "trackio"), "HF_HUB_OFFLINE": "1"}
@@ -114,6 +116,7 @@ def test_trackio_writes_locally(tracked_run):
     tables = [(e["step"], e["samples"]["_value"]) for e in json.loads(proc.stdout) if "samples" in e]
     written = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert tables == [(step, [r for r in written if r["step"] == step]) for step in (1, 2)]
+    assert [len(rows) for _, rows in tables] == [4, 4]
     assert [entry["objective/scores"] for entry in logs] == pytest.approx(
         [m["objective/scores"] for m in _metrics(out)])
     assert list((root / "trackio").glob("*.db"))
