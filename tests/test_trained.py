@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -73,6 +74,10 @@ def test_generate_policy_and_reference_side_by_side(finished_run):
     assert plain.exit_code == 0 and plain.stdout.startswith("prompt: The film opens with\n  policy: ")
     assert "reference:" not in plain.stdout
 
+    # Each prompt's own count: three responses of at most 2 tokens (every one has its first token).
+    three = runner.invoke(app, ["generate", str(finished_run), "A", "B", "C", "--max-new-tokens", "2", "--json"])
+    assert [1 <= json.loads(line)["policy_tokens"] <= 2 for line in three.stdout.splitlines()] == [True] * 3
+
 
 def test_bad_sources_and_options_fail_in_one_line(finished_run, tmp_path):
     cases = [
@@ -135,6 +140,8 @@ def test_a_run_on_conversations_formats_later_text_prompts_in_its_chat_template(
 
     trained = load_trained(tmp_path / "run")
     assert trained.conversational and not trained.recipe.data.chat_template
+    # From Python it is the whole run by default: its held-out prompts and its reward.
+    assert len(trained.parts.eval_prompts.rows) == 2 and trained.parts.rewards.sources
     seen = []
     real = Sampler.sample
 
@@ -309,3 +316,47 @@ def test_eval_records_that_cannot_be_written_are_one_line(finished_run, tmp_path
     result = runner.invoke(app, ["eval", str(finished_run), "--out", str(out), "--no-progress"])
     assert result.exit_code == 2
     assert result.stderr.strip() == f"error: --out: cannot write {out}: No space left on device"
+
+
+def test_the_room_a_prompt_has_is_the_context_less_the_new_tokens_and_at_most_4096(tmp_path):
+    """From the model's config alone: a context of 10,000 tokens leaves a prompt 4,096 (the cap on
+    prompts given after training, whatever the model); 256 leaves 256 less the new tokens; a model
+    without a position table (Bloom's ALiBi) has the cap alone. Each refusal says which bound it was."""
+    from types import SimpleNamespace
+
+    from transformers import BloomConfig, LlamaConfig
+
+    from lora_ppo.config import ModelConfig
+    from lora_ppo.errors import RecipeError
+    from lora_ppo.trained import _room_reason, prompt_room
+
+    def trained_on(config) -> SimpleNamespace:
+        folder = tmp_path / type(config).__name__ / str(getattr(config, "max_position_embeddings", "none"))
+        config.save_pretrained(folder)
+        return SimpleNamespace(recipe=SimpleNamespace(model=ModelConfig(name=str(folder))))
+
+    wide = trained_on(LlamaConfig(max_position_embeddings=10_000))
+    assert prompt_room(wide, 100, "rollout.max_new_tokens") == 4096
+    assert _room_reason(wide, 4096) == "the limit on prompts given after training"
+    narrow = trained_on(LlamaConfig(max_position_embeddings=256))
+    assert prompt_room(narrow, 6, "rollout.max_new_tokens") == 250
+    assert _room_reason(narrow, 250) == "the model's context of 256 tokens less 6 new ones"
+    with pytest.raises(RecipeError, match=r"^--max-new-tokens: 256 new tokens leave no room for a prompt in the "
+                                          r"model's context of 256 tokens$"):
+        prompt_room(narrow, 256, "--max-new-tokens")
+    alibi = trained_on(BloomConfig())
+    assert prompt_room(alibi, 10_000, "--max-new-tokens") == 4096
+    assert _room_reason(alibi, 4096) == "the limit on prompts given after training"
+
+
+def test_eval_records_may_go_beside_the_run_and_by_a_run_files_name_elsewhere(finished_run, tmp_path):
+    """Only the run's own files are refused: a file of one's own in the run folder, or a file named
+    metrics.jsonl anywhere else, takes the records."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    for out in (run / "heldout_records.jsonl", tmp_path / "metrics.jsonl"):
+        result = runner.invoke(app, ["eval", str(run), "--out", str(out), "--no-progress"])
+        assert result.exit_code == 0, result.output
+        assert len(out.read_text().splitlines()) == 4  # tiny_recipe_dict's eval_size, one sample each
