@@ -181,3 +181,31 @@ def test_a_ppo_run_computes_every_step_from_one_copy_and_lets_it_go_at_the_end(t
     trainer.train()
     assert len(kept) == 2 and kept[0] == kept[1]
     assert not any(KEPT_COPY in vars(m) for m in layers)
+
+
+def test_copies_are_in_each_layers_compute_dtype_and_let_go_after_the_context(roles):
+    """bitsandbytes dequantizes to the layer's compute dtype (float32 here on CPU), whatever dtype
+    the caller names for layers without one: the bytes counted and the copies made are float32,
+    and a context that does not ask to keep them leaves none behind."""
+    layers = bnb_4bit_layers(roles)
+    assert {m.compute_dtype for m in layers} == {torch.float32}
+    elements = sum(m.weight.quant_state.shape.numel() for m in layers)
+    assert dequantized_4bit_bytes(roles.peft, torch.bfloat16) == 4 * elements
+    with dequantized_4bit_layers(roles.peft, torch.bfloat16) as held:
+        assert held == 4 * elements
+        assert {m._lora_ppo_dequantized[0].dtype for m in layers} == {torch.float32}
+    assert not any(KEPT_COPY in vars(m) or "_lora_ppo_dequantized" in vars(m) for m in layers)
+
+
+def test_evaluating_keeps_the_4bit_layers_on_the_training_kernel_and_the_first_is_found(roles):
+    """`eval()` resets every module's training flag, which on AVX512-BF16 CPUs sends bitsandbytes to
+    a kernel without a backward (keep_4bit_weights_differentiable): eval_on_training_kernel sets it
+    back on every 4-bit layer and leaves the rest in eval mode."""
+    from lora_ppo.bnb_workarounds import eval_on_training_kernel, first_4bit_layer
+
+    eval_on_training_kernel(roles.peft)
+    layers = bnb_4bit_layers(roles)
+    assert all(m.training for m in layers)
+    assert not any(m.training for m in roles.peft.modules() if m not in layers)
+    assert first_4bit_layer(roles.peft) is layers[0]
+    assert first_4bit_layer(torch.nn.Linear(2, 2)) is None
