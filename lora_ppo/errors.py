@@ -11,6 +11,12 @@ class RecipeError(ValueError):
     """A recipe, override, dataset or model path that cannot be used, with the field named."""
 
 
+def some_of(names: list[str], shown: int = 3) -> str:
+    """The first `shown` names of a list for a one-line error, and how many more there are."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def first_line(err: BaseException) -> str:
     """The first non-empty line of an exception's message, or its type name when it has none:
     library errors often carry pages of context that would bury a one-line error."""

@@ -19,7 +19,7 @@ from torch import nn
 
 from lora_ppo.adapter_switch import AdapterSwitch
 from lora_ppo.config import AdaptersConfig, LoraSettings, RewardAdapterSettings
-from lora_ppo.errors import RecipeError, first_line
+from lora_ppo.errors import RecipeError, first_line, some_of
 from lora_ppo.logprobs import token_logprobs
 from lora_ppo.bnb_workarounds import eval_on_training_kernel
 from lora_ppo.compiled_update import CompiledLayers, layer_step
@@ -77,19 +77,15 @@ def module_targets(base_model: nn.Module, target_modules: Union[str, list[str]],
     alike (Qwen3-MoE, DeepSeek, GLM-4.5 MoE) as the transformers-4 name of the fused experts too.
     Experts get LoRA only through `target_parameters`. RecipeError naming the field for a name no
     module has (PEFT's matching: the whole name or its dotted end)."""
-    def names(name: str, target: str) -> bool:
-        return name == target or name.endswith(f".{target}")
-
     head = base_model.get_output_embeddings()
     linears = [name for name, module in base_model.named_modules()
                if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"]  # GPT-2's layers
     if target_modules != "all-linear":
-        modules = [name for name, _ in base_model.named_modules()]
-        missing = [t for t in target_modules if not any(names(m, t) for m in modules)]
+        missing = missing_targets(base_model, target_modules)
         if missing:
             layers = sorted({n.rsplit(".", 1)[-1] for n in linears if base_model.get_submodule(n) is not head})
             experts = sorted(re.sub(r"^.*?\.\d+\.", "", n) for n in fused_expert_parameters(base_model)
-                             if any(names(n, t) for t in missing))
+                             if any(_names(n, t) for t in missing))
             hint = f"; expert weights go in {section}.target_parameters ({experts[0]})" if experts else ""
             raise RecipeError(f"{section}.target_modules: {', '.join(map(repr, missing))} names no module of this "
                               f"model; its linear layers: {', '.join(layers)}{hint}")
@@ -97,7 +93,18 @@ def module_targets(base_model: nn.Module, target_modules: Union[str, list[str]],
         return target_modules
     if target_modules == "all-linear":
         return sorted(name for name in linears if base_model.get_submodule(name) is not head)
-    return sorted(name for name in linears if any(names(name, t) for t in target_modules)) or target_modules
+    return sorted(name for name in linears if any(_names(name, t) for t in target_modules)) or target_modules
+
+
+def _names(name: str, target: str) -> bool:
+    """Whether the module `name` is what the target names (PEFT's matching: the whole name or its dotted end)."""
+    return name == target or name.endswith(f".{target}")
+
+
+def missing_targets(base_model: nn.Module, targets: Sequence[str]) -> list[str]:
+    """The targets no module of `base_model` answers to."""
+    modules = [name for name, _ in base_model.named_modules()]
+    return [t for t in targets if not any(_names(m, t) for m in modules)]
 
 
 @contextlib.contextmanager
@@ -109,11 +116,9 @@ def adapter_of_this_model(base_model: nn.Module, folder: str, field: str) -> Ite
     trained_on = f"was trained on {config.get('base_model_name_or_path') or 'another model'}"
     targets = config.get("target_modules")
     if isinstance(targets, list):  # a string is a regular expression: PEFT says what it matched
-        modules = [name for name, _ in base_model.named_modules()]
-        missing = sorted(t for t in targets if not any(m == t or m.endswith(f".{t}") for m in modules))
+        missing = sorted(missing_targets(base_model, targets))
         if missing:
-            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-            raise RecipeError(f"{field}: {folder} {trained_on}: this model has no layer {shown}")
+            raise RecipeError(f"{field}: {folder} {trained_on}: this model has no layer {some_of(missing)}")
     try:
         yield
     except RuntimeError as err:

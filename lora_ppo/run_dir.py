@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lora_ppo.atomic import write_file_atomically
-from lora_ppo.errors import RecipeError, first_line
+from lora_ppo.errors import RecipeError, first_line, some_of
 
 RECIPE_FILE = "recipe.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -156,8 +156,7 @@ class RunDir:
         code) is never taken: the next run would move the project aside."""
         foreign = self.foreign_entries()
         if foreign and not self.holds_run_records():
-            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-            raise RecipeError(f"train.output_dir: {str(self.root)!r} holds files no run writes ({shown}); give the "
+            raise RecipeError(f"train.output_dir: {str(self.root)!r} holds files no run writes ({some_of(foreign)}); give the "
                               "run a folder of its own (a new run moves an old one's folder aside)")
         cwd = Path.cwd().resolve()
         if self.holds_run() and (cwd == self.root.resolve() or self.root.resolve() in cwd.parents):
