@@ -127,7 +127,11 @@ def _check_out(out: Path, checkpoint: Checkpoint, force: bool, model_name: str) 
     out = Path(out).expanduser()
     # Resolve the parent only: a link at `out` is replaced by the export, never followed.
     out = out.parent.resolve() / out.name
-    if any(o == checkpoint.folder or o in checkpoint.folder.parents for o in (out, out.resolve())):
+
+    def holds(folder: Path) -> bool:  # `out` is `folder` or above it, as named or where its link leads
+        return any(o == folder or o in folder.parents for o in (out, out.resolve()))
+
+    if holds(checkpoint.folder):
         raise RecipeError(f"out: {out} holds the checkpoint being exported; choose another folder")
     # Inside the run, an export would be copied, moved and resumed with the checkpoints it sits beside.
     run_root = checkpoint.run.root.resolve()
@@ -136,7 +140,7 @@ def _check_out(out: Path, checkpoint: Checkpoint, force: bool, model_name: str) 
     # Even with --force: the run's every later load (resume, eval, another export) would take the
     # merged model for its base, and the original weights would be gone.
     base = Path(model_name).expanduser()
-    if base.is_dir() and any(o == base.resolve() or o in base.resolve().parents for o in (out, out.resolve())):
+    if base.is_dir() and holds(base.resolve()):
         raise RecipeError(f"out: {out} holds the base model the run trained on (model.name: {model_name}); "
                           "export to another folder")
     if out.exists() or out.is_symlink():
