@@ -42,9 +42,12 @@ class Section(BaseModel):
 
     # Unknown keys are errors: a typo in a recipe must not silently fall back to a default.
     # NaN and inf are never meaningful settings (a NaN learning rate passes every `gt` check).
+    # An empty string names no model, file, column or folder (`data.source=` on the command line
+    # read as the recipe's own folder); a field where empty means something says so (min_length=0).
     # Each field's description is the docstring below it (docs/recipe.md is generated from them).
     model_config = ConfigDict(
-        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False, use_attribute_docstrings=True
+        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False, use_attribute_docstrings=True,
+        str_min_length=1,
     )
 
 
@@ -445,7 +448,7 @@ class DataConfig(Section):
     """Wrap each text prompt as a user message in the tokenizer's chat template; off: text is given to the
     model as it is. Conversations always go through the chat template.
     """
-    system_prompt: Optional[str] = None
+    system_prompt: Optional[str] = Field(None, min_length=0)  # "" reads as none, as it always has
     """A system message put first in every prompt's conversation (conversations that have their own keep
     it). Text prompts take one only with `chat_template: true`.
     """
@@ -931,7 +934,7 @@ class PreferenceDataConfig(Section):
     """Wrap text prompts in the tokenizer's chat template, as the PPO recipe that will use this reward
     model formats its prompts; conversations always go through it.
     """
-    system_prompt: Optional[str] = None
+    system_prompt: Optional[str] = Field(None, min_length=0)  # "" reads as none, as it always has
     """A system message first in every templated prompt, as in the PPO recipe."""
     max_length: int = Field(512, gt=0)
     """Longer pairs (prompt + response, in tokens) are dropped and counted."""
@@ -1048,7 +1051,7 @@ class SFTDataConfig(Section):
     template, as the PPO recipe that starts from this adapter formats its prompts (its
     `data.chat_template`); conversations always go through the template.
     """
-    system_prompt: Optional[str] = None
+    system_prompt: Optional[str] = Field(None, min_length=0)  # "" reads as none, as it always has
     """A system message first in every templated row (conversations that have one keep theirs), as in
     the PPO recipe.
     """
@@ -1266,8 +1269,24 @@ def _union_members(errors: list[dict]) -> list[dict]:
     return members if len(set(tags)) > 1 and not all(tag.isidentifier() for tag in tags) else []
 
 
+def _inside_a_member(errors: list[dict]) -> list[dict]:
+    """A Union field's value that has one member's type but a bad part (`[q_proj, '']` for
+    `'all-linear' or list[str]`): that member's error first, its tag left out of the loc (the value's
+    type already says which member was meant), then the other fields' errors."""
+    field, first_tag = errors[0]["loc"][:-1], (errors[0]["loc"] or (None,))[-1]
+    if not isinstance(first_tag, str) or first_tag.isidentifier():
+        return errors
+    for e in errors[1:]:
+        loc = e["loc"]
+        tag = loc[len(field)] if len(loc) > len(field) + 1 and loc[:len(field)] == field else None
+        if isinstance(tag, str) and not tag.isidentifier():  # a member's tag, not a list index or field
+            others = [o for o in errors if o["loc"][:len(field)] != field]
+            return [{**e, "loc": (*field, *loc[len(field) + 1:])}, *others]
+    return errors
+
+
 def _format_validation_error(err: ValidationError, schema: type[Section]) -> str:
-    errors = err.errors()
+    errors = _inside_a_member(err.errors())
     first = errors[0]
     path = ".".join(_path_part(p) for p in first["loc"])
     msg = first["msg"].removeprefix("Value error, ")
@@ -1280,6 +1299,8 @@ def _format_validation_error(err: ValidationError, schema: type[Section]) -> str
         line = _unknown_field(tuple(first["loc"]), schema)
     elif first["type"] == "missing":
         line = f"{path}: required field is missing"
+    elif first["type"] == "string_too_short":
+        line = f"{path}: must not be empty"
     elif path and first["type"] == "value_error" and isinstance(first.get("input"), dict):
         line = f"{path}.{msg}"  # a section's own check, naming fields relative to the section
     elif path:

@@ -59,7 +59,8 @@ A recipe is YAML with up to seven sections: {", ".join(f"`{name}`" for name in R
 Every field has a default, so a recipe names only what it changes. Unknown keys are errors:
 a misspelt key is named in a one-line error, with the closest known field when there is one, and
 so is a key set twice in one mapping (a section written again lower down), which YAML alone would
-read as the last one, dropping the first's settings.
+read as the last one, dropping the first's settings. A text field may not be empty (`data.source=`
+names no file); only `data.system_prompt: ""` is taken, as no system prompt.
 
 Any field can be overridden on the command line as `section.field=value`; values are YAML
 (`3`, `true`, `[q_proj, v_proj]`). `~section.field` removes a field the recipe sets, so its default

@@ -310,6 +310,28 @@ def test_a_bad_list_entry_is_named_by_its_index():
         "rollout.tools.1: Input should be a valid string (got 5)"
 
 
+@pytest.mark.parametrize("overrides, expected", [
+    (["model.name="], "model.name: must not be empty"),
+    (["data.source="], "data.source: must not be empty"),
+    (["data.eval_source="], "data.eval_source: must not be empty"),
+    (["train.output_dir="], "train.output_dir: must not be empty"),
+    (["rollout.tools=[calculator, '']"], "rollout.tools.1: must not be empty"),
+    # A list for `'all-linear' or list[str]`: the list's bad entry, not the union's two types.
+    (["adapters.policy.target_modules=[q_proj, '']"], "adapters.policy.target_modules.1: must not be empty"),
+    (["adapters.policy.target_modules=[q_proj, 3]", "train.steps=-1"],
+     "adapters.policy.target_modules.1: Input should be a valid string (got 3) (and 1 more problem)"),
+])
+def test_an_empty_name_path_or_column_is_refused_naming_the_field(overrides, expected):
+    """`data.source=` on the command line read as the recipe's own folder, and `model.name=` failed
+    only once the tokenizer loaded."""
+    assert _error({}, overrides) == expected
+
+
+@pytest.mark.parametrize("schema", [Recipe, RewardRecipe, SFTRecipe])
+def test_an_empty_system_prompt_is_still_accepted_as_none(schema):
+    assert recipe_from_dict({"data": {"system_prompt": ""}}, schema=schema).data.system_prompt == ""
+
+
 def test_invalid_yaml_names_the_problem_and_where(tmp_path):
     from lora_ppo.config import load_recipe
 
