@@ -177,9 +177,10 @@ def check_text_file(path: Path, field_name: str) -> None:
 
 def _one_builder(files: list[str], field_name: str) -> str:
     suffixes = {Path(f).suffix.lower() for f in files}
-    unknown = sorted(s or "(none)" for s in suffixes if s not in FILE_BUILDERS)
-    if unknown:
-        raise RecipeError(f"{field_name}: unsupported file type {unknown[0]!r} (use {', '.join(FILE_BUILDERS)})")
+    unknown = [f for f in files if Path(f).suffix.lower() not in FILE_BUILDERS]
+    if unknown:  # the file named: a folder of data files may hold another (a run folder's recipe.yaml)
+        kind = Path(unknown[0]).suffix.lower() or "(none)"
+        raise RecipeError(f"{field_name}: {unknown[0]}: unsupported file type {kind!r} (use {', '.join(FILE_BUILDERS)})")
     builders = {FILE_BUILDERS[s] for s in suffixes}
     if len(builders) > 1:
         raise RecipeError(f"{field_name}: files of different types ({', '.join(sorted(suffixes))}); use one type")

@@ -144,8 +144,19 @@ def test_unsupported_and_missing_files(tmp_path):
     with pytest.raises(RecipeError, match="file not found"):
         load_rows(str(tmp_path / "none.jsonl"), "train")
     (tmp_path / "p.xml").write_text("<a/>")
-    with pytest.raises(RecipeError, match="unsupported file type '.xml'"):
+    with pytest.raises(RecipeError, match="p.xml: unsupported file type '.xml'"):
         load_rows(str(tmp_path / "p.xml"), "train")
+
+
+def test_a_folder_holding_a_file_of_another_type_names_that_file(tmp_path):
+    """`--prompts RUN_FOLDER` (or a data folder with a notes file) said only "unsupported file type
+    '.yaml'", of a file the user never named."""
+    _write(tmp_path / "a.jsonl", [{"prompt": "hi"}])
+    (tmp_path / "recipe.yaml").write_text("model: {}\n")
+    with pytest.raises(RecipeError) as err:
+        load_rows(str(tmp_path), "train", field_name="--prompts")
+    assert str(err.value) == (f"--prompts: {tmp_path / 'recipe.yaml'}: unsupported file type '.yaml' "
+                              "(use .jsonl, .json, .csv, .parquet, .txt)")
 
 
 def test_bad_rows_are_dropped_and_counted_per_reason(tokenizer):
