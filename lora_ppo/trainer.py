@@ -95,6 +95,7 @@ class PPOTrainer:
         self.logprob_tolerance = LOGPROB_TOLERANCE[dtype]
         self.logprobs_checked = False  # the first step this process runs stops the run on a failed self-check
         self._opened = False  # the run folder and step log, opened by train() or the first step()
+        self._closed = False  # final/ written by train() or close(): a later step() would not reach it
         self.step_log = StepLog(recipe, self.run, self.progress, tuple(self.parts.rewards.side), dtype)
         if self.resume_from is not None:
             self.resume_from, self.state = checkpoint.load_newest(self.run, self.resume_from, str(resume) == "auto",
@@ -142,6 +143,7 @@ class PPOTrainer:
             if main:
                 self.step_log.close()
         self.save_checkpoint(self.run.final)
+        self._closed = True
         after = self.evaluate(self.run.eval_after)
         release_dequantized_copies(self.roles.peft)  # the run's last use of them
         summary = build_summary(
@@ -374,6 +376,9 @@ class PPOTrainer:
         if self.world.size > 1:
             raise RecipeError("step(): rollouts given from Python train in one process; use train() with "
                               "--num-processes")
+        if self._closed:
+            raise RuntimeError(f"step(): this trainer's run in {self.run.root} is closed (final/ written, its log "
+                               "closed); to go on, make a new trainer with resume='auto'")
         if not self._opened:
             self._open_for_steps()
         t_start = time.perf_counter()
@@ -397,6 +402,7 @@ class PPOTrainer:
         if self._opened and self.world.is_main:
             self.step_log.close()
         self.save_checkpoint(self.run.final)
+        self._closed = True
         release_dequantized_copies(self.roles.peft)
 
     # ---- evaluation, run folder and checkpoints ---------------------------------------------

@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.conftest import tiny_recipe_dict
@@ -25,8 +26,9 @@ def test_the_documented_step_loop_trains_and_logs_each_step(tmp_path, tiny_model
     code = code.replace('"recipes/quickstart.yaml"', repr(str(recipe))).replace("runs/my-loop", str(tmp_path / "loop"))
     monkeypatch.chdir(tmp_path)
     printed = io.StringIO()
+    namespace: dict = {}
     with contextlib.redirect_stdout(printed):
-        exec(compile(code, str(DOC), "exec"), {})
+        exec(compile(code, str(DOC), "exec"), namespace)
 
     lines = printed.getvalue().splitlines()
     assert len(lines) == 2 and all(len(line.split()) == 3 for line in lines)
@@ -35,3 +37,9 @@ def test_the_documented_step_loop_trains_and_logs_each_step(tmp_path, tiny_model
     # what was printed is what was logged
     assert [float(line.split()[0]) for line in lines] == [m["objective/scores"] for m in metrics]
     assert (tmp_path / "loop" / "final" / "manifest.json").is_file()
+
+    # One more step after close() was logged past final/, which no resume would ever reach.
+    samples = namespace["samples"]
+    with pytest.raises(RuntimeError, match="is closed"):
+        namespace["trainer"].step(samples.queries(), samples.completion_ids(), [0.0] * len(samples.completions))
+    assert len((tmp_path / "loop" / "metrics.jsonl").read_text().splitlines()) == 2

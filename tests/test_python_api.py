@@ -189,4 +189,7 @@ def test_train_again_on_the_same_trainer_is_refused_and_leaves_its_run_where_it_
     finished = files()
     with pytest.raises(RuntimeError, match="has started already"):
         again.train()
+    # step() after a finished train() logged a step past final/ into the closed log.
+    with pytest.raises(RuntimeError, match=r"is closed \(final/ written, its log closed\); to go on, make a new trainer"):
+        again.step([[1, 2]], [[3, 4]], [1.0])
     assert files() == finished and not list(tmp_path.glob("run.old-*"))
