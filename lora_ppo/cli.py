@@ -281,9 +281,12 @@ def _run(command: str, recipe: Path, overrides: Optional[List[str]], start, summ
         _fail(f"cannot write {where}: {err.strerror}; {after}")
     except KeyboardInterrupt:
         # Stopped before its first checkpoint, a run has nothing to resume: rerunning starts over.
+        again = " ".join([str(recipe), *(overrides or []), *extra_args])
         if summarise is not None and trainer is not None and trainer.run.has_checkpoint():
-            again = " ".join([str(recipe), *(overrides or []), *extra_args])
             typer.echo(f"resume with: lora-ppo {command} {again} --resume auto", err=True)
+        elif summarise is not None:  # else Ctrl-C in the model's load or the first evaluation ended in silence
+            typer.echo(f"interrupted before the first checkpoint: nothing to resume; lora-ppo {command} {again} "
+                       "starts over", err=True)
         raise typer.Exit(EXIT_INTERRUPTED)
     if summarise is not None:  # None: a data-parallel process other than the main one, which prints
         typer.echo(summarise(summary))

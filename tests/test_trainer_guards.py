@@ -223,6 +223,8 @@ def test_a_run_stopped_before_its_first_checkpoint_is_started_over(tmp_path, tin
     recipe = write_recipe(tmp_path / "tiny.yaml", tiny_model_dir, tmp_path / "run", steps=1)
     result = CliRunner().invoke(app, ["train", str(recipe), "--no-progress"])
     assert result.exit_code == 130 and "resume with" not in result.stderr
+    assert result.stderr.splitlines()[-1] == (f"interrupted before the first checkpoint: nothing to resume; lora-ppo "
+                                              f"train {recipe} starts over")
     assert (tmp_path / "run" / "recipe.yaml").is_file() and not (tmp_path / "run" / "final").exists()
 
     monkeypatch.undo()
