@@ -447,7 +447,7 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (default: the recipe's train.seed)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per prompt."),
 ) -> None:
-    """Sample the trained policy (as the run samples) on prompts given on the command line."""
+    """Sample the trained policy (as the run samples; an SFT run's adapter greedily) on prompts given on the command line."""
     import json
 
     if max_new_tokens is not None and max_new_tokens < 1:

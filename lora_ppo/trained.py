@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 from lora_ppo import checkpoint
 from lora_ppo.agents.episodes import run_episodes, transcript_text
-from lora_ppo.config import Recipe, SFTRecipe, load_recipe
+from lora_ppo.config import Recipe, SFTDataConfig, SFTRecipe, load_recipe
 from lora_ppo.data import (TOO_LONG, PromptRow, load_rows, prepare_rows, text_prompt_format,
                            trained_on_conversations)
 from lora_ppo.errors import RecipeError
@@ -47,14 +47,52 @@ def load_trained(source: str | Path, with_prompts: bool = True, with_rewards: bo
     `eval --prompts`, on a run copied to a machine without its data or its reward's code)."""
     found = find_checkpoint(source)
     recipe = load_recipe(found.run.recipe, schema=None)
+    if isinstance(recipe, SFTRecipe) and not (with_prompts or with_rewards):
+        ppo = sft_sampling_recipe(recipe, found.folder / POLICY)
+        parts = build(ppo, with_prompts=False, with_rewards=False)  # the adapter loads as the policy's start
+        return Trained(ppo, found.folder, found.step, parts, sft_on_conversations(recipe.data))
+    if isinstance(recipe, SFTRecipe):
+        raise RecipeError(f"{source}: an SFT run has no reward to evaluate (its held-out loss is in summary.json, "
+                          "its answers in `lora-ppo report`); generate takes it, eval takes a PPO run")
     if not isinstance(recipe, Recipe):
-        kind = "an SFT" if isinstance(recipe, SFTRecipe) else "a reward-model"
-        raise RecipeError(f"{source}: {kind} run; eval and generate take a PPO run")
+        raise RecipeError(f"{source}: a reward-model run; eval and generate take a PPO run")
     parts = build(recipe, with_prompts=with_prompts, with_rewards=with_rewards)
     checkpoint.load_adapters(found.folder, parts.roles, (POLICY,))
     conversational = any(isinstance(row.prompt, list) for row in parts.train_prompts.rows[:1]) if with_prompts \
         else trained_on_conversations(recipe.data)
     return Trained(recipe, found.folder, found.step, parts, conversational)
+
+
+def sft_sampling_recipe(sft: SFTRecipe, policy: Path) -> Recipe:
+    """The PPO recipe that samples an SFT run's adapter `policy` as its report does: greedily (top-k
+    1), up to its data.eval_max_new_tokens, its prompts formatted by its data section, and the bare
+    base model (what SFT started from) as the reference to compare with."""
+    return Recipe(
+        model=sft.model, adapters={"policy": {"init_from": str(policy)}, "reference": "disable"},
+        reward={"kind": "none"}, train={"seed": sft.train.seed},
+        # generate gives each prompt its own room (prompt_room); the context check needs a number
+        data={"chat_template": sft.data.chat_template, "system_prompt": sft.data.system_prompt, "max_prompt_tokens": 1},
+        rollout={"max_new_tokens": sft.data.eval_max_new_tokens, "top_k": 1},
+    )
+
+
+def sft_on_conversations(cfg: SFTDataConfig) -> bool:
+    """Whether an SFT run's prompts went through the chat template: with data.chat_template, and for
+    conversations (a messages column, or a prompt or completion given as turns), read off the data
+    source's first row; False, with a warning, when the source can no longer be read."""
+    if cfg.format == "text":
+        return False
+    if cfg.chat_template or cfg.format == "messages":
+        return True
+    try:
+        rows, columns = load_rows(cfg.source, cfg.split, cfg.name, cfg.revision)
+    except RecipeError as err:
+        log.warning("%s: text prompts are formatted by data.chat_template alone", err)
+        return False
+    first = rows[0] if rows else {}
+    if cfg.format == "auto" and cfg.messages_column in columns:
+        return True
+    return any(isinstance(first.get(column), list) for column in (cfg.prompt_column, cfg.completion_column))
 
 
 def check_records_file(out: Path, source: str | Path) -> None:

@@ -196,7 +196,51 @@ def test_ctrl_c_saves_a_checkpoint_after_the_step_and_says_how_to_resume(tmp_pat
     assert f"resume with: lora-ppo train-sft {recipe} --resume auto" in result.stderr
     assert (tmp_path / "run" / "checkpoints" / "step-2" / "manifest.json").is_file()
     refused = CliRunner().invoke(app, ["eval", str(tmp_path / "run" / "checkpoints" / "step-2")])
-    assert refused.exit_code == 2 and refused.stderr.strip().endswith("an SFT run; eval and generate take a PPO run")
+    assert refused.exit_code == 2 and refused.stderr.strip().endswith("generate takes it, eval takes a PPO run")
+
+
+def test_generate_samples_an_sft_run_greedily_as_its_report_does(sft_run):
+    """`lora-ppo generate` on an SFT run (it refused: "eval and generate take a PPO run"): the
+    adapter's greedy answers, which the run's own after-samples are (checked token by token
+    against a plain forward above), and with --compare-reference the bare base's, which its
+    before-samples are (the fresh adapter adds nothing)."""
+    before = [json.loads(line) for line in (sft_run / "eval_before.jsonl").read_text().splitlines()]
+    after = [json.loads(line) for line in (sft_run / "eval_after.jsonl").read_text().splitlines()]
+    prompts = [record["prompt"] for record in after]
+    result = CliRunner().invoke(app, ["generate", str(sft_run), *prompts, "--compare-reference", "--json"])
+    assert result.exit_code == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["policy"] for r in records] == [r["completion"] for r in after]
+    assert [r["reference"] for r in records] == [r["completion"] for r in before]
+    assert [r["policy"] for r in records] != [r["reference"] for r in records]  # SFT changed the answers
+
+
+@pytest.mark.parametrize("rows, data, expected", [
+    ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}], {}, True),
+    ([{"prompt": "hi", "completion": " yo"}], {}, False),
+    ([{"prompt": "hi", "completion": " yo"}], {"chat_template": True}, True),
+    ([{"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}],
+     {}, True),
+    ([{"text": "hi yo"}], {}, False),
+    ([{"chat": [{"role": "user", "content": "hi"}]}], {"messages_column": "chat"}, True),
+])
+def test_an_sft_runs_prompts_are_read_as_conversations_where_it_trained_on_them(tmp_path, rows, data, expected):
+    from lora_ppo.config import SFTDataConfig
+    from lora_ppo.trained import sft_on_conversations
+
+    source = write_jsonl(tmp_path / "d.jsonl", rows)
+    assert sft_on_conversations(SFTDataConfig(source=str(source), **data)) is expected
+
+
+def test_an_sft_run_whose_data_is_gone_formats_prompts_by_its_chat_template_setting(tmp_path, caplog):
+    from lora_ppo.config import SFTDataConfig
+    from lora_ppo.trained import sft_on_conversations
+
+    gone = str(tmp_path / "gone.jsonl")
+    assert sft_on_conversations(SFTDataConfig(source=gone)) is False
+    assert "file not found" in caplog.text
+    assert sft_on_conversations(SFTDataConfig(source=gone, chat_template=True)) is True
+    assert sft_on_conversations(SFTDataConfig(source=gone, format="messages")) is True
 
 
 def test_trackers_and_counted_long_rows(tmp_path, tiny_model_dir, sft_data, caplog):
