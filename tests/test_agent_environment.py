@@ -69,6 +69,26 @@ def test_a_class_factory_gets_the_columns_its_init_names():
     assert (env.target, env.level) == ("5", 2)
 
 
+def test_prompts_without_a_column_the_factory_requires_are_refused_naming_it():
+    """Checked before an episode starts: the first episode failed with Python's "missing 1
+    required positional argument"."""
+    from lora_ppo.agents.environment import check_environment_columns
+
+    class Game:
+        def __init__(self, prompt, target, level=0, *, seed, **rest):
+            pass
+
+    check_environment_columns(Game, NAME, ["target", "seed"], "'p.jsonl'")  # optional ones may be absent
+    with pytest.raises(RecipeError) as err:
+        check_environment_columns(Game, NAME, ["level", "seed"], "'p.jsonl'", "; a hint")
+    assert str(err.value) == ("rollout.environment: my_env:Game takes the column 'target', which 'p.jsonl' does not "
+                              "have (columns besides the prompt: level, seed); a hint")
+    with pytest.raises(RecipeError, match="takes the column 'seed', .* \\(columns besides the prompt: none\\)"):
+        check_environment_columns(lambda prompt, *, seed: None, NAME, [], "x")
+    check_environment_columns(lambda **columns: None, NAME, [], "x")  # takes whatever there is
+    check_environment_columns(dict, NAME, [], "x")  # no signature to read: as EnvironmentSession, everything
+
+
 # ---- what reset() and step() may return ----------------------------------------------------------
 
 

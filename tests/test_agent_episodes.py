@@ -211,6 +211,43 @@ def test_generate_on_an_environment_recipe_plays_episodes_that_step_takes_back(t
     assert metrics["response/length"] == pytest.approx(sum(map(sum, masks)) / 2)
 
 
+def test_prompts_without_a_column_the_environment_takes_are_refused_before_an_episode(tmp_path, tiny_model_dir,
+                                                                                      monkeypatch):
+    """An environment that takes `answer`: training data without it is refused before the weights
+    load, and so are prompts given to generate() or `lora-ppo generate` (they have no columns) and an
+    `eval --prompts` file without it. Each failed at the first episode, with Python's "missing 1
+    required positional argument"."""
+    from lora_ppo import parts
+    from lora_ppo.errors import RecipeError
+    from tests.sft_helpers import write_jsonl
+
+    env = {"environment": "tests.agent_envs:NeedsAnswer"}
+    with monkeypatch.context() as patched:
+        patched.setattr(parts, "load_base_model", lambda cfg: pytest.fail("the weights loaded"))
+        with pytest.raises(RecipeError) as err:
+            trainer(tmp_path, tiny_model_dir, env)
+    assert str(err.value) == ("rollout.environment: tests.agent_envs:NeedsAnswer takes the column 'answer', which "
+                              "'builtin:movie_review_openers' does not have (columns besides the prompt: none)")
+
+    answered = write_jsonl(tmp_path / "answered.jsonl", [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(8)])
+    bare = write_jsonl(tmp_path / "bare.jsonl", [{"prompt": "2 + 2 ="}])
+    with pytest.raises(RecipeError, match=f"which '{bare}' does not have"):  # the held-out prompts too
+        trainer(tmp_path, tiny_model_dir, env, data={**EPISODES, "source": str(answered), "eval_source": str(bare)})
+    t = trainer(tmp_path, tiny_model_dir, env, data={**EPISODES, "source": str(answered)}, train={"steps": 1})
+    with pytest.raises(ValueError, match="which a prompt given to generate\\(\\) does not have"):
+        t.generate(["3 + 3 ="])
+    t.train()
+
+    run = str(tmp_path / "run")
+    given = CliRunner().invoke(app, ["generate", run, "3 + 3 ="])
+    assert given.exit_code == 2 and given.stderr.strip().endswith(
+        "which a prompt given on the command line does not have (columns besides the prompt: none); "
+        "`lora-ppo eval RUN --prompts FILE` takes prompts with their columns")
+    filed = CliRunner().invoke(app, ["eval", run, "--prompts", str(bare)])
+    assert filed.exit_code == 2 and f"takes the column 'answer', which '{bare}' does not have" in filed.stderr
+    assert CliRunner().invoke(app, ["eval", run, "--prompts", str(answered), "--samples", "1"]).exit_code == 0
+
+
 def test_an_environment_that_raises_stops_the_run_in_one_line_and_keeps_the_checkpoint(tmp_path, tiny_model_dir):
     agent_envs.CREATED.clear()
     recipe = tiny_recipe_dict(tiny_model_dir, tmp_path / "run", data=EPISODES,

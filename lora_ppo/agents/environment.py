@@ -62,6 +62,22 @@ def _row_arguments(factory: Callable[..., Any], row: PromptRow) -> dict[str, Any
     return {p.name: offered[p.name] for p in params if p.name in offered}
 
 
+def check_environment_columns(factory: Callable[..., Any], name: str, columns: list[str], source: str,
+                              hint: str = "") -> None:
+    """Refuse, before an episode starts (and where it can, before the weights load), prompts
+    without a column the environment's factory requires by name: it failed at the first episode
+    with Python's "missing 1 required positional argument"."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return
+    missing = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               and p.name != "prompt" and p.name not in columns]
+    if missing:
+        raise RecipeError(f"rollout.environment: {name} takes the column {missing[0]!r}, which {source} does not have "
+                          f"(columns besides the prompt: {', '.join(columns) or 'none'}){hint}")
+
+
 def describe_row(row: PromptRow) -> str:
     text = row.prompt if isinstance(row.prompt, str) else (row.prompt[-1].get("content", "") if row.prompt else "")
     return repr(text if len(text) <= 60 else text[:57] + "...")
