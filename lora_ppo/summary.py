@@ -49,7 +49,9 @@ def format_summary(summary: dict) -> str:
     names = [key[len("heldout_"):-len("_before")] for key in summary
              if key.startswith("heldout_") and key.endswith("_before") and not key.endswith(f"{SE_SUFFIX}_before")]
     lines = [f"held-out {'mean score' if name == 'score' else name}: {with_se(name, 'before')} -> {with_se(name, 'after')}"
-             for name in names]
+             for name in names if (summary.get(f"heldout_{name}_before"), summary.get(f"heldout_{name}_after")) != (None, None)]
+    if not lines:  # not "n/a -> n/a", which reads as a failed evaluation
+        lines = ["held-out: not evaluated (train.eval: false, or no held-out prompts)"]
     adapters = " and ".join(f"final/{name}" for name in summary["adapters"])
     lines += [
         f"final KL: {fmt(summary.get('final_kl'))}",

@@ -36,3 +36,13 @@ def test_summary_json_holds_each_held_out_score_before_and_after_with_its_standa
         "adapters": ["policy", "value"],
     }
     assert list(summary)[1:3] == ["heldout_score_before", "heldout_score_after"]
+
+
+def test_a_run_without_a_held_out_evaluation_says_so_instead_of_n_a():
+    """train.eval: false printed "held-out mean score: n/a -> n/a", which reads as a failed evaluation."""
+    lines = format_summary(build_summary(2, {}, {}, 0.5, 8.0, 1.5, "runs/x", ["policy"])).splitlines()
+    assert lines[0] == "held-out: not evaluated (train.eval: false, or no held-out prompts)"
+    assert lines[1] == "final KL: 0.500"
+    # A score measured only before (a run stopped in its last evaluation) still shows what there is.
+    half = build_summary(2, {"score": 0.25}, {}, None, 8.0, 1.5, "runs/x", ["policy"])
+    assert format_summary(half).splitlines()[:2] == ["held-out mean score: 0.250 -> n/a", "final KL: n/a"]
