@@ -8,6 +8,7 @@ run time. Every bad value becomes a one-line `RecipeError` naming the field path
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional, Union, get_args
 
@@ -49,6 +50,14 @@ class Section(BaseModel):
         extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False, use_attribute_docstrings=True,
         str_min_length=1,
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _paths_as_text(cls, data: Any) -> Any:
+        """From Python a file or folder is naturally a pathlib.Path (`tmp_path / "run"`): taken as its text."""
+        if isinstance(data, dict):
+            return {key: os.fspath(value) if isinstance(value, os.PathLike) else value for key, value in data.items()}
+        return data
 
 
 # model.dequantize_per_step auto: the share of the memory free after loading that the dequantized

@@ -66,6 +66,8 @@ Any field can be overridden on the command line as `section.field=value`; values
 (`3`, `true`, `[q_proj, v_proj]`). `~section.field` removes a field the recipe sets, so its default
 applies: `~reward.kind ~reward.function "reward.sources=[...]"` turns a one-source recipe into a mix.
 `lora-ppo validate RECIPE [overrides]` prints the fully resolved recipe without loading anything.
+From Python, `lora_ppo.recipe_from_dict` takes the same sections as a dict, with a `pathlib.Path`
+wherever a file or folder is named.
 
 The column "on resume" says whether a resumed run (`--resume`) may set the field differently
 from the run's `recipe.yaml`: `may change` fields alter how long a run goes, what it logs or

@@ -327,6 +327,18 @@ def test_an_empty_name_path_or_column_is_refused_naming_the_field(overrides, exp
     assert _error({}, overrides) == expected
 
 
+def test_a_path_object_is_taken_wherever_a_recipe_names_a_file_or_folder(tmp_path):
+    """From Python, `recipe_from_dict({"train": {"output_dir": tmp_path / "run"}})` was refused: "Input
+    should be a valid string (got PosixPath(...))"."""
+    recipe = recipe_from_dict({"model": {"name": tmp_path / "model"}, "data": {"source": tmp_path / "p.jsonl"},
+                               "adapters": {"policy": {"init_from": tmp_path / "sft"}},
+                               "train": {"output_dir": tmp_path / "run"}})
+    assert (recipe.model.name, recipe.data.source, recipe.adapters.policy.init_from, recipe.train.output_dir) == \
+        (str(tmp_path / "model"), str(tmp_path / "p.jsonl"), str(tmp_path / "sft"), str(tmp_path / "run"))
+    sft = recipe_from_dict({"data": {"source": tmp_path / "d.jsonl"}, "sft": {}}, schema=SFTRecipe)
+    assert sft.data.source == str(tmp_path / "d.jsonl")
+
+
 @pytest.mark.parametrize("schema", [Recipe, RewardRecipe, SFTRecipe])
 def test_an_empty_system_prompt_is_still_accepted_as_none(schema):
     assert recipe_from_dict({"data": {"system_prompt": ""}}, schema=schema).data.system_prompt == ""
