@@ -1408,6 +1408,20 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def as_recipe(recipe: Any, schema: type[Section], who: str) -> Any:
+    """A trainer's recipe as given from Python: a validated `schema`, a dict of its sections
+    (validated here) or a recipe file's path (read); anything else is a TypeError naming what it
+    takes (it was an AttributeError about `model_copy`)."""
+    if isinstance(recipe, schema):
+        return recipe
+    if isinstance(recipe, dict):
+        return recipe_from_dict(recipe, schema=schema)
+    if isinstance(recipe, (str, os.PathLike)):
+        return load_recipe(recipe, schema=schema)
+    raise TypeError(f"{who}: recipe must be a {schema.__name__}, a dict of its sections or a recipe file's path, "
+                    f"got {type(recipe).__name__}")
+
+
 def load_recipe(path: str | Path, overrides: list[str] = (), schema: Optional[type[Section]] = Recipe) -> Any:
     """Read and validate a YAML recipe file: a `Recipe`, the `schema` given, or with
     `schema=None` whichever the file is (`recipe_schema`)."""

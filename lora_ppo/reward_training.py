@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from lora_ppo.adapter_training import AdapterTrainer
 from lora_ppo.builtin_model import portable_name
-from lora_ppo.config import RewardRecipe
+from lora_ppo.config import RewardRecipe, as_recipe
 from lora_ppo.data import PreferencePair, drop_counts_text, load_preference_sets
 from lora_ppo.memory import run_peak_gb
 from lora_ppo.model import dequantized_once, load_base_model
@@ -64,8 +64,9 @@ class RewardTrainer(AdapterTrainer):
     what, unit = "a reward adapter", "pairs"  # what the command says it trains, on how many what
     adapters = (REWARD,)
 
-    def __init__(self, recipe: RewardRecipe, progress: bool = True, resume: Optional[str | Path] = None):
-        super().__init__(recipe, progress, resume)
+    def __init__(self, recipe: RewardRecipe | dict | str | Path, progress: bool = True,
+                 resume: Optional[str | Path] = None):
+        super().__init__(as_recipe(recipe, RewardRecipe, "RewardTrainer"), progress, resume)
         recipe = self.recipe
         # Data before weights: a bad dataset fails in seconds.
         self.train_pairs, self.eval_pairs = load_preference_sets(recipe.data, self.tokenizer, recipe.train.seed)

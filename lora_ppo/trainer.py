@@ -19,7 +19,7 @@ from lora_ppo.agents.given import rollout_from_tokens
 from lora_ppo.alarms import LOGPROB_TOLERANCE, first_step_logprob_error
 from lora_ppo.bnb_workarounds import release_dequantized_copies
 from lora_ppo.compiled_update import CompiledLayers
-from lora_ppo.config import Recipe, recipe_to_yaml, with_absolute_paths
+from lora_ppo.config import Recipe, as_recipe, recipe_to_yaml, with_absolute_paths
 from lora_ppo.data import PromptFormat, PromptProblem, PromptStream, count_summary
 from lora_ppo.distributed import World, join_world
 from lora_ppo.errors import RecipeError
@@ -62,9 +62,10 @@ class PPOTrainer:
     """
 
     def __init__(
-        self, recipe: Recipe, reward_fn: Optional[Callable] = None, progress: bool = True,
+        self, recipe: Recipe | dict | str | Path, reward_fn: Optional[Callable] = None, progress: bool = True,
         resume: Optional[str | Path] = None, world: Optional[World] = None,
     ):
+        recipe = as_recipe(recipe, Recipe, "PPOTrainer")
         # What the run trains on is what its recipe.yaml says: a reward_fn by its importable name,
         # or `reward.kind: python`, never the recipe's own reward section it replaced.
         recipe = recipe.model_copy(update={"reward": recorded_reward(recipe.reward, reward_fn)})

@@ -193,3 +193,30 @@ def test_train_again_on_the_same_trainer_is_refused_and_leaves_its_run_where_it_
     with pytest.raises(RuntimeError, match=r"is closed \(final/ written, its log closed\); to go on, make a new trainer"):
         again.step([[1, 2]], [[3, 4]], [1.0])
     assert files() == finished and not list(tmp_path.glob("run.old-*"))
+
+
+def test_a_trainer_takes_its_recipe_as_a_dict_or_a_file_and_says_what_it_takes_otherwise(tmp_path, tiny_model_dir):
+    """`PPOTrainer({...})` or `PPOTrainer("recipe.yaml")` raised AttributeError: 'dict' object has no
+    attribute 'model_copy'."""
+    import yaml
+
+    from lora_ppo.config import SFTRecipe
+    from lora_ppo.reward_training import RewardTrainer
+    from lora_ppo.sft.trainer import SFTTrainer
+
+    data = tiny_recipe_dict(tiny_model_dir, tmp_path / "run", train={"steps": 1, "eval": False})
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(data))
+    expected = lora_ppo.recipe_from_dict(data)
+    for given in (data, str(tmp_path / "recipe.yaml"), tmp_path / "recipe.yaml"):
+        assert lora_ppo.PPOTrainer(given, progress=False).recipe.model_dump() == \
+            lora_ppo.PPOTrainer(expected, progress=False).recipe.model_dump()
+    with pytest.raises(lora_ppo.RecipeError, match="train.stpes: unknown field"):
+        lora_ppo.PPOTrainer({"train": {"stpes": 1}})
+    sft = lora_ppo.recipe_from_dict({"sft": {}}, schema=SFTRecipe)
+    for trainer, given, name in ((lora_ppo.PPOTrainer, sft, "SFTRecipe"), (SFTTrainer, 3, "int"),
+                                 (RewardTrainer, expected, "Recipe")):
+        with pytest.raises(TypeError) as err:
+            trainer(given)
+        wanted = {lora_ppo.PPOTrainer: "Recipe", SFTTrainer: "SFTRecipe", RewardTrainer: "RewardRecipe"}[trainer]
+        assert str(err.value) == (f"{trainer.__name__}: recipe must be a {wanted}, a dict of its sections or a "
+                                  f"recipe file's path, got {name}")

@@ -16,7 +16,7 @@ import torch
 
 from lora_ppo.adapter_training import AdapterTrainer
 from lora_ppo.builtin_model import portable_name
-from lora_ppo.config import SFTRecipe
+from lora_ppo.config import SFTRecipe, as_recipe
 from lora_ppo.data import drop_counts_text
 from lora_ppo.memory import run_peak_gb
 from lora_ppo.model import check_row_length, dequantized_once, load_base_model
@@ -53,8 +53,9 @@ class SFTTrainer(AdapterTrainer):
     adapters = (POLICY,)
     eval_metric = "sft/eval_{}"
 
-    def __init__(self, recipe: SFTRecipe, progress: bool = True, resume: Optional[str | Path] = None):
-        super().__init__(recipe, progress, resume)
+    def __init__(self, recipe: SFTRecipe | dict | str | Path, progress: bool = True,
+                 resume: Optional[str | Path] = None):
+        super().__init__(as_recipe(recipe, SFTRecipe, "SFTTrainer"), progress, resume)
         recipe = self.recipe
         check_row_length(recipe.model, recipe.data.max_length, "data.max_length")
         # Data before weights: a bad dataset fails in seconds.
