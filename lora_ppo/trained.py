@@ -45,7 +45,8 @@ def load_trained(source: str | Path, with_prompts: bool = True, with_rewards: bo
     or a checkpoint folder) loaded. Raises RecipeError for a missing or unusable checkpoint.
 
     `with_prompts` / `with_rewards` False: the run's data / reward are not loaded (`generate`, and
-    `eval --prompts`, on a run copied to a machine without its data or its reward's code)."""
+    `eval --prompts`, on a run copied to a machine without its data or its reward's code). With
+    both False an SFT run loads too, as `sft_sampling_recipe` samples it; else it is refused."""
     found = find_checkpoint(source)
     recipe = load_recipe(found.run.recipe, schema=None)
     if isinstance(recipe, SFTRecipe) and not (with_prompts or with_rewards):
@@ -67,7 +68,7 @@ def load_trained(source: str | Path, with_prompts: bool = True, with_rewards: bo
 def sft_sampling_recipe(sft: SFTRecipe, policy: Path) -> Recipe:
     """The PPO recipe that samples an SFT run's adapter `policy` as its report does: greedily (top-k
     1), up to its data.eval_max_new_tokens, its prompts formatted by its data section, and the bare
-    base model (what SFT started from) as the reference to compare with."""
+    base model (no adapter at all) as the reference to compare with."""
     return Recipe(
         model=sft.model, adapters={"policy": {"init_from": str(policy)}, "reference": "disable"},
         reward={"kind": "none"}, train={"seed": sft.train.seed},

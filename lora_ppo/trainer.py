@@ -52,7 +52,7 @@ class PPOTrainer:
     """Build every part of a PPO run from a recipe, then `train()`.
 
     Args:
-        recipe: a validated `Recipe`.
+        recipe: a validated `Recipe`, a dict of its sections (`recipe_from_dict`) or a recipe file's path.
         reward_fn: optional Python reward `f(prompts, completions) -> list[float]`; overrides
             the recipe's reward section (handy from Python).
         progress: show a progress bar.
