@@ -19,7 +19,7 @@ from lora_ppo.agents.given import rollout_from_tokens
 from lora_ppo.alarms import LOGPROB_TOLERANCE, first_step_logprob_error
 from lora_ppo.bnb_workarounds import release_dequantized_copies
 from lora_ppo.compiled_update import CompiledLayers
-from lora_ppo.config import Recipe, as_recipe, recipe_to_yaml, with_absolute_paths
+from lora_ppo.config import Recipe, as_recipe, recipe_from_dict, recipe_to_yaml, with_absolute_paths
 from lora_ppo.data import PromptFormat, PromptProblem, PromptStream, count_summary
 from lora_ppo.distributed import World, join_world
 from lora_ppo.errors import RecipeError
@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 
 class TrainingHalted(RuntimeError):
     """Too many updates in a row were skipped for NaN/inf; a checkpoint was saved first."""
+
+
+# What generate(**settings) may change of the recipe's sampling for one call.
+GENERATE_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "stop_token")
 
 
 class PPOTrainer:
@@ -359,7 +363,7 @@ class PPOTrainer:
             rows = [fmt.row(prompt) for prompt in prompts]
         except PromptProblem as problem:
             raise ValueError(f"generate: a prompt cannot be used: {problem}") from None
-        sampler = self.sampler.with_settings(**settings) if settings else self.sampler
+        sampler = self.sampler.with_settings(**self._checked_settings(settings)) if settings else self.sampler
         with dequantized_once(self.roles.peft, self.recipe.model):
             episodes = self.parts.episodes
             if episodes is not None:
@@ -368,6 +372,19 @@ class PPOTrainer:
                                               "a prompt given to generate()")
                 return run_episodes(sampler, rows, episodes)
             return sampler.sample(rows)
+
+    def _checked_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """generate()'s sampling settings, checked as the recipe's rollout section is: a misspelt
+        name or a temperature of 0 was taken as given (`model_copy` validates nothing)."""
+        unknown = sorted(set(settings) - set(GENERATE_SETTINGS))
+        if unknown:
+            raise ValueError(f"generate: unknown setting {unknown[0]!r} (it takes {', '.join(GENERATE_SETTINGS)})")
+        recipe = self.recipe.model_dump(mode="json")
+        try:
+            recipe_from_dict({**recipe, "rollout": {**recipe["rollout"], **settings}})
+        except RecipeError as err:
+            raise ValueError(f"generate: {err}") from None
+        return settings
 
     def step(self, queries: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
              scores: Sequence[float], action_mask: Optional[Sequence[Sequence[bool]]] = None) -> dict[str, float]:

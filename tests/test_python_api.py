@@ -220,3 +220,20 @@ def test_a_trainer_takes_its_recipe_as_a_dict_or_a_file_and_says_what_it_takes_o
         wanted = {lora_ppo.PPOTrainer: "Recipe", SFTTrainer: "SFTRecipe", RewardTrainer: "RewardRecipe"}[trainer]
         assert str(err.value) == (f"{trainer.__name__}: recipe must be a {wanted}, a dict of its sections or a "
                                   f"recipe file's path, got {name}")
+
+
+def test_generate_checks_its_settings_as_the_recipe_is_checked(tmp_path, tiny_model_dir):
+    """`trainer.generate(prompts, temprature=0.5)` sampled at the recipe's temperature, and
+    `temperature=0` was taken as given: the settings were copied in unchecked."""
+    recipe = lora_ppo.recipe_from_dict(tiny_recipe_dict(tiny_model_dir, tmp_path / "run", train={"eval": False}))
+    trainer = lora_ppo.PPOTrainer(recipe, progress=False)
+    with pytest.raises(ValueError) as err:
+        trainer.generate(["The film"], temprature=0.5)
+    assert str(err.value) == ("generate: unknown setting 'temprature' (it takes max_new_tokens, temperature, top_k, "
+                              "top_p, stop_token)")
+    with pytest.raises(ValueError, match=r"^generate: rollout.temperature: Input should be greater than 0 \(got 0\)$"):
+        trainer.generate(["The film"], temperature=0)
+    with pytest.raises(ValueError, match=r"^generate: rollout.max_new_tokens: Input should be greater than 0"):
+        trainer.generate(["The film"], max_new_tokens=0)
+    samples = trainer.generate(["The film", "A movie"], max_new_tokens=3, temperature=0.5)
+    assert samples.response_mask.sum(dim=1).max() <= 3
