@@ -181,8 +181,10 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
                                      "tests/test_fused_4bit_decode.py"], ["-k", "not kernel_compiles"]),
     "lora_ppo/step_log.py": (["tests/test_step_log.py", "tests/test_step_metrics.py", "tests/test_alarms.py",
                               "tests/test_progress.py", "tests/test_tracking.py", "tests/test_agent_episodes.py"], []),
-    "lora_ppo/report.py": (["tests/test_report.py", "tests/test_sft_training.py::test_report_shows_the_loss_and_the_samples_before_and_after"],
-                           []),
+    "lora_ppo/report.py": (["tests/test_report_plots.py", "tests/test_report.py",
+                            "tests/test_sft_training.py::test_report_shows_the_loss_and_the_samples_before_and_after"], []),
+    "lora_ppo/errors.py": (["tests/test_errors.py"], []),
+    "lora_ppo/progress.py": (["tests/test_progress.py"], []),
 }
 
 # The numerical code issue #32 asks about (trainer, rollout and roles only in part), the layouts

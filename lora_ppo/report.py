@@ -97,6 +97,7 @@ def render_plot(plot: Plot, metrics: list[dict]) -> bytes:
 
     matplotlib.use("Agg")  # headless
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=110)
     lines = []
@@ -105,6 +106,7 @@ def render_plot(plot: Plot, metrics: list[dict]) -> bytes:
         if steps:
             lines += ax.plot(steps, [m[key] for m in metrics if key in m], marker="o", markersize=3, label=label)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no tick at 1.5
     ax.set_ylabel(plot.left_label)
     ax.grid(True, alpha=0.3)
     if plot.right:

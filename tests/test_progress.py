@@ -36,3 +36,11 @@ def test_a_run_without_a_bar_logs_its_held_out_evaluations(tmp_path, tiny_model_
         lora_ppo.PPOTrainer(recipe, progress=False).train()
     finished = [r.getMessage() for r in caplog.records if r.getMessage().startswith("held-out: 4/4 prompts")]
     assert len(finished) == 2  # before and after training
+
+
+def test_update_without_a_count_counts_one_as_a_tqdm_bar_does(caplog):
+    with caplog.at_level(logging.INFO, logger="lora_ppo.progress"):
+        bar = LineProgress(2, "eval")
+        bar.update()
+        bar.update()
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["eval: 0/2", "eval: 1/2", "eval: 2/2"]
