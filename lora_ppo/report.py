@@ -139,7 +139,10 @@ def write_report(run_dir: str | Path) -> Path:
     metrics = read_jsonl(run.metrics)
     if not metrics:
         raise RecipeError(f"report: {run.root} holds no run (no {run.metrics.name} with any step)")
-    summary = json.loads(run.summary.read_text(encoding="utf-8")) if run.summary.is_file() else {}
+    try:
+        summary = json.loads(run.summary.read_text(encoding="utf-8")) if run.summary.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:  # a file edited by hand, or written by something else
+        raise RecipeError(f"report: {run.summary} is not the JSON a run writes ({err})") from None
     plots = [(plot, render_plot(plot, metrics)) for plot in plots_for(metrics)]
     page = _page(run, metrics, summary, plots)
     with atomic_folder(run.root / REPORT_DIR) as staging:

@@ -159,3 +159,15 @@ def test_completions_without_a_sample_number_are_each_prompts_first(tmp_path):
     page = write_report(run).read_text()
     assert ("<td class='text'>p</td><td class='text'>old</td><td class='num'>0.000</td><td class='text'>new</td>"
             "<td class='num'>1.000</td>") in page
+
+
+def test_a_summary_that_is_not_json_is_one_line_naming_it(tmp_path):
+    from lora_ppo.errors import RecipeError
+    from lora_ppo.report import write_report
+
+    run = _fake_run(tmp_path, [{"step": 1}])
+    (run / "summary.json").write_text("{bad")
+    with pytest.raises(RecipeError) as err:
+        write_report(run)
+    assert str(err.value).startswith(f"report: {run / 'summary.json'} is not the JSON a run writes (Expecting ")
+    assert not (run / "report").exists()
