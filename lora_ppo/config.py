@@ -467,7 +467,7 @@ class DataConfig(Section):
     """
     eval_source: Optional[str] = "auto"
     """Held-out prompts, in any form `source` takes; null: `eval_size` prompts are split off `source` instead
-    (seeded, said in the log). `auto`: a builtin set's held-out companion
+    (seeded, said in the log), at most a fifth of them (a warning says when that is fewer). `auto`: a builtin set's held-out companion
     (`builtin:movie_review_openers_heldout` for the default source), else the split off `source`, so a
     run on your data is never evaluated on another set.
     """

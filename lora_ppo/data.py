@@ -327,9 +327,9 @@ def prepare_rows(rows: list[dict], prompt_column: str, fmt: PromptFormat, max_pr
 # ---- the recipe's prompt sets -----------------------------------------------------------------
 
 
-# A held-out split off the training pairs takes at most this share of them: eval_size's default
-# (256) would otherwise leave 1 pair of 150 to train on.
-MAX_HELD_OUT_PAIR_SHARE = 0.2
+# A held-out split off the training prompts, pairs or rows takes at most this share of them:
+# eval_size's default (64 prompts, 256 pairs) would otherwise leave 1 of 65 prompts to train on.
+MAX_HELD_OUT_SHARE = 0.2
 
 
 def split_off(items: list[Row], size: int, seed: int, max_share: float = 1.0) -> tuple[list[Row], list[Row]]:
@@ -340,6 +340,21 @@ def split_off(items: list[Row], size: int, seed: int, max_share: float = 1.0) ->
     cut = min(size, max(0, len(order) - 1), int(max_share * len(order)))
     held_idx = set(order[:cut])
     return ([x for i, x in enumerate(items) if i not in held_idx], [x for i, x in enumerate(items) if i in held_idx])
+
+
+def split_held_out(items: list[Row], size: int, seed: int, source: str, what: str) -> tuple[list[Row], list[Row]]:
+    """(kept, held out) for `data.eval_source: null`: `size` of the usable `what` (prompts, pairs,
+    rows) split off with `seed`, at most MAX_HELD_OUT_SHARE of them; the log says which it was,
+    and warns where data.eval_size asked for more."""
+    kept, held = split_off(items, size, seed, MAX_HELD_OUT_SHARE)
+    if len(held) < min(size, len(items) - 1):
+        log.warning("data.eval_size %d would leave %d of %d %s to train on: held out %d (%.0f%%, the most a split "
+                    "takes); data.eval_source names a held-out set of its own", size, max(len(items) - size, 0),
+                    len(items), what, len(held), 100 * MAX_HELD_OUT_SHARE)
+    elif held:
+        log.info("held-out %s: %d of %s's %d usable ones, split off with seed %d before training (data.eval_source "
+                 "names a set of its own)", what, len(held), source, len(items), seed)
+    return kept, held
 
 
 def resolved_eval_source(cfg: DataConfig) -> Optional[str]:
@@ -380,12 +395,8 @@ def load_prompt_sets(cfg: DataConfig, tokenizer, seed: int) -> tuple[PromptSet, 
         held_out.rows = held_out.rows[: cfg.eval_size]
     else:
         # Split the held-out prompts off the training set with the run's seed, before training.
-        train.rows, held = split_off(train.rows, cfg.eval_size, seed)
+        train.rows, held = split_held_out(train.rows, cfg.eval_size, seed, cfg.source, "prompts")
         held_out = PromptSet(held, columns=train.columns)
-        if held:
-            log.info("held-out prompts: %d of %s's %d usable rows, split off with seed %d before training "
-                     "(data.eval_source names a set of its own)", len(held), cfg.source,
-                     len(held) + len(train.rows), seed)
     if not train.rows:
         raise RecipeError(f"data.source: no usable prompts in {cfg.source!r} ({_no_rows_reason(train, fmt, cfg)})")
     return train, held_out
@@ -555,13 +566,8 @@ def load_preference_sets(cfg: PreferenceDataConfig, tokenizer, seed: int) -> tup
         held_out = prepare_pairs(eval_rows, cfg, fmt, tokenizer.eos_token_id, cfg.eval_source)
         held_out.pairs = held_out.pairs[: cfg.eval_size]
     else:
-        usable = len(train.pairs)
-        train.pairs, held = split_off(train.pairs, cfg.eval_size, seed, MAX_HELD_OUT_PAIR_SHARE)
+        train.pairs, held = split_held_out(train.pairs, cfg.eval_size, seed, cfg.source, "pairs")
         held_out = PreferenceSet(held)
-        if len(held) < min(cfg.eval_size, usable - 1):
-            log.warning("data.eval_size %d would leave %d of %d pairs to train on: held out %d (%.0f%%, the most "
-                        "a split takes); data.eval_source names a held-out set of its own", cfg.eval_size,
-                        max(usable - cfg.eval_size, 0), usable, len(held), 100 * MAX_HELD_OUT_PAIR_SHARE)
     if not train.pairs:
         reasons = ", ".join(f"{v} {k}" for k, v in train.dropped.items()) or "the source is empty"
         raise RecipeError(f"data.source: no usable preference pairs in {cfg.source!r} ({reasons})")

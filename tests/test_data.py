@@ -359,13 +359,13 @@ def test_held_out_prompts_of_a_users_file_come_from_that_file(tmp_path, tiny_tok
     import logging
 
     source = tmp_path / "support.jsonl"
-    source.write_text("".join(json.dumps({"prompt": f"ticket {i}: my order is late"}) + "\n" for i in range(12)))
+    source.write_text("".join(json.dumps({"prompt": f"ticket {i}: my order is late"}) + "\n" for i in range(20)))
     with caplog.at_level(logging.INFO, logger="lora_ppo.data"):
         train, held_out = load_prompt_sets(DataConfig(source=str(source), eval_size=4), tiny_tokenizer, seed=0)
     texts = {row.prompt for row in held_out.rows}
     assert len(texts) == 4 and all(t.startswith("ticket ") for t in texts)
-    assert texts.isdisjoint(row.prompt for row in train.rows) and len(train.rows) == 8
-    assert "4 of" in caplog.text and "split off with seed 0" in caplog.text
+    assert texts.isdisjoint(row.prompt for row in train.rows) and len(train.rows) == 16
+    assert f"held-out prompts: 4 of {source}'s 20 usable ones, split off with seed 0" in caplog.text
 
     _, builtin_held_out = load_prompt_sets(DataConfig(eval_size=4), tiny_tokenizer, seed=0)
     import lora_ppo.builtin_prompts
@@ -430,3 +430,21 @@ def test_a_conversation_saved_as_json_text_is_refused_not_read_as_a_prompt(tmp_p
     prompts = prepare_rows(rows, "messages", PromptFormat(tiny_tokenizer, False), 64, str(source))
     assert [row.prompt for row in prompts.rows] == ["[1, 2] is a fine list to ask about"]
     assert prompts.dropped == {"conversation_as_json_text": 1}
+
+
+def test_a_split_off_the_training_prompts_never_takes_more_than_a_fifth(tiny_tokenizer, tmp_path, caplog):
+    """The default eval_size (64) against 65 prompts held out 64 and trained on 1 (the reward and
+    SFT stages' splits already stopped at a fifth): now 13 held out, 52 to train on, and a warning."""
+    import json
+    import logging
+
+    from lora_ppo.config import DataConfig
+
+    source = tmp_path / "mine.jsonl"
+    source.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(65)))
+    with caplog.at_level(logging.WARNING, logger="lora_ppo.data"):
+        train, held_out = load_prompt_sets(DataConfig(source=str(source)), tiny_tokenizer, seed=0)
+    assert (len(train.rows), len(held_out.rows)) == (52, 13)
+    assert {r.prompt for r in train.rows}.isdisjoint(r.prompt for r in held_out.rows)
+    assert caplog.messages == ["data.eval_size 64 would leave 1 of 65 prompts to train on: held out 13 (20%, the most "
+                               "a split takes); data.eval_source names a held-out set of its own"]

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from lora_ppo.config import SFTConfig, SFTDataConfig
-from lora_ppo.data import (EMPTY, MAX_HELD_OUT_PAIR_SHARE, NOT_TEXT, TOO_LONG, Messages, PromptFormat, PromptProblem,
-                           checked_messages, load_rows, split_off)
+from lora_ppo.data import (EMPTY, NOT_TEXT, TOO_LONG, Messages, PromptFormat, PromptProblem,
+                           checked_messages, load_rows, split_held_out)
 from lora_ppo.errors import RecipeError
 
 log = logging.getLogger(__name__)
@@ -241,12 +241,8 @@ def load_sft_sets(cfg: SFTDataConfig, sft: SFTConfig, tokenizer, seed: int) -> t
         held_out = prepare_sft_rows(eval_rows, eval_columns, cfg, sft, tokenizer, cfg.eval_source)
         held_out.rows = held_out.rows[: cfg.eval_size]
     else:
-        train.rows, held = split_off(train.rows, cfg.eval_size, seed, MAX_HELD_OUT_PAIR_SHARE)
+        train.rows, held = split_held_out(train.rows, cfg.eval_size, seed, cfg.source, "rows")
         held_out = SFTSet(held)
-        if held:
-            log.info("held-out rows: %d of %s's %d usable rows, split off with seed %d before training "
-                     "(data.eval_source names a set of its own)", len(held), cfg.source,
-                     len(held) + len(train.rows), seed)
     if not train.rows:
         reasons = ", ".join(f"{v} {k}" for k, v in train.dropped.items() if k != TRUNCATED) or "the source is empty"
         raise RecipeError(f"data.source: no usable rows in {cfg.source!r} ({reasons})")
