@@ -133,7 +133,7 @@ def test_a_run_on_conversations_formats_later_text_prompts_in_its_chat_template(
 
     source = tmp_path / "chats.jsonl"
     source.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Ticket {i}"}]}) + "\n"
-                              for i in range(8)), encoding="utf-8")
+                              for i in range(10)), encoding="utf-8")  # 2 held out: a fifth
     d = tiny_recipe_dict(tiny_model_dir, tmp_path / "run", data={"source": str(source), "prompt_column": "messages",
                                                                    "eval_size": 2}, train={"steps": 1, "eval": False})
     lora_ppo.PPOTrainer(lora_ppo.recipe_from_dict(d), progress=False).train()
