@@ -205,7 +205,8 @@ TESTS: dict[str, tuple[list[str], list[str]]] = {
 # loading and free memory (model.py's functions but the tokenizer's: about 30 min) and its number formats
 # (quantization.py: about 14 min); Ctrl-C and SIGTERM (signals.py: 12 min), the trackers (tracking.py:
 # 12 min), a step's record (step_log.py: about 45 min), eval and generate (trained.py: about 16 min)
-# and the 4-bit layers' workarounds (bnb_workarounds.py).
+# and the 4-bit layers' workarounds (bnb_workarounds.py); the report (report.py: about 50 min, its
+# figures read back), the one-line errors (errors.py: 1.5 min) and progress lines (progress.py: 1 min).
 DEFAULT_TARGETS = [
     "lora_ppo/atomic.py",
     "lora_ppo/verifiable.py",
