@@ -11,7 +11,6 @@ what each assistant turn adds to the rendered conversation (as multi-turn episod
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -20,8 +19,6 @@ from lora_ppo.config import SFTConfig, SFTDataConfig
 from lora_ppo.data import (EMPTY, NOT_TEXT, TOO_LONG, Messages, PromptFormat, PromptProblem,
                            checked_messages, load_rows, split_held_out)
 from lora_ppo.errors import RecipeError
-
-log = logging.getLogger(__name__)
 
 NO_TARGET = "no_target_token"  # nothing for the loss: a conversation without an assistant turn, a one-token text
 ASSISTANT_FIRST = "assistant_turn_first"  # a conversation that opens with its answer: no prompt before it
