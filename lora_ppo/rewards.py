@@ -444,11 +444,17 @@ def build_side_metrics(cfg: RewardConfig) -> dict[str, RewardFn]:
     return {name: makers[name]() for name in cfg.also_log}
 
 
-def _parameters(fn: RewardFn) -> Optional[list[inspect.Parameter]]:
+def signature_parameters(fn: Callable) -> Optional[list[inspect.Parameter]]:
+    """`fn`'s parameters, or None for a callable without a signature to read (builtins such as dict)."""
     try:
         return list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # some callables have no signature to read
+    except (TypeError, ValueError):
         return None
+
+
+def required_by_name(params: list[inspect.Parameter]) -> list[str]:
+    """The parameters a keyword call must give: no default, and neither `*args` nor `**kwargs`."""
+    return [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def call_reward(fn: RewardFn, batch: RewardBatch) -> Any:
@@ -459,7 +465,7 @@ def call_reward(fn: RewardFn, batch: RewardBatch) -> Any:
         return fn(batch)
     offered = {**batch.columns, "prompts": batch.prompts, "completions": batch.completions,
                "completion_ids": batch.completion_ids}
-    params = _parameters(fn)
+    params = signature_parameters(fn)
     if params is None:
         return fn(batch.prompts, batch.completions)
     if any(p.kind is p.VAR_KEYWORD for p in params):
@@ -472,12 +478,10 @@ def call_reward(fn: RewardFn, batch: RewardBatch) -> Any:
 
 def missing_columns(fn: RewardFn, columns: Sequence[str]) -> list[str]:
     """The parameters `fn` requires by name that no column (nor a standard argument) provides."""
-    params = _parameters(fn)
+    params = signature_parameters(fn)
     if params is None or "completions" not in {p.name for p in params}:
         return []  # the two-argument form asks for nothing by name
-    required = [p.name for p in params if p.default is p.empty
-                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in STANDARD_ARGUMENTS]
-    return [name for name in required if name not in columns]
+    return [name for name in required_by_name(params) if name not in STANDARD_ARGUMENTS and name not in columns]
 
 
 def _name(fn: RewardFn) -> str:

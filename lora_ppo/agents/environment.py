@@ -17,14 +17,13 @@ permissions; an exception in it stops the run with one line naming it and the ro
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from lora_ppo.data import PromptRow
 from lora_ppo.errors import RecipeError
-from lora_ppo.rewards import USER_CODE, RewardError, import_function
+from lora_ppo.rewards import USER_CODE, RewardError, import_function, required_by_name, signature_parameters
 
 Messages = list[dict[str, Any]]
 OBSERVATION_ROLES = ("user", "tool", "system")
@@ -53,11 +52,8 @@ def load_environment(spec: str) -> Callable[..., Any]:
 
 def _row_arguments(factory: Callable[..., Any], row: PromptRow) -> dict[str, Any]:
     offered = {"prompt": row.prompt, **row.columns}
-    try:
-        params = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):
-        return offered
-    if any(p.kind is p.VAR_KEYWORD for p in params):
+    params = signature_parameters(factory)
+    if params is None or any(p.kind is p.VAR_KEYWORD for p in params):
         return offered
     return {p.name: offered[p.name] for p in params if p.name in offered}
 
@@ -67,12 +63,8 @@ def check_environment_columns(factory: Callable[..., Any], name: str, columns: l
     """Refuse, before an episode starts (and where it can, before the weights load), prompts
     without a column the environment's factory requires by name: it failed at the first episode
     with Python's "missing 1 required positional argument"."""
-    try:
-        params = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):
-        return
-    missing = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-               and p.name != "prompt" and p.name not in columns]
+    params = signature_parameters(factory)
+    missing = [name for name in required_by_name(params or []) if name != "prompt" and name not in columns]
     if missing:
         raise RecipeError(f"rollout.environment: {name} takes the column {missing[0]!r}, which {source} does not have "
                           f"(columns besides the prompt: {', '.join(columns) or 'none'}){hint}")
