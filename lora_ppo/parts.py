@@ -10,7 +10,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from lora_ppo.agents.environment import check_environment_columns, load_environment
+from lora_ppo.agents.environment import load_environment
 from lora_ppo.agents.episodes import EpisodeSettings
 from lora_ppo.agents.tools import load_tools, template_renders_tools, tool_schemas, tools_system_message
 from lora_ppo.builtin_model import portable_name
@@ -92,12 +92,11 @@ def build(recipe: Recipe, reward_fn: Optional[Callable] = None, with_prompts: bo
         check_reward_columns(recipe.reward, train_prompts.columns + (["messages"] if rollout.episodic else []),
                              recipe.data.source, reward_fn)
     episodes = episode_settings(recipe.rollout, tokenizer)  # imported before the weights load: a typo fails fast
-    if episodes is not None and episodes.environment is not None and with_prompts:
+    if episodes is not None and with_prompts:
         held_out = resolved_eval_source(recipe.data) or recipe.data.source  # or split off the training set
         for prompts, source in ((train_prompts, recipe.data.source), (eval_prompts, held_out)):
             if prompts.rows:
-                check_environment_columns(episodes.environment, episodes.environment_name, prompts.columns,
-                                          repr(source))
+                episodes.check_columns(prompts.columns, repr(source))
     if not recipe.adapters.reference_enabled:
         log.warning("adapters.reference is 'none': no KL penalty; the policy may drift far from the base model")
     reward_adapter = None if reward_fn is not None or not with_rewards else recipe.reward.adapter_path

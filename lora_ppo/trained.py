@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from lora_ppo import checkpoint
-from lora_ppo.agents.environment import check_environment_columns
 from lora_ppo.agents.episodes import run_episodes, transcript_text
 from lora_ppo.config import Recipe, SFTDataConfig, SFTRecipe, load_recipe
 from lora_ppo.data import (TOO_LONG, PromptRow, load_rows, prepare_rows, text_prompt_format,
@@ -125,9 +124,8 @@ def prompts_from_file(trained: Trained, path: str) -> list[PromptRow]:
         log.warning("--prompts: %d of the prompts in %s have more than %d tokens and are left out (%s)",
                     prompts.dropped[TOO_LONG], path, room, _room_reason(trained, room))
     check_reward_columns(trained.recipe.reward, prompts.columns, path)  # an answer column the reward reads
-    episodes = trained.parts.episodes
-    if episodes is not None and episodes.environment is not None:
-        check_environment_columns(episodes.environment, episodes.environment_name, prompts.columns, repr(path))
+    if trained.parts.episodes is not None:
+        trained.parts.episodes.check_columns(prompts.columns, repr(path))
     return prompts.rows
 
 
@@ -179,10 +177,9 @@ def generate(trained: Trained, prompts: Sequence[str], compare_reference: bool =
     if prepared.dropped:
         raise RecipeError("generate: a prompt is empty")
     rows = prepared.rows
-    if parts.episodes is not None and parts.episodes.environment is not None:
-        check_environment_columns(parts.episodes.environment, parts.episodes.environment_name, [],
-                                  "a prompt given on the command line",
-                                  "; `lora-ppo eval RUN --prompts FILE` takes prompts with their columns")
+    if parts.episodes is not None:
+        parts.episodes.check_columns([], "a prompt given on the command line",
+                                     "; `lora-ppo eval RUN --prompts FILE` takes prompts with their columns")
     roles = [POLICY, REFERENCE] if compare_reference else [POLICY]
     if compare_reference and not recipe.adapters.reference_enabled:
         raise RecipeError("--compare-reference: this run has no reference (adapters.reference: none)")

@@ -13,7 +13,6 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from lora_ppo import checkpoint, ppo_math
-from lora_ppo.agents.environment import check_environment_columns
 from lora_ppo.agents.episodes import EpisodeBatch, collect_episode_rollout, run_episodes
 from lora_ppo.agents.given import rollout_from_tokens
 from lora_ppo.alarms import LOGPROB_TOLERANCE, first_step_logprob_error
@@ -365,12 +364,9 @@ class PPOTrainer:
             raise ValueError(f"generate: a prompt cannot be used: {problem}") from None
         sampler = self.sampler.with_settings(**self._checked_settings(settings)) if settings else self.sampler
         with dequantized_once(self.roles.peft, self.recipe.model):
-            episodes = self.parts.episodes
-            if episodes is not None:
-                if episodes.environment is not None:
-                    check_environment_columns(episodes.environment, episodes.environment_name, [],
-                                              "a prompt given to generate()")
-                return run_episodes(sampler, rows, episodes)
+            if self.parts.episodes is not None:
+                self.parts.episodes.check_columns([], "a prompt given to generate()")
+                return run_episodes(sampler, rows, self.parts.episodes)
             return sampler.sample(rows)
 
     def _checked_settings(self, settings: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from lora_ppo.agents.environment import EnvironmentSession, EpisodeError, Messages, Observation
+from lora_ppo.agents.environment import (EnvironmentSession, EpisodeError, Messages, Observation,
+                                         check_environment_columns)
 from lora_ppo.agents.tools import cut_short, parse_tool_calls, run_tool, tool_message, with_system_text
 from lora_ppo.data import PromptRow
 from lora_ppo.memory import PhasePeaks
@@ -47,6 +48,11 @@ class EpisodeSettings:
     # The system message text that carries the schemas when the chat template ignores `tools=`
     # (tools.template_renders_tools); None: the template writes them itself.
     tools_in_system: Optional[str] = None
+
+    def check_columns(self, columns: list[str], source: str, hint: str = "") -> None:
+        """Refuse prompts from `source` without a column the environment takes (none: nothing to check)."""
+        if self.environment is not None:
+            check_environment_columns(self.environment, self.environment_name, columns, source, hint)
 
 
 @dataclass
