@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Generic, Optional, TypeVar, Union
 
 from lora_ppo.builtin_datasets import BUILTIN_DATASETS
-from lora_ppo.config import BUILTIN_PREFIX, DataConfig, PreferenceDataConfig, held_out_source
+from lora_ppo.config import BUILTIN_PREFIX, DataConfig, PreferenceDataConfig, SFTDataConfig, held_out_source
 from lora_ppo.errors import RecipeError, first_line
 from lora_ppo.state import PromptPosition
 
@@ -369,15 +369,22 @@ def text_prompt_format(tokenizer, cfg: DataConfig, conversational: bool) -> "Pro
     return PromptFormat(tokenizer, cfg.chat_template or conversational, cfg.system_prompt)
 
 
+def first_training_row(cfg: Union[DataConfig, SFTDataConfig]) -> Optional[tuple[dict, list[str]]]:
+    """A run's first training row (empty when there is none) and its columns, read to tell how it
+    formatted its prompts; None, with a warning, when its data source can no longer be read."""
+    try:
+        rows, columns = load_rows(cfg.source, cfg.split, cfg.name, cfg.revision)
+    except RecipeError as err:
+        log.warning("%s: text prompts are formatted by data.chat_template alone", err)
+        return None
+    return (rows[0] if rows else {}), columns
+
+
 def trained_on_conversations(cfg: DataConfig) -> bool:
     """Whether the run's training prompts were conversations (read off its data source's first
     row; False, with a warning, when the source can no longer be read)."""
-    try:
-        rows, _ = load_rows(cfg.source, cfg.split, cfg.name, cfg.revision)
-    except RecipeError as err:
-        log.warning("%s: text prompts are formatted by data.chat_template alone", err)
-        return False
-    return any(isinstance(row.get(cfg.prompt_column), list) for row in rows[:1])
+    found = first_training_row(cfg)
+    return found is not None and isinstance(found[0].get(cfg.prompt_column), list)
 
 
 def load_prompt_sets(cfg: DataConfig, tokenizer, seed: int) -> tuple[PromptSet, PromptSet]:

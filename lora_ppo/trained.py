@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 from lora_ppo import checkpoint
 from lora_ppo.agents.episodes import run_episodes, transcript_text
 from lora_ppo.config import Recipe, SFTDataConfig, SFTRecipe, load_recipe
-from lora_ppo.data import (TOO_LONG, PromptRow, load_rows, prepare_rows, text_prompt_format,
+from lora_ppo.data import (TOO_LONG, PromptRow, first_training_row, load_rows, prepare_rows, text_prompt_format,
                            trained_on_conversations)
 from lora_ppo.errors import RecipeError
 from lora_ppo.evaluation import Evaluation
@@ -85,12 +85,10 @@ def sft_on_conversations(cfg: SFTDataConfig) -> bool:
         return False
     if cfg.chat_template or cfg.format == "messages":
         return True
-    try:
-        rows, columns = load_rows(cfg.source, cfg.split, cfg.name, cfg.revision)
-    except RecipeError as err:
-        log.warning("%s: text prompts are formatted by data.chat_template alone", err)
+    found = first_training_row(cfg)
+    if found is None:
         return False
-    first = rows[0] if rows else {}
+    first, columns = found
     if cfg.format == "auto" and cfg.messages_column in columns:
         return True
     return any(isinstance(first.get(column), list) for column in (cfg.prompt_column, cfg.completion_column))
